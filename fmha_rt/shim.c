@@ -1,0 +1,552 @@
+/*
+ * fmha_rt C shim: loads the GPU driver at run time (CUDA driver API or HIP), keeps the kernel map keyed
+ * by (device ordinal, kernel key) under a mutex, and launches packed argument buffers on the caller's
+ * stream. API and error codes: include/fmha_rt.h.
+ *
+ * There is no link-time dependency on either vendor: both are dlopen'ed and the few entry points used
+ * are resolved into one table. The two drivers' signatures agree closely enough that one table of
+ * loosely typed function pointers serves both; where they differ (contexts, attribute numbers, the
+ * launch `extra` end marker) the code branches on `g.backend`.
+ */
+#include "fmha_rt.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int drv_result;       /* CUresult / hipError_t: 0 is success for both */
+typedef void *drv_handle;     /* CUcontext, CUmodule, CUfunction, hipModule_t, hipFunction_t */
+
+/* Launch `extra` array keys: equal for both vendors; the end marker differs (CUDA 0, HIP 3). */
+#define LAUNCH_PARAM_BUFFER_POINTER ((void *)0x01)
+#define LAUNCH_PARAM_BUFFER_SIZE ((void *)0x02)
+#define CUDA_LAUNCH_PARAM_END ((void *)0x00)
+#define HIP_LAUNCH_PARAM_END ((void *)0x03)
+
+/* Codes both drivers return from init on a machine without a usable device: CUDA_ERROR_NO_DEVICE /
+   hipErrorNoDevice (100), and CUDA_ERROR_INVALID_DEVICE / hipErrorInvalidDevice (101), which HIP gives
+   when no GPU driver node exists. Either means "zero devices", not a failure. */
+#define DRV_ERROR_NO_DEVICE 100
+#define DRV_ERROR_INVALID_DEVICE 101
+
+/* Device attributes: the numbers differ between the vendors. */
+#define CU_ATTR_MULTIPROCESSOR_COUNT 16
+#define CU_ATTR_CC_MAJOR 75
+#define CU_ATTR_CC_MINOR 76
+#define CU_ATTR_MAX_SHARED_PER_BLOCK_OPTIN 97
+#define HIP_ATTR_MULTIPROCESSOR_COUNT 63
+#define HIP_ATTR_SHARED_PER_BLOCK_OPTIN 75
+#define CU_FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
+
+#define DEFAULT_SHARED_LIMIT (48u * 1024u)
+#define MAX_DEVICES 64
+#define KEY_LEN 160
+
+struct driver {
+    drv_result (*init)(unsigned int);
+    drv_result (*driver_get_version)(int *);
+    drv_result (*get_error_name)(drv_result, const char **);      /* CUDA only */
+    const char *(*hip_error_name)(drv_result);                    /* HIP only: returns the name */
+    drv_result (*device_get_count)(int *);
+    drv_result (*device_get)(int *, int);                         /* CUDA only */
+    drv_result (*device_get_name)(char *, int, int);
+    drv_result (*device_get_attribute)(int *, int, int);
+    drv_result (*device_total_mem)(size_t *, int);
+    drv_result (*primary_ctx_retain)(drv_handle *, int);          /* CUDA only */
+    drv_result (*ctx_get_current)(drv_handle *);                  /* CUDA only */
+    drv_result (*ctx_set_current)(drv_handle);                    /* CUDA only */
+    drv_result (*ctx_get_device)(int *);                          /* CUDA only */
+    drv_result (*get_device)(int *);                              /* HIP only */
+    drv_result (*set_device)(int);                                /* HIP only */
+    drv_result (*get_device_properties)(void *, int);             /* HIP only */
+    drv_result (*module_load_data)(drv_handle *, const void *);
+    drv_result (*module_get_function)(drv_handle *, drv_handle, const char *);
+    drv_result (*module_unload)(drv_handle);
+    drv_result (*func_set_attribute)(drv_handle, int, int);       /* CUDA only */
+    drv_result (*launch_kernel)(drv_handle, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                unsigned, unsigned, uint64_t, void **, void **);
+    drv_result (*mem_alloc_async)(uint64_t *, size_t, uint64_t);
+    drv_result (*mem_free_async)(uint64_t, uint64_t);
+    drv_result (*memset_d8_async)(uint64_t, unsigned char, size_t, uint64_t);
+    drv_result (*memcpy_htod_async)(uint64_t, const void *, size_t, uint64_t);
+    drv_result (*memcpy_dtoh_async)(void *, uint64_t, size_t, uint64_t);
+    drv_result (*stream_synchronize)(uint64_t);
+};
+
+struct fmha_kernel {
+    int device;
+    char key[KEY_LEN];
+    drv_handle module;
+    drv_handle function;
+    unsigned int shared_limit; /* dynamic shared memory the kernel is allowed, in bytes */
+};
+
+static struct {
+    pthread_mutex_t init_lock;
+    int init_done;
+    int init_status;
+    char init_error[1024];
+    char library[64];
+    int backend;
+    void *lib;
+    struct driver d;
+    int device_count;
+    drv_handle contexts[MAX_DEVICES]; /* CUDA primary contexts, retained once each */
+
+    pthread_mutex_t map_lock;
+    fmha_kernel **map;
+    size_t map_len, map_cap;
+} g = {PTHREAD_MUTEX_INITIALIZER, 0, 0, "", "", 0, NULL, {0}, 0, {0},
+       PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0};
+
+static __thread char t_error[1024];
+static __thread int t_driver_code;
+
+static int set_error(int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t_error, sizeof t_error, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static const char *driver_error_name(drv_result r) {
+    const char *name = NULL;
+    if (g.d.hip_error_name) name = g.d.hip_error_name(r);
+    else if (g.d.get_error_name && g.d.get_error_name(r, &name) != 0) name = NULL;
+    return name ? name : "unknown driver error";
+}
+
+/* Record a failed driver call. The message names the call, the driver's error, kernel and device;
+   Python parses nothing from it except for display: the structured fields travel separately. */
+static int driver_error(drv_result r, const char *call, const char *kernel, int device) {
+    t_driver_code = r;
+    return set_error(FMHA_ERR_DRIVER, "%s failed with %s (%d) for kernel '%s' on device %d", call,
+                     driver_error_name(r), r, kernel ? kernel : "-", device);
+}
+
+const char *fmha_last_error(void) { return t_error; }
+int fmha_last_driver_code(void) { return t_driver_code; }
+int fmha_backend(void) { return g.init_done && g.init_status == FMHA_OK ? g.backend : 0; }
+
+#define RESOLVE(field, cuda_name, hip_name, required)                                             \
+    do {                                                                                          \
+        const char *sym_ = g.backend == FMHA_BACKEND_CUDA ? (cuda_name) : (hip_name);             \
+        *(void **)&g.d.field = sym_ ? dlsym(g.lib, sym_) : NULL;                                  \
+        if ((required) && sym_ && g.d.field == NULL)                                              \
+            return set_error(FMHA_ERR_NO_SYMBOL, "%s has no entry point %s", g.library, sym_);    \
+    } while (0)
+
+static int resolve_entry_points(void) {
+    int cuda = g.backend == FMHA_BACKEND_CUDA;
+    RESOLVE(init, "cuInit", "hipInit", 1);
+    RESOLVE(driver_get_version, "cuDriverGetVersion", "hipDriverGetVersion", 1);
+    RESOLVE(get_error_name, "cuGetErrorName", NULL, 0);
+    RESOLVE(hip_error_name, NULL, "hipGetErrorName", 0);
+    RESOLVE(device_get_count, "cuDeviceGetCount", "hipGetDeviceCount", 1);
+    RESOLVE(device_get, "cuDeviceGet", NULL, 1);
+    RESOLVE(device_get_name, "cuDeviceGetName", "hipDeviceGetName", 1);
+    RESOLVE(device_get_attribute, "cuDeviceGetAttribute", "hipDeviceGetAttribute", 1);
+    RESOLVE(device_total_mem, "cuDeviceTotalMem_v2", "hipDeviceTotalMem", 1);
+    RESOLVE(primary_ctx_retain, "cuDevicePrimaryCtxRetain", NULL, 1);
+    RESOLVE(ctx_get_current, "cuCtxGetCurrent", NULL, 1);
+    RESOLVE(ctx_set_current, "cuCtxSetCurrent", NULL, 1);
+    RESOLVE(ctx_get_device, "cuCtxGetDevice", NULL, 1);
+    RESOLVE(get_device, NULL, "hipGetDevice", 1);
+    RESOLVE(set_device, NULL, "hipSetDevice", 1);
+    RESOLVE(module_load_data, "cuModuleLoadData", "hipModuleLoadData", 1);
+    RESOLVE(module_get_function, "cuModuleGetFunction", "hipModuleGetFunction", 1);
+    RESOLVE(module_unload, "cuModuleUnload", "hipModuleUnload", 1);
+    RESOLVE(func_set_attribute, "cuFuncSetAttribute", NULL, 1);
+    RESOLVE(launch_kernel, "cuLaunchKernel", "hipModuleLaunchKernel", 1);
+    RESOLVE(mem_alloc_async, "cuMemAllocAsync", "hipMallocAsync", 1);
+    RESOLVE(mem_free_async, "cuMemFreeAsync", "hipFreeAsync", 1);
+    RESOLVE(memset_d8_async, "cuMemsetD8Async", "hipMemsetD8Async", 1);
+    RESOLVE(memcpy_htod_async, "cuMemcpyHtoDAsync_v2", "hipMemcpyHtoDAsync", 1);
+    RESOLVE(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2", "hipMemcpyDtoHAsync", 1);
+    RESOLVE(stream_synchronize, "cuStreamSynchronize", "hipStreamSynchronize", 1);
+    if (!cuda) {
+        /* hipDeviceProp_t changed layout in HIP 6; the R0600 entry point names the new one. */
+        RESOLVE(get_device_properties, NULL, "hipGetDevicePropertiesR0600", 0);
+        if (g.d.get_device_properties == NULL)
+            RESOLVE(get_device_properties, NULL, "hipGetDeviceProperties", 1);
+    }
+    return FMHA_OK;
+}
+
+static int open_library(int backend) {
+    static const char *const cuda_names[] = {"libcuda.so.1", "libcuda.so", NULL};
+    static const char *const hip_names[] = {"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6",
+                                            "libamdhip64.so.5", NULL};
+    char tried[400] = "";
+    for (int pass = 0; pass < 2; ++pass) {
+        int candidate = pass == 0 ? FMHA_BACKEND_CUDA : FMHA_BACKEND_HIP;
+        if (backend != FMHA_BACKEND_AUTO && backend != candidate) continue;
+        const char *const *names = candidate == FMHA_BACKEND_CUDA ? cuda_names : hip_names;
+        for (int i = 0; names[i]; ++i) {
+            void *lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+            if (lib) {
+                g.lib = lib;
+                g.backend = candidate;
+                snprintf(g.library, sizeof g.library, "%s", names[i]);
+                return FMHA_OK;
+            }
+            strncat(tried, tried[0] ? ", " : "", sizeof tried - strlen(tried) - 1);
+            strncat(tried, names[i], sizeof tried - strlen(tried) - 1);
+        }
+    }
+    return set_error(FMHA_ERR_NO_DRIVER, "no GPU runtime library found (tried %s)", tried);
+}
+
+static int do_init(int backend) {
+    int status = open_library(backend);
+    if (status == FMHA_OK) status = resolve_entry_points();
+    if (status != FMHA_OK) return status;
+    drv_result r = g.d.init(0);
+    if (r == DRV_ERROR_NO_DEVICE || r == DRV_ERROR_INVALID_DEVICE) { /* a valid, empty machine */
+        g.device_count = 0;
+        return FMHA_OK;
+    }
+    if (r != 0) return driver_error(r, g.backend == FMHA_BACKEND_CUDA ? "cuInit" : "hipInit", NULL, -1);
+    int count = 0;
+    r = g.d.device_get_count(&count);
+    if (r == DRV_ERROR_NO_DEVICE) count = 0;
+    else if (r != 0) return driver_error(r, "device_get_count", NULL, -1);
+    g.device_count = count < MAX_DEVICES ? count : MAX_DEVICES;
+    return FMHA_OK;
+}
+
+int fmha_init(int backend, char *library_out, size_t library_len) {
+    pthread_mutex_lock(&g.init_lock);
+    if (!g.init_done) {
+        g.init_status = do_init(backend);
+        snprintf(g.init_error, sizeof g.init_error, "%s", g.init_status ? t_error : "");
+        g.init_done = 1;
+    }
+    int status = g.init_status;
+    if (status != FMHA_OK) set_error(status, "%s", g.init_error);
+    pthread_mutex_unlock(&g.init_lock);
+    if (library_out && library_len) snprintf(library_out, library_len, "%s", g.library);
+    return status;
+}
+
+static int require_init(void) {
+    if (!g.init_done || g.init_status != FMHA_OK)
+        return set_error(FMHA_ERR_NOT_INITIALIZED, "the GPU runtime is not initialised");
+    return FMHA_OK;
+}
+
+static int check_ordinal(int device) {
+    int s = require_init();
+    if (s != FMHA_OK) return s;
+    if (device < 0 || device >= g.device_count)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "device %d does not exist (%d device(s) present)", device,
+                         g.device_count);
+    return FMHA_OK;
+}
+
+int fmha_driver_version(int *version) {
+    int s = require_init();
+    if (s != FMHA_OK) return s;
+    drv_result r = g.d.driver_get_version(version);
+    return r ? driver_error(r, "driver_get_version", NULL, -1) : FMHA_OK;
+}
+
+int fmha_device_count(int *count) {
+    int s = require_init();
+    if (s != FMHA_OK) return s;
+    *count = g.device_count;
+    return FMHA_OK;
+}
+
+/* ---- making a device current for one call, and restoring the caller's state ---- */
+
+/* What enter_device changed, so that leave_device can put it back. */
+typedef struct { drv_handle ctx; int device; int restore; } saved_device;
+
+static int cuda_primary_context(int device, drv_handle *ctx) {
+    pthread_mutex_lock(&g.init_lock);
+    int status = FMHA_OK;
+    if (g.contexts[device] == NULL) {
+        int dev = 0;
+        drv_result r = g.d.device_get(&dev, device);
+        if (r == 0) r = g.d.primary_ctx_retain(&g.contexts[device], dev);
+        if (r != 0) status = driver_error(r, "cuDevicePrimaryCtxRetain", NULL, device);
+    }
+    *ctx = g.contexts[device];
+    pthread_mutex_unlock(&g.init_lock);
+    return status;
+}
+
+static int enter_device(int device, saved_device *saved) {
+    drv_result r;
+    if (g.backend == FMHA_BACKEND_CUDA) {
+        drv_handle ctx;
+        int s = cuda_primary_context(device, &ctx);
+        if (s != FMHA_OK) return s;
+        if ((r = g.d.ctx_get_current(&saved->ctx)) != 0) return driver_error(r, "cuCtxGetCurrent", NULL, device);
+        saved->restore = saved->ctx != ctx;
+        if (saved->restore && (r = g.d.ctx_set_current(ctx)) != 0)
+            return driver_error(r, "cuCtxSetCurrent", NULL, device);
+    } else {
+        if ((r = g.d.get_device(&saved->device)) != 0) return driver_error(r, "hipGetDevice", NULL, device);
+        saved->restore = saved->device != device;
+        if (saved->restore && (r = g.d.set_device(device)) != 0)
+            return driver_error(r, "hipSetDevice", NULL, device);
+    }
+    return FMHA_OK;
+}
+
+static void leave_device(const saved_device *saved) {
+    if (!saved->restore) return;
+    if (g.backend == FMHA_BACKEND_CUDA) g.d.ctx_set_current(saved->ctx);
+    else g.d.set_device(saved->device);
+}
+
+int fmha_current_device(int *ordinal) {
+    int s = require_init();
+    if (s != FMHA_OK) return s;
+    drv_result r;
+    if (g.backend == FMHA_BACKEND_CUDA) {
+        drv_handle ctx = NULL;
+        if ((r = g.d.ctx_get_current(&ctx)) != 0) return driver_error(r, "cuCtxGetCurrent", NULL, -1);
+        if (ctx == NULL) { *ordinal = -1; return FMHA_OK; }
+        if ((r = g.d.ctx_get_device(ordinal)) != 0) return driver_error(r, "cuCtxGetDevice", NULL, -1);
+        return FMHA_OK;
+    }
+    if ((r = g.d.get_device(ordinal)) != 0) return driver_error(r, "hipGetDevice", NULL, -1);
+    return FMHA_OK;
+}
+
+/* ---- device properties ---- */
+
+/* HIP reports the arch only inside hipDeviceProp_t, whose layout differs between HIP versions. The
+   field gcnArchName is the only string in it that starts with "gfx", so find it by content. */
+static void hip_arch_name(int device, char *out, size_t len) {
+    static const size_t props_bytes = 16384; /* larger than any hipDeviceProp_t revision */
+    char *props = calloc(1, props_bytes);
+    out[0] = 0;
+    if (props == NULL || g.d.get_device_properties(props, device) != 0) { free(props); return; }
+    for (size_t i = 256; i + 4 < props_bytes; ++i) { /* skip name[256] */
+        if (memcmp(props + i, "gfx", 3) == 0) {
+            snprintf(out, len, "%.*s", (int)strnlen(props + i, props_bytes - i), props + i);
+            break;
+        }
+    }
+    free(props);
+}
+
+int fmha_device_get_info(int ordinal, fmha_device_info *info) {
+    int s = check_ordinal(ordinal);
+    if (s != FMHA_OK) return s;
+    memset(info, 0, sizeof *info);
+    info->ordinal = ordinal;
+    int dev = ordinal;
+    drv_result r;
+    int cuda = g.backend == FMHA_BACKEND_CUDA;
+    if (cuda && (r = g.d.device_get(&dev, ordinal)) != 0) return driver_error(r, "cuDeviceGet", NULL, ordinal);
+    if ((r = g.d.device_get_name(info->name, sizeof info->name, dev)) != 0)
+        return driver_error(r, "device_get_name", NULL, ordinal);
+    size_t total = 0;
+    if ((r = g.d.device_total_mem(&total, dev)) != 0) return driver_error(r, "device_total_mem", NULL, ordinal);
+    info->total_memory = total;
+    r = g.d.device_get_attribute(&info->multiprocessor_count,
+                                 cuda ? CU_ATTR_MULTIPROCESSOR_COUNT : HIP_ATTR_MULTIPROCESSOR_COUNT, dev);
+    if (r == 0)
+        r = g.d.device_get_attribute(&info->max_shared_per_block_optin,
+                                     cuda ? CU_ATTR_MAX_SHARED_PER_BLOCK_OPTIN : HIP_ATTR_SHARED_PER_BLOCK_OPTIN, dev);
+    if (r != 0) return driver_error(r, "device_get_attribute", NULL, ordinal);
+    if (cuda) {
+        int major = 0, minor = 0;
+        if ((r = g.d.device_get_attribute(&major, CU_ATTR_CC_MAJOR, dev)) != 0 ||
+            (r = g.d.device_get_attribute(&minor, CU_ATTR_CC_MINOR, dev)) != 0)
+            return driver_error(r, "cuDeviceGetAttribute", NULL, ordinal);
+        snprintf(info->arch, sizeof info->arch, "sm_%d%d", major, minor);
+        snprintf(info->arch_full, sizeof info->arch_full, "sm_%d%d", major, minor);
+    } else {
+        hip_arch_name(dev, info->arch_full, sizeof info->arch_full);
+        snprintf(info->arch, sizeof info->arch, "%.*s", (int)strcspn(info->arch_full, ":"), info->arch_full);
+    }
+    return FMHA_OK;
+}
+
+/* ---- the kernel map ---- */
+
+/* A linear scan is enough: Python caches the handles it gets, so the map is searched once per
+   (device, kernel) and process, not once per launch. */
+static fmha_kernel *map_find_locked(int device, const char *key) {
+    for (size_t i = 0; i < g.map_len; ++i)
+        if (g.map[i]->device == device && strcmp(g.map[i]->key, key) == 0) return g.map[i];
+    return NULL;
+}
+
+int fmha_kernel_find(int device, const char *key, fmha_kernel **kernel) {
+    if (key == NULL || kernel == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "NULL key or result");
+    pthread_mutex_lock(&g.map_lock);
+    *kernel = map_find_locked(device, key);
+    pthread_mutex_unlock(&g.map_lock);
+    return FMHA_OK;
+}
+
+static int load_kernel(int device, const char *key, const void *image, const char *symbol,
+                       unsigned int shared_bytes, fmha_kernel **out) {
+    fmha_kernel *k = calloc(1, sizeof *k);
+    if (k == NULL) return set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory loading '%s'", key);
+    k->device = device;
+    snprintf(k->key, sizeof k->key, "%s", key);
+    saved_device saved;
+    int s = enter_device(device, &saved);
+    if (s != FMHA_OK) { free(k); return s; }
+    drv_result r = g.d.module_load_data(&k->module, image);
+    if (r != 0) s = driver_error(r, "module_load_data", key, device);
+    if (s == FMHA_OK && (r = g.d.module_get_function(&k->function, k->module, symbol)) != 0)
+        s = driver_error(r, "module_get_function", key, device);
+    k->shared_limit = DEFAULT_SHARED_LIMIT;
+    if (s == FMHA_OK && shared_bytes > DEFAULT_SHARED_LIMIT && g.backend == FMHA_BACKEND_CUDA) {
+        r = g.d.func_set_attribute(k->function, CU_FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)shared_bytes);
+        if (r != 0) s = driver_error(r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", key, device);
+        else k->shared_limit = shared_bytes;
+    }
+    if (s != FMHA_OK && k->module) g.d.module_unload(k->module);
+    leave_device(&saved);
+    if (s != FMHA_OK) { free(k); return s; }
+    *out = k;
+    return FMHA_OK;
+}
+
+static void unload_kernel(fmha_kernel *k) {
+    saved_device saved;
+    if (enter_device(k->device, &saved) == FMHA_OK) {
+        g.d.module_unload(k->module);
+        leave_device(&saved);
+    }
+    free(k);
+}
+
+int fmha_kernel_get(int device, const char *key, const void *image, size_t image_size,
+                    const char *symbol, unsigned int dynamic_shared_bytes, fmha_kernel **kernel) {
+    int s = check_ordinal(device);
+    if (s != FMHA_OK) return s;
+    if (key == NULL || image == NULL || image_size == 0 || symbol == NULL || kernel == NULL)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_kernel_get: NULL or empty argument");
+    if (strlen(key) >= KEY_LEN)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "kernel key '%s' is longer than %d characters", key, KEY_LEN - 1);
+    pthread_mutex_lock(&g.map_lock);
+    fmha_kernel *found = map_find_locked(device, key);
+    pthread_mutex_unlock(&g.map_lock);
+    if (found) { *kernel = found; return FMHA_OK; }
+
+    /* Load outside the lock so that one slow load does not stall launches of other kernels. */
+    fmha_kernel *loaded = NULL;
+    if ((s = load_kernel(device, key, image, symbol, dynamic_shared_bytes, &loaded)) != FMHA_OK) return s;
+
+    pthread_mutex_lock(&g.map_lock);
+    found = map_find_locked(device, key);
+    if (found == NULL) {
+        if (g.map_len == g.map_cap) {
+            size_t cap = g.map_cap ? 2 * g.map_cap : 64;
+            fmha_kernel **grown = realloc(g.map, cap * sizeof *grown);
+            if (grown == NULL) {
+                pthread_mutex_unlock(&g.map_lock);
+                unload_kernel(loaded);
+                return set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory growing the kernel map");
+            }
+            g.map = grown;
+            g.map_cap = cap;
+        }
+        g.map[g.map_len++] = loaded;
+        found = loaded;
+        loaded = NULL;
+    }
+    pthread_mutex_unlock(&g.map_lock);
+    if (loaded) unload_kernel(loaded); /* another thread inserted first: keep one entry */
+    *kernel = found;
+    return FMHA_OK;
+}
+
+int fmha_kernel_map_size(size_t *count) {
+    pthread_mutex_lock(&g.map_lock);
+    *count = g.map_len;
+    pthread_mutex_unlock(&g.map_lock);
+    return FMHA_OK;
+}
+
+int fmha_kernel_map_entry(size_t index, int *device, char *key, size_t key_len) {
+    int s = FMHA_OK;
+    pthread_mutex_lock(&g.map_lock);
+    if (index >= g.map_len) s = set_error(FMHA_ERR_BAD_ARGUMENT, "map index %zu out of range", index);
+    else {
+        *device = g.map[index]->device;
+        snprintf(key, key_len, "%s", g.map[index]->key);
+    }
+    pthread_mutex_unlock(&g.map_lock);
+    return s;
+}
+
+int fmha_unload_all(void) {
+    pthread_mutex_lock(&g.map_lock);
+    fmha_kernel **map = g.map;
+    size_t n = g.map_len;
+    g.map = NULL;
+    g.map_len = g.map_cap = 0;
+    pthread_mutex_unlock(&g.map_lock);
+    for (size_t i = 0; i < n; ++i) unload_kernel(map[i]);
+    free(map);
+    return FMHA_OK;
+}
+
+/* ---- launch ---- */
+
+int fmha_launch(fmha_kernel *k, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                unsigned int by, unsigned int bz, unsigned int shared, uint64_t stream, void *args,
+                size_t args_size) {
+    if (k == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_launch: NULL kernel");
+    if (shared > k->shared_limit)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "kernel '%s' asks for %u bytes of dynamic shared memory, "
+                         "above its limit of %u on device %d", k->key, shared, k->shared_limit, k->device);
+    void *extra[] = {LAUNCH_PARAM_BUFFER_POINTER, args, LAUNCH_PARAM_BUFFER_SIZE, &args_size,
+                     g.backend == FMHA_BACKEND_CUDA ? CUDA_LAUNCH_PARAM_END : HIP_LAUNCH_PARAM_END};
+    saved_device saved;
+    int s = enter_device(k->device, &saved);
+    if (s != FMHA_OK) return s;
+    drv_result r = g.d.launch_kernel(k->function, gx, gy, gz, bx, by, bz, shared, stream, NULL, extra);
+    leave_device(&saved);
+    return r ? driver_error(r, g.backend == FMHA_BACKEND_CUDA ? "cuLaunchKernel" : "hipModuleLaunchKernel",
+                            k->key, k->device)
+             : FMHA_OK;
+}
+
+/* ---- memory ---- */
+
+#define ON_DEVICE(device, call_name, expr)                                  \
+    do {                                                                    \
+        int s_ = check_ordinal(device);                                     \
+        if (s_ != FMHA_OK) return s_;                                       \
+        saved_device saved_;                                                \
+        if ((s_ = enter_device((device), &saved_)) != FMHA_OK) return s_;   \
+        drv_result r_ = (expr);                                             \
+        leave_device(&saved_);                                    \
+        return r_ ? driver_error(r_, (call_name), NULL, (device)) : FMHA_OK; \
+    } while (0)
+
+int fmha_mem_alloc(int device, size_t bytes, uint64_t stream, uint64_t *ptr) {
+    ON_DEVICE(device, "mem_alloc_async", g.d.mem_alloc_async(ptr, bytes, stream));
+}
+int fmha_mem_free(int device, uint64_t ptr, uint64_t stream) {
+    ON_DEVICE(device, "mem_free_async", g.d.mem_free_async(ptr, stream));
+}
+int fmha_memset_d8(int device, uint64_t ptr, unsigned char value, size_t bytes, uint64_t stream) {
+    ON_DEVICE(device, "memset_d8_async", g.d.memset_d8_async(ptr, value, bytes, stream));
+}
+int fmha_memcpy_htod(int device, uint64_t dst, const void *src, size_t bytes, uint64_t stream) {
+    ON_DEVICE(device, "memcpy_htod_async", g.d.memcpy_htod_async(dst, src, bytes, stream));
+}
+int fmha_memcpy_dtoh(int device, void *dst, uint64_t src, size_t bytes, uint64_t stream) {
+    ON_DEVICE(device, "memcpy_dtoh_async", g.d.memcpy_dtoh_async(dst, src, bytes, stream));
+}
+int fmha_stream_synchronize(int device, uint64_t stream) {
+    ON_DEVICE(device, "stream_synchronize", g.d.stream_synchronize(stream));
+}

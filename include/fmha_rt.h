@@ -1,0 +1,92 @@
+/*
+ * fmha_rt C shim: the one declaration of its API.
+ *
+ * The Python binding's cffi cdef is read from the block between the CDEF markers below, so this file
+ * is the single source of truth for the ABI between Python and C. Keep that block free of
+ * preprocessor directives other than integer #defines (cffi parses it).
+ *
+ * Every function returns FMHA_OK (0) or an error code; after an error, fmha_last_error() gives a
+ * thread-local message that names the driver call, the driver's error name, the kernel and the device.
+ */
+#ifndef FMHA_RT_H
+#define FMHA_RT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CDEF BEGIN */
+#define FMHA_OK 0
+#define FMHA_ERR_DRIVER 1        /* a driver call failed: see fmha_last_error() and fmha_last_driver_code() */
+#define FMHA_ERR_NO_DRIVER 2     /* no CUDA or HIP runtime library could be loaded */
+#define FMHA_ERR_NO_SYMBOL 3     /* the library lacks an entry point the shim needs */
+#define FMHA_ERR_BAD_ARGUMENT 4  /* a bad ordinal, a NULL pointer, an unknown kernel handle */
+#define FMHA_ERR_NOT_INITIALIZED 5
+#define FMHA_ERR_OUT_OF_MEMORY 6 /* host allocation inside the shim failed */
+
+#define FMHA_BACKEND_AUTO 0
+#define FMHA_BACKEND_CUDA 1
+#define FMHA_BACKEND_HIP 2
+
+typedef struct fmha_device_info {
+    int ordinal;
+    char name[256];
+    char arch[64];            /* "sm_90", or the bare gfx name with feature suffixes stripped: "gfx942" */
+    char arch_full[128];      /* as the driver reports it, e.g. "gfx942:sramecc+:xnack-" */
+    int multiprocessor_count;
+    int max_shared_per_block_optin; /* bytes a block may use after raising its limit */
+    uint64_t total_memory;    /* bytes */
+} fmha_device_info;
+
+/* One loaded kernel: an entry of the kernel map, keyed by (device ordinal, kernel key). */
+typedef struct fmha_kernel fmha_kernel;
+
+/* Load the driver library and initialise it. `backend` is FMHA_BACKEND_AUTO/CUDA/HIP. Idempotent: a
+   second call returns the first call's result. `library_out` receives the soname that was loaded. */
+int fmha_init(int backend, char *library_out, size_t library_len);
+int fmha_backend(void);
+int fmha_driver_version(int *version);
+const char *fmha_last_error(void);
+int fmha_last_driver_code(void);
+
+int fmha_device_count(int *count);
+int fmha_device_get_info(int ordinal, fmha_device_info *info);
+/* The device that is current on the calling thread (the caller's state, which the shim restores). */
+int fmha_current_device(int *ordinal);
+
+/* Find (device, key) in the kernel map, loading `image` on that device on first use. `symbol` is the
+   entry point's name inside the image; `dynamic_shared_bytes` above 48 KiB raises the kernel's limit.
+   Safe to call from many threads: the map is guarded by a mutex, loading happens outside it, and a
+   thread that loses a race to insert unloads its copy. */
+int fmha_kernel_get(int device, const char *key, const void *image, size_t image_size,
+                    const char *symbol, unsigned int dynamic_shared_bytes, fmha_kernel **kernel);
+/* Look up without loading: *kernel is NULL when (device, key) is not in the map. */
+int fmha_kernel_find(int device, const char *key, fmha_kernel **kernel);
+int fmha_kernel_map_size(size_t *count);
+/* The i-th map entry's device and key, for inspection and tests. */
+int fmha_kernel_map_entry(size_t index, int *device, char *key, size_t key_len);
+
+/* Launch with a packed argument buffer through the launch `extra` path on `stream` (0: default). */
+int fmha_launch(fmha_kernel *kernel, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
+                unsigned int block_x, unsigned int block_y, unsigned int block_z,
+                unsigned int dynamic_shared_bytes, uint64_t stream, void *args, size_t args_size);
+
+/* Stream-ordered device memory and copies, each on `device` with that device made current. */
+int fmha_mem_alloc(int device, size_t bytes, uint64_t stream, uint64_t *ptr);
+int fmha_mem_free(int device, uint64_t ptr, uint64_t stream);
+int fmha_memset_d8(int device, uint64_t ptr, unsigned char value, size_t bytes, uint64_t stream);
+int fmha_memcpy_htod(int device, uint64_t dst, const void *src, size_t bytes, uint64_t stream);
+int fmha_memcpy_dtoh(int device, void *dst, uint64_t src, size_t bytes, uint64_t stream);
+int fmha_stream_synchronize(int device, uint64_t stream);
+
+/* Unload every module of the kernel map (at exit). */
+int fmha_unload_all(void);
+/* CDEF END */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FMHA_RT_H */
