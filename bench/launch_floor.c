@@ -1,0 +1,68 @@
+/* The floor for one tiny launch: a C loop calling the CUDA driver's launch directly, with the same
+   kernel (the self-test axpy), grid and packed-argument path the fmha_rt shim uses.
+   Build: gcc -O2 -o launch_floor launch_floor.c -ldl
+   Run:   ./launch_floor <axpy.cubin> <symbol> <launches>      prints microseconds per launch */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef int (*fn_init)(unsigned);
+typedef int (*fn_dev)(int *, int);
+typedef int (*fn_ctx)(void **, int);
+typedef int (*fn_set)(void *);
+typedef int (*fn_load)(void **, const void *);
+typedef int (*fn_get)(void **, void *, const char *);
+typedef int (*fn_alloc)(uint64_t *, size_t);
+typedef int (*fn_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                         void **, void **);
+typedef int (*fn_sync)(void);
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+#define CHECK(x) do { int r_ = (x); if (r_) { fprintf(stderr, "%s failed: %d\n", #x, r_); return 1; } } while (0)
+
+int main(int argc, char **argv) {
+    if (argc != 4) { fprintf(stderr, "usage: %s cubin symbol launches\n", argv[0]); return 2; }
+    FILE *f = fopen(argv[1], "rb");
+    if (!f) { perror(argv[1]); return 1; }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *image = malloc(size);
+    if (fread(image, 1, size, f) != (size_t)size) return 1;
+    fclose(f);
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!lib) { fprintf(stderr, "no libcuda.so.1\n"); return 1; }
+    int dev;
+    void *ctx, *mod, *fn;
+    uint64_t x, y, out;
+    CHECK(((fn_init)dlsym(lib, "cuInit"))(0));
+    CHECK(((fn_dev)dlsym(lib, "cuDeviceGet"))(&dev, 0));
+    CHECK(((fn_ctx)dlsym(lib, "cuDevicePrimaryCtxRetain"))(&ctx, dev));
+    CHECK(((fn_set)dlsym(lib, "cuCtxSetCurrent"))(ctx));
+    CHECK(((fn_load)dlsym(lib, "cuModuleLoadData"))(&mod, image));
+    CHECK(((fn_get)dlsym(lib, "cuModuleGetFunction"))(&fn, mod, argv[2]));
+    fn_alloc alloc = (fn_alloc)dlsym(lib, "cuMemAlloc_v2");
+    CHECK(alloc(&x, 4096)); CHECK(alloc(&y, 4096)); CHECK(alloc(&out, 4096));
+    fn_launch launch = (fn_launch)dlsym(lib, "cuLaunchKernel");
+    fn_sync sync = (fn_sync)dlsym(lib, "cuCtxSynchronize");
+    /* axpy(x, y, out, alpha f32, n i32, global_scratch, profile_scratch): the layout of the manifest */
+    struct { uint64_t x, y, out; float alpha; int n; uint64_t scratch0, scratch1; } args = {x, y, out, 2.0f, 1024, 0, 0};
+    size_t args_size = sizeof args;
+    void *extra[] = {(void *)1, &args, (void *)2, &args_size, (void *)0};
+    long n = atol(argv[3]);
+    for (int i = 0; i < 1000; ++i) CHECK(launch(fn, 1, 1, 1, 128, 1, 1, 0, NULL, NULL, extra));
+    CHECK(sync());
+    double t0 = now();
+    for (long i = 0; i < n; ++i) CHECK(launch(fn, 1, 1, 1, 128, 1, 1, 0, NULL, NULL, extra));
+    double t1 = now();
+    CHECK(sync());
+    printf("%.3f\n", (t1 - t0) / n * 1e6);
+    return 0;
+}

@@ -1,0 +1,80 @@
+"""Host cost of one cached launch through fmha_rt, side by side with the floor (a C loop calling the
+driver's launch with the same kernel and argument path) and torch's cost for a tiny SDPA call.
+
+    python bench/launch_overhead.py [--launches N] [--out results.json]
+
+Wall clock per launch over N back-to-back launches of the self-test axpy on one 128-thread block.
+"""
+import argparse
+import datetime
+import gzip
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def per_call_us(fn, n):
+    for _ in range(1000):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+
+    from fmha_rt import backend, launch
+    from fmha_rt.registry import registry
+    from fmha_rt.selftest import DeviceArray
+
+    dev = backend.device(0)
+    entry = registry().entry(dev.arch, "selftest_axpy_f32")
+    x, y, out = (DeviceArray(0, np.ones(1024, np.float32)) for _ in range(3))
+    kernel_args = dict(x=x, y=y, out=out, alpha=2.0, n=1024)
+    packed = entry.packer.pack({**dict.fromkeys(("global_scratch", "profile_scratch"), None), **kernel_args})
+
+    results = {"packed": [], "pack_and_launch": [], "c_floor": [], "torch_sdpa_tiny": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = pathlib.Path(tmp) / "axpy.cubin"
+        cubin.write_bytes(gzip.decompress((registry().root / entry.file).read_bytes()))
+        exe = pathlib.Path(tmp) / "launch_floor"
+        subprocess.run(["gcc", "-O2", "-o", str(exe), str(HERE / "launch_floor.c"), "-ldl"], check=True)
+        q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+        for _ in range(args.repeats):
+            results["packed"].append(per_call_us(lambda: launch.launch_packed(0, entry, (1, 1, 1), packed, 0), args.launches))
+            backend.synchronize(0)
+            results["pack_and_launch"].append(per_call_us(lambda: launch.launch(0, entry, (1, 1, 1), kernel_args, 0), args.launches))
+            backend.synchronize(0)
+            floor = subprocess.run([str(exe), str(cubin), entry.symbol, str(args.launches)], check=True,
+                                   capture_output=True, text=True)
+            results["c_floor"].append(float(floor.stdout))
+            results["torch_sdpa_tiny"].append(per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), args.launches // 4))
+            torch.cuda.synchronize()
+    median = {k: sorted(v)[len(v) // 2] for k, v in results.items()}
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": dev.name, "driver_version": backend.runtime().driver_version, "python": sys.version.split()[0],
+              "torch": torch.__version__, "launches_per_repeat": args.launches, "unit": "microseconds per call",
+              "median_us": median, "all_us": results,
+              "fmha_rt_minus_floor_us": round(median["packed"] - median["c_floor"], 3)}
+    print(json.dumps(record, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

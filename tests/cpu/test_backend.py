@@ -1,0 +1,58 @@
+"""Driver discovery on machines without a GPU: each case runs in a fresh process, since the runtime
+is initialised once per process."""
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = r"""
+import json, sys
+from fmha_rt import backend
+from fmha_rt.errors import FmhaError
+try:
+    rt = backend.runtime()
+    out = {"backend": rt.backend, "library": rt.library, "devices": len(rt.devices)}
+    try:
+        backend.device(0)
+    except FmhaError as exc:
+        out["device0"] = [type(exc).__name__, str(exc)]
+except FmhaError as exc:
+    out = {"error": [type(exc).__name__, str(exc), isinstance(exc, RuntimeError)]}
+print(json.dumps(out))
+"""
+
+
+def probe(backend_name):
+    env = dict(os.environ, FMHA_RT_BACKEND=backend_name)
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def have_library(*names):
+    return any(ctypes.util.find_library(n) or os.path.exists(f"/usr/lib/x86_64-linux-gnu/{n}") for n in names)
+
+
+@pytest.mark.skipif(have_library("cuda", "libcuda.so.1"), reason="this machine has the CUDA driver")
+def test_missing_cuda_driver_is_a_clear_runtime_error():
+    out = probe("cuda")
+    kind, message, is_runtime_error = out["error"]
+    assert kind == "FmhaRuntimeError" and is_runtime_error
+    assert "no GPU runtime library found" in message and "libcuda.so.1" in message
+
+
+def test_hip_runtime_without_a_gpu_reports_no_device():
+    if not have_library("amdhip64", "libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"):
+        pytest.fail("the HIP runtime library is not installed: .ci/run installs Debian's libamdhip64-5")
+    out = probe("hip")
+    assert out["backend"] == "hip" and out["library"].startswith("libamdhip64.so")
+    assert out["devices"] == 0
+    assert out["device0"][0] == "FmhaValueError" and "0 GPU device(s) present" in out["device0"][1]
+
+
+def test_unknown_backend_name_is_refused():
+    out = probe("opencl")
+    assert out["error"][0] == "FmhaValueError" and "FMHA_RT_BACKEND='opencl'" in out["error"][1]
