@@ -45,7 +45,8 @@ def main():
     entry = registry().entry(dev.arch, "selftest_axpy_f32")
     x, y, out = (DeviceArray(0, np.ones(1024, np.float32)) for _ in range(3))
     kernel_args = dict(x=x, y=y, out=out, alpha=2.0, n=1024)
-    packed = entry.packer.pack({**dict.fromkeys(("global_scratch", "profile_scratch"), None), **kernel_args})
+    prepared = launch.PreparedLaunch(0, entry, (1, 1, 1), entry.packer.pack(
+        {**dict.fromkeys(("global_scratch", "profile_scratch"), None), **kernel_args}))
 
     results = {"packed": [], "pack_and_launch": [], "c_floor": [], "torch_sdpa_tiny": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +56,7 @@ def main():
         subprocess.run(["gcc", "-O2", "-o", str(exe), str(HERE / "launch_floor.c"), "-ldl"], check=True)
         q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
         for _ in range(args.repeats):
-            results["packed"].append(per_call_us(lambda: launch.launch_packed(0, entry, (1, 1, 1), packed, 0), args.launches))
+            results["packed"].append(per_call_us(prepared, args.launches))
             backend.synchronize(0)
             results["pack_and_launch"].append(per_call_us(lambda: launch.launch(0, entry, (1, 1, 1), kernel_args, 0), args.launches))
             backend.synchronize(0)

@@ -147,6 +147,7 @@ def kernel_map_entries() -> list[tuple[int, str]]:
 # ---- memory (stream-ordered) ----
 
 def mem_alloc(ordinal: int, nbytes: int, stream: int = 0) -> int:
+    runtime()
     ptr = ffi.new("uint64_t *")
     check(lib.fmha_mem_alloc(ordinal, max(int(nbytes), 1), stream, ptr), "fmha_mem_alloc", device=ordinal)
     return ptr[0]

@@ -24,6 +24,7 @@ def log_config_enabled() -> bool:
 def kernel_handle(device: int, entry: KernelEntry):
     handle = _handles.get((device, entry.key))
     if handle is None:
+        backend.device(device)  # initialises the runtime and checks the ordinal
         image = registry().image(entry)
         out = ffi.new("fmha_kernel **")
         backend.check(lib.fmha_kernel_get(device, entry.key.encode(), image, len(image), entry.symbol.encode(),
@@ -32,13 +33,27 @@ def kernel_handle(device: int, entry: KernelEntry):
     return handle
 
 
-def launch_packed(device: int, entry: KernelEntry, grid, packed: bytes, stream: int) -> None:
-    """Launch with an already packed argument buffer (the hot path of cached plans)."""
-    handle = kernel_handle(device, entry)
-    status = lib.fmha_launch(handle, grid[0], grid[1], grid[2], entry.threads, 1, 1, entry.shared, stream,
-                             ffi.from_buffer(packed), len(packed))
-    if status:
-        backend.check(status, "fmha_launch", kernel=entry.key, device=device)
+class PreparedLaunch:
+    """One kernel, grid and packed argument buffer, ready to launch again and again: the hot path of
+    cached plans, where a call only patches pointers into the buffer and launches."""
+
+    __slots__ = ("device", "entry", "handle", "grid", "buffer", "size")
+
+    def __init__(self, device: int, entry: KernelEntry, grid, packed: bytes):
+        self.device, self.entry, self.grid = device, entry, tuple(int(g) for g in grid)
+        self.handle = kernel_handle(device, entry)
+        self.buffer = ffi.new("char[]", packed)
+        self.size = len(packed)
+
+    def __call__(self, stream: int = 0) -> None:
+        gx, gy, gz = self.grid
+        entry = self.entry
+        status = _launch(self.handle, gx, gy, gz, entry.threads, 1, 1, entry.shared, stream, self.buffer, self.size)
+        if status:
+            backend.check(status, "fmha_launch", kernel=entry.key, device=self.device)
+
+
+_launch = lib.fmha_launch
 
 
 def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -> None:
@@ -48,7 +63,7 @@ def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -
     packed = entry.packer.pack(args)
     if log_config_enabled():
         log_launch(device, entry, grid, args, stream)
-    launch_packed(device, entry, grid, packed, stream)
+    PreparedLaunch(device, entry, grid, packed)(stream)
 
 
 def log_launch(device: int, entry: KernelEntry, grid, args: dict, stream: int) -> None:

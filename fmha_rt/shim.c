@@ -268,13 +268,18 @@ int fmha_device_count(int *count) {
 typedef struct { drv_handle ctx; int device; int restore; } saved_device;
 
 static int cuda_primary_context(int device, drv_handle *ctx) {
+    /* Every launch comes here: once retained, a context is read without taking the lock. */
+    *ctx = __atomic_load_n(&g.contexts[device], __ATOMIC_ACQUIRE);
+    if (*ctx) return FMHA_OK;
     pthread_mutex_lock(&g.init_lock);
     int status = FMHA_OK;
     if (g.contexts[device] == NULL) {
         int dev = 0;
         drv_result r = g.d.device_get(&dev, device);
-        if (r == 0) r = g.d.primary_ctx_retain(&g.contexts[device], dev);
+        drv_handle retained = NULL;
+        if (r == 0) r = g.d.primary_ctx_retain(&retained, dev);
         if (r != 0) status = driver_error(r, "cuDevicePrimaryCtxRetain", NULL, device);
+        else __atomic_store_n(&g.contexts[device], retained, __ATOMIC_RELEASE);
     }
     *ctx = g.contexts[device];
     pthread_mutex_unlock(&g.init_lock);

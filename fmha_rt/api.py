@@ -1,0 +1,435 @@
+"""The public attention API: mha_fwd / mha_bwd, their varlen forms, and the backward launcher.
+
+Framework-agnostic: arrays come in by DLPack (torch, CuPy, JAX, anything with __dlpack__) and outputs
+that are not given are allocated as the same kind of array as `q`. Every argument is validated before
+the first launch, so on error nothing has been written.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import backend, executor, portable_plan
+from .arrays import ATTN_DTYPES, Arg, allocate_like, check_overlap, check_shape, finish_outputs, gpu_array
+from .errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
+from .packing import Pointer
+from .problem import AttentionProblem
+from .streams import stream_handle
+
+# AITER / TransformerEngine mask integers: 0 none, 1 causal top-left, 2 causal bottom-right, 3 window.
+MASK_TYPES = {0: "none", 1: "causal_top_left", 2: "causal_bottom_right", 3: "window"}
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    window_left: int
+    window_right: int
+    bottom_right: bool
+
+
+def resolve_mask(causal, window, mask_type, causal_alignment) -> MaskSpec:
+    """One mask from flash-attn style (causal, window) or AITER style (mask_type + window)."""
+    if causal_alignment not in ALIGNMENTS:
+        raise FmhaValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise FmhaTypeError(f"window must be a pair (left, right), got {window!r}")
+    left, right = window
+    for name, value in (("window[0]", left), ("window[1]", right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise FmhaTypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < -1:
+            raise FmhaValueError(f"{name}={value}: window sides are >= 0, or -1 for unbounded")
+    if not isinstance(causal, bool):
+        raise FmhaTypeError(f"causal must be a bool, got {type(causal).__name__}")
+    bottom_right = causal_alignment == "bottom_right"
+    if mask_type is not None:
+        if mask_type not in MASK_TYPES or isinstance(mask_type, bool):
+            raise FmhaValueError(f"mask_type must be one of {sorted(MASK_TYPES)} ({MASK_TYPES}), got {mask_type!r}")
+        if causal:
+            raise FmhaValueError("give either causal=True or mask_type, not both")
+        if mask_type == 0:
+            if (left, right) != (-1, -1):
+                raise FmhaValueError(f"mask_type 0 (no mask) takes no window, got {tuple(window)}")
+            return MaskSpec(-1, -1, False)
+        if mask_type in (1, 2):
+            return MaskSpec(left, 0, mask_type == 2)
+        return MaskSpec(left, right, bottom_right)
+    if causal:
+        return MaskSpec(left, 0, bottom_right)
+    return MaskSpec(left, right, bottom_right)
+
+
+def _dtype(q: Arg, k: Arg, v: Arg) -> str:
+    for other in (k, v):
+        if other.dtype != q.dtype:
+            raise FmhaTypeError(f"{other.name} has dtype {other.dtype} but q has {q.dtype}: they must match")
+    return ATTN_DTYPES[q.dtype]
+
+
+def _same_device(args) -> int:
+    args = [a for a in args if a is not None]
+    device = args[0].device
+    for a in args[1:]:
+        if a.device != device:
+            raise FmhaValueError(f"{a.name} is on GPU {a.device} but {args[0].name} is on GPU {device}: "
+                                 "all arrays of a call must be on one device")
+    return device
+
+
+def _check_head_dims(dqk, dv):
+    for name, d in (("head_dim (q/k)", dqk), ("head_dim (v)", dv)):
+        if not 1 <= d <= 256:
+            raise FmhaNotImplementedError(f"{name}={d}: supported head dims are 1..256")
+        if d % 8:
+            raise FmhaNotImplementedError(f"{name}={d}: head dims must be multiples of 8 for now "
+                                          "(pad the last dim with zeros to the next multiple of 8)")
+
+
+def _bias_shape(bias: Arg, b: int, h: int, sq: int, sk: int) -> str:
+    shape = tuple(bias.shape)
+    if len(shape) != 4 or shape[2:] != (sq, sk) or shape[0] not in (1, b) or shape[1] not in (1, h):
+        raise FmhaValueError(f"bias must broadcast from [1|{b}, 1|{h}, {sq}, {sk}], got {shape}")
+    return ("B" if shape[0] == b and b > 1 else "1") + ("H" if shape[1] == h and h > 1 else "1") + "SS"
+
+
+def _dropout(dropout_p, seed, offset, stream):
+    """Dropout options -> tensors entries. seed: an int, or a device array of two int64 (seed, offset)
+    for graph capture; offset: the Philox offset (ignored when seed is an array)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise FmhaValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_p == 0.0:
+        return {}, []
+    if seed is None:
+        raise FmhaValueError("dropout_p > 0 needs seed= (an int, or a device int64 array [seed, offset]); "
+                             "pass the same seed and offset to the backward")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise FmhaValueError(f"offset must be a non-negative int, got {offset!r}")
+        return {"philox_seed": seed, "philox_offset": offset}, []
+    arg = gpu_array("seed", seed, stream, dtypes=("int64",))
+    if tuple(arg.shape) != (2,):
+        raise FmhaValueError(f"a seed array must hold two int64 (seed, offset), got shape {tuple(arg.shape)}")
+    return {"philox_seed_offset": arg.pointer}, [arg]
+
+
+def _put(tensors, name, arg):
+    tensors[name] = arg.pointer
+    tensors[f"{name}_strides"] = tuple(arg.strides)
+
+
+@dataclasses.dataclass
+class _Call:
+    """A validated call: the problem, the device, the kernels' tensors and the caller's arrays."""
+
+    problem: AttentionProblem
+    device: int
+    arch: str
+    stream: int
+    tensors: dict
+    inputs: list
+    template: object
+
+
+def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqstart_q, seqstart_k,
+             softmax_scale, causal, window, mask_type, causal_alignment, bias, alibi_slopes, dropout_p, seed,
+             offset, deterministic, stream, bias_grad=False) -> _Call:
+    rt = backend.runtime()
+    handle = stream_handle(stream, backend=rt.backend)
+    rank = 3 if varlen else 4
+    qa, ka, va = (gpu_array(n, x, handle, rank=rank, dtypes=tuple(ATTN_DTYPES)) for n, x in (("q", q), ("k", k), ("v", v)))
+    dtype = _dtype(qa, ka, va)
+    mask = resolve_mask(causal, window, mask_type, causal_alignment)
+    inputs = [qa, ka, va]
+    tensors = {}
+    if varlen:
+        (tq, hq, dqk), (tk, hk, dk_), (tv, hv, dv) = qa.shape, ka.shape, va.shape
+        if (tv, hv) != (tk, hk) or dk_ != dqk:
+            raise FmhaValueError(f"k {tuple(ka.shape)} and v {tuple(va.shape)} must agree on rows and heads, "
+                                 f"and k's head dim must equal q's ({dqk})")
+        cq = gpu_array("cu_seqlens_q", cu_seqlens_q, handle, rank=1, dtypes=("int32",))
+        ck = gpu_array("cu_seqlens_k", cu_seqlens_k, handle, rank=1, dtypes=("int32",))
+        if cq.shape != ck.shape or cq.shape[0] < 2:
+            raise FmhaValueError(f"cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k {tuple(ck.shape)} must both "
+                                 "have B + 1 >= 2 entries")
+        batch = cq.shape[0] - 1
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise FmhaValueError(f"{name} must be a non-negative int, got {value!r}")
+        sq, sk = max_seqlen_q, max_seqlen_k
+        _put(tensors, "cu_seqlens_q", cq)
+        _put(tensors, "cu_seqlens_k", ck)
+        inputs += [cq, ck]
+        if (seqstart_q is None) != (seqstart_k is None):
+            raise FmhaValueError("seqstart_q and seqstart_k must be given together")
+        if seqstart_q is not None:
+            for name, value in (("seqstart_q", seqstart_q), ("seqstart_k", seqstart_k)):
+                arg = gpu_array(name, value, handle, rank=1, dtypes=("int32",))
+                check_shape(arg, cq.shape, " (B + 1 entries, like cu_seqlens)")
+                _put(tensors, name, arg)
+                inputs.append(arg)
+    else:
+        (batch, sq, hq, dqk), (bk, sk, hk, dk_), vshape = qa.shape, ka.shape, va.shape
+        dv = vshape[3]
+        if bk != batch or vshape[:3] != (bk, sk, hk) or dk_ != dqk:
+            raise FmhaValueError(f"q {tuple(qa.shape)}, k {tuple(ka.shape)}, v {tuple(vshape)} disagree: expected "
+                                 f"k [{batch}, Sk, Hk, {dqk}] and v [{batch}, Sk, Hk, Dv]")
+        tq = tk = None
+    if hk == 0 or hq % hk:
+        raise FmhaValueError(f"q has {hq} heads, k/v have {hk}: the query heads must be a multiple of the kv heads")
+    _check_head_dims(dqk, dv)
+    bias_shape = alibi = None
+    if bias is not None:
+        if alibi_slopes is not None:
+            raise FmhaNotImplementedError("bias and alibi_slopes together are not supported; add the ALiBi term to the bias")
+        ba = gpu_array("bias", bias, handle, rank=4, dtypes=(qa.dtype,))
+        bias_shape = _bias_shape(ba, batch, hq, sq, sk)
+        _put(tensors, "bias", ba)
+        inputs.append(ba)
+    if alibi_slopes is not None:
+        aa = gpu_array("alibi_slopes", alibi_slopes, handle, rank=(1, 2), dtypes=("float32",))
+        if tuple(aa.shape) not in ((hq,), (batch, hq)):
+            raise FmhaValueError(f"alibi_slopes must have shape [{hq}] or [{batch}, {hq}], got {tuple(aa.shape)}")
+        alibi = "H" if len(aa.shape) == 1 else "BH"
+        _put(tensors, "alibi", aa)
+        inputs.append(aa)
+    drop, drop_args = _dropout(dropout_p, seed, offset, handle)
+    tensors.update(drop)
+    inputs += drop_args
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise FmhaTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not isinstance(deterministic, bool):
+        raise FmhaTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    problem = AttentionProblem(
+        batch=batch, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=dtype,
+        softmax_scale=softmax_scale, window_left=mask.window_left, window_right=mask.window_right,
+        bottom_right=mask.bottom_right, bias_shape=bias_shape, bias_grad=bias_grad and bias is not None, alibi=alibi,
+        dropout_p=float(dropout_p), varlen=varlen, total_q=tq, total_k=tk, deterministic=deterministic)
+    device = _same_device(inputs)
+    for name, a in (("q", qa), ("k", ka), ("v", va)):
+        _put(tensors, name, a)
+    return _Call(problem, device, backend.device(device).arch, handle, tensors, inputs, q)
+
+
+def _output(call: _Call, name: str, given, shape, dtype: str, created: list):
+    """The caller's output buffer, checked, or a new one like q."""
+    if given is None:
+        array, arg = allocate_like(call.template, shape, dtype, call.device, call.stream)
+        arg.name = name
+        created.append(array)
+    else:
+        arg = gpu_array(name, given, call.stream, dtypes=(dtype,), writable=True)
+        check_shape(arg, shape)
+        array = given
+    _put(call.tensors, name, arg)
+    return array, arg
+
+
+def _lse_shape(p: AttentionProblem):
+    return (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
+
+
+def _out_shape(p: AttentionProblem, head_dim):
+    return (p.total_q, p.heads_q, head_dim) if p.varlen else (p.batch, p.seqlen_q, p.heads_q, head_dim)
+
+
+def _kv_shape(p: AttentionProblem, head_dim):
+    return (p.total_k, p.heads_k, head_dim) if p.varlen else (p.batch, p.seqlen_k, p.heads_k, head_dim)
+
+
+def _forward(call: _Call, out, lse, return_lse):
+    p = call.problem
+    created = []
+    out_arr, out_arg = _output(call, "out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype, created)
+    lse_arr, lse_arg = _output(call, "lse", lse, _lse_shape(p), "float32", created)
+    check_overlap([out_arg, lse_arg], call.inputs)
+    launches = portable_plan.plan_fwd(p, call.arch, call.tensors)
+    executor.run(call.device, call.arch, launches, call.stream)
+    out_arr, lse_arr = finish_outputs(call.template, (out_arr, lse_arr), call.stream)
+    return (out_arr, lse_arr) if return_lse else out_arr
+
+
+_COMMON = dict(softmax_scale=None, causal=False, window=(-1, -1), mask_type=None, causal_alignment="top_left",
+               bias=None, alibi_slopes=None, dropout_p=0.0, seed=None, offset=0, stream=None)
+
+
+def _options(given: dict) -> dict:
+    unknown = set(given) - set(_COMMON)
+    if unknown:
+        raise FmhaTypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    return {**_COMMON, **given}
+
+
+def mha_fwd(q, k, v, *, return_lse=True, out=None, lse=None, **options):
+    """Attention forward. q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv] (fp16 or bf16, last dim
+    contiguous). Returns (out [B, Sq, Hq, Dv], lse fp32 [B, Hq, Sq]), or out alone with return_lse=False.
+
+    Options: softmax_scale (default 1/sqrt(D)), causal, window=(left, right) (-1 unbounded),
+    causal_alignment 'top_left' | 'bottom_right', mask_type (AITER/TE integers 0..3 instead of causal),
+    bias [1|B, 1|Hq, Sq, Sk], alibi_slopes fp32 [Hq] or [B, Hq], dropout_p with seed (int or a device
+    int64 [seed, offset]) and offset, stream (None, an int handle, or a stream object).
+    """
+    opts = _options(options)
+    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    seqstart_q=None, seqstart_k=None, deterministic=False, **opts)
+    return _forward(call, out, lse, return_lse)
+
+
+def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqstart_q=None,
+                   seqstart_k=None, return_lse=True, out=None, lse=None, **options):
+    """Variable-length forward: q [total_q, Hq, D], k/v [total_k, Hk, D], cu_seqlens int32 [B + 1] on the
+    GPU (logical lengths), optional seqstart_q/k int32 [B + 1] (physical starts in padded layouts).
+    max_seqlen_q/k must bound every sequence. Returns (out [total_q, Hq, Dv], lse fp32 [Hq, total_q])."""
+    opts = _options(options)
+    call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q, seqstart_k=seqstart_k,
+                    deterministic=False, **opts)
+    return _forward(call, out, lse, return_lse)
+
+
+class BwdLauncher:
+    """The backward of one problem: what it needs (workspace bytes, zeroing, dQ splits) is known on the
+    host from the problem alone; `run` launches it."""
+
+    def __init__(self, problem: AttentionProblem, arch: str):
+        self.problem, self.arch = problem, arch
+        self.workspace = portable_plan.bwd_workspace(problem, arch)
+
+    @property
+    def workspace_size(self) -> int:
+        return self.workspace.total_bytes
+
+    @property
+    def needs_zero_init(self) -> bool:
+        return self.workspace.needs_zeroing
+
+    @property
+    def dq_acc_splits(self) -> int:
+        return self.workspace.dq_splits
+
+    def prepare_workspace(self, buf: Arg, tensors: dict, stream: int, device: int) -> None:
+        """Carve the regions out of `buf` and zero those that must start at zero."""
+        base = buf.pointer.address if buf is not None else 0
+        for region in self.workspace.regions:
+            tensors[region.name] = Pointer(base + region.offset)
+            if region.zero_init:
+                backend.memset(device, base + region.offset, 0, region.nbytes, stream)
+
+    def run(self, device: int, tensors: dict, stream: int) -> list[str]:
+        launches = portable_plan.plan_bwd(self.problem, self.arch, tensors)
+        return executor.run(device, self.arch, launches, stream)
+
+
+def _workspace(call: _Call, launcher: BwdLauncher, workspace_alloc):
+    """Get the workspace from the callback (or our allocator) and check it is big enough."""
+    nbytes = launcher.workspace_size
+    if nbytes == 0:
+        return None, None
+    if workspace_alloc is None:
+        from .buffers import DeviceBuffer
+
+        buf = DeviceBuffer(call.device, (nbytes,), "uint8", call.stream)
+        return buf, Arg("workspace", buf, call.stream)
+    try:
+        got = workspace_alloc(nbytes, launcher.needs_zero_init)
+    except Exception as exc:
+        raise FmhaValueError(f"workspace_alloc({nbytes}, {launcher.needs_zero_init}) raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(got, Pointer):
+        return got, _PointerArg(got)
+    arg = gpu_array("workspace", got, call.stream, writable=True)
+    if arg.view.nbytes_span < nbytes:
+        raise FmhaValueError(f"workspace_alloc returned {arg.view.nbytes_span} bytes, {nbytes} are needed")
+    if arg.device != call.device:
+        raise FmhaValueError(f"workspace is on GPU {arg.device}, the call runs on GPU {call.device}")
+    return got, arg
+
+
+class _PointerArg:
+    """A raw workspace address from the callback (size is the caller's promise)."""
+
+    def __init__(self, pointer):
+        self.pointer, self.name = pointer, "workspace"
+
+    def span(self):
+        return (self.pointer.address, self.pointer.address)
+
+
+def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc):
+    p = call.problem
+    dtype = call.inputs[0].dtype
+    do_arg = gpu_array("dout", dout, call.stream, dtypes=(dtype,))
+    check_shape(do_arg, _out_shape(p, p.head_dim_v))
+    o_arg = gpu_array("out", out, call.stream, dtypes=(dtype,))
+    check_shape(o_arg, _out_shape(p, p.head_dim_v))
+    l_arg = gpu_array("lse", lse, call.stream, dtypes=("float32",))
+    check_shape(l_arg, _lse_shape(p))
+    _same_device(call.inputs + [do_arg, o_arg, l_arg])
+    for name, a in (("dout", do_arg), ("out", o_arg), ("lse", l_arg)):
+        _put(call.tensors, name, a)
+    inputs = call.inputs + [do_arg, o_arg, l_arg]
+    created = []
+    dq_arr, dq_arg = _output(call, "dq", dq, _out_shape(p, p.head_dim_qk), dtype, created)
+    dk_arr, dk_arg = _output(call, "dk", dk, _kv_shape(p, p.head_dim_qk), dtype, created)
+    dv_arr, dv_arg = _output(call, "dv", dv, _kv_shape(p, p.head_dim_v), dtype, created)
+    outputs = [dq_arg, dk_arg, dv_arg]
+    arrays = [dq_arr, dk_arr, dv_arr]
+    if p.bias_grad:
+        bias_arg = next(a for a in call.inputs if a.name == "bias")
+        db_arr, db_arg = _output(call, "dbias", dbias, tuple(bias_arg.shape), dtype, created)
+        outputs.append(db_arg)
+        arrays.append(db_arr)
+    check_overlap(outputs, inputs)
+    launcher = BwdLauncher(p, call.arch)
+    keep_alive, ws_arg = _workspace(call, launcher, workspace_alloc)
+    if ws_arg is not None:
+        check_overlap([ws_arg], inputs + outputs)
+    launcher.prepare_workspace(ws_arg, call.tensors, call.stream, call.device)
+    launcher.run(call.device, call.tensors, call.stream)
+    del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
+    return finish_outputs(call.template, tuple(arrays), call.stream)
+
+
+def mha_bwd(dout, q, k, v, out, lse, *, deterministic=False, dq=None, dk=None, dv=None, dbias=None,
+            workspace_alloc=None, **options):
+    """Attention backward: (dq, dk, dv), plus dbias (in the bias's shape) when a bias is given.
+
+    Takes the forward's options (the same mask, bias, dropout seed/offset). deterministic=True gives
+    bitwise-identical results across runs, streams and thread counts. workspace_alloc(nbytes, zero_init)
+    may supply the scratch memory (an array or fmha_rt.Pointer); when zero_init is True it must be zeroed.
+    """
+    opts = _options(options)
+    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    seqstart_q=None, seqstart_k=None, deterministic=deterministic, bias_grad=True, **opts)
+    return _backward(call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc)
+
+
+def mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   seqstart_q=None, seqstart_k=None, deterministic=False, dq=None, dk=None, dv=None,
+                   workspace_alloc=None, **options):
+    """Variable-length backward: arrays as in mha_varlen_fwd; returns (dq, dk, dv)."""
+    opts = _options(options)
+    call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q, seqstart_k=seqstart_k,
+                    deterministic=deterministic, **opts)
+    return _backward(call, dout, out, lse, dq, dk, dv, None, workspace_alloc)
+
+
+def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
+    """Workspace bytes mha_bwd would request for these inputs (nothing is launched)."""
+    opts = _options(options)
+    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    seqstart_q=None, seqstart_k=None, deterministic=deterministic, bias_grad=True, **opts)
+    return BwdLauncher(call.problem, call.arch).workspace_size
+
+
+def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
+    """The dropout keep mask (uint8 [B, Hq, Sq, Sk], 1 = kept) that mha_fwd/mha_bwd use for these
+    shapes, seed and offset: for tests and debugging."""
+    rt = backend.runtime()
+    handle = stream_handle(stream, backend=rt.backend)
+    call = _prepare(q, k, k, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    seqstart_q=None, seqstart_k=None, deterministic=False,
+                    **{**_COMMON, "dropout_p": dropout_p, "seed": seed, "offset": offset, "stream": stream})
+    p = call.problem
+    mask_arr, _ = _output(call, "mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8", [])
+    executor.run(call.device, call.arch, portable_plan.plan_dropout_mask(p, call.arch, call.tensors), handle)
+    return finish_outputs(call.template, (mask_arr,), handle)[0]

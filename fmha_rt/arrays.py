@@ -1,0 +1,120 @@
+"""User arrays in, arrays out: import by DLPack with checks that name the argument, and allocate
+outputs as the same kind of array as the inputs (torch in, torch out; cupy in, cupy out)."""
+from __future__ import annotations
+
+import sys
+
+from .buffers import DeviceBuffer
+from .dlpack import import_array
+from .errors import FmhaTypeError, FmhaValueError
+from .packing import Pointer
+
+GPU_DEVICE_TYPES = ("cuda", "rocm")
+ATTN_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+class Arg:
+    """One imported array: its DLPack view plus the pointer the kernels get."""
+
+    __slots__ = ("name", "view", "pointer", "source")
+
+    def __init__(self, name: str, obj, stream: int):
+        self.name, self.source = name, obj
+        self.view = import_array(obj, stream=stream, name=name)
+        self.pointer = Pointer(self.view.data_ptr)
+
+    @property
+    def shape(self):
+        return self.view.shape
+
+    @property
+    def strides(self):
+        return self.view.strides
+
+    @property
+    def dtype(self):
+        return self.view.dtype
+
+    @property
+    def device(self):
+        return self.view.device_id
+
+    def span(self):
+        return self.view.span_start, self.view.span_start + self.view.nbytes_span
+
+
+def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False) -> Arg:
+    """Import `obj` and check it is a GPU array of the given rank and dtypes, last dim contiguous."""
+    if obj is None:
+        raise FmhaTypeError(f"{name} is required, got None")
+    arg = Arg(name, obj, stream)
+    view = arg.view
+    if view.device_type not in GPU_DEVICE_TYPES:
+        raise FmhaValueError(f"{name} is on the {view.device_type} device; fmha_rt needs GPU arrays (cuda or rocm)")
+    if rank is not None and len(view.shape) not in ((rank,) if isinstance(rank, int) else rank):
+        raise FmhaValueError(f"{name} must have rank {rank}, got shape {tuple(view.shape)}")
+    if dtypes is not None and view.dtype not in dtypes:
+        raise FmhaTypeError(f"{name} has dtype {view.dtype}; allowed: {', '.join(dtypes)}")
+    if view.shape and view.strides[-1] != 1 and view.shape[-1] > 1:
+        raise FmhaValueError(f"{name} must be contiguous in its last dim, got strides {tuple(view.strides)}")
+    if any(s < 0 for s in view.strides):
+        raise FmhaValueError(f"{name} has negative strides {tuple(view.strides)}; fmha_rt needs non-negative strides")
+    if writable and view.read_only:
+        raise FmhaValueError(f"{name} is read-only; outputs must be writable")
+    return arg
+
+
+def check_overlap(outputs, inputs) -> None:
+    """Refuse an output whose bytes overlap an input's or another output's: the kernels read inputs
+    while writing outputs, so any overlap gives wrong results."""
+    outputs = [a for a in outputs if a is not None]
+    for i, out in enumerate(outputs):
+        lo, hi = out.span()
+        for other in list(inputs) + outputs[i + 1:]:
+            if other is None or other is out or hi <= lo:
+                continue
+            olo, ohi = other.span()
+            if olo < hi and lo < ohi:
+                raise FmhaValueError(f"output {out.name} overlaps {other.name} in memory; give outputs their own buffers")
+
+
+def check_shape(arg: Arg, expected, what: str = "") -> None:
+    if arg is not None and tuple(arg.shape) != tuple(expected):
+        raise FmhaValueError(f"{arg.name} must have shape {tuple(expected)}{what}, got {tuple(arg.shape)}")
+
+
+def _framework(obj) -> str:
+    module = type(obj).__module__.split(".")[0]
+    return module if module in ("torch", "cupy", "jax", "jaxlib") else "buffer"
+
+
+def allocate_like(template, shape, dtype: str, device: int, stream: int):
+    """A new GPU array of `shape`/`dtype` on `device`, of the same kind as `template` (the caller's
+    array). Returns (array for the caller, Arg for the kernels)."""
+    kind = _framework(template)
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        array = torch.empty(shape, dtype=getattr(torch, dtype), device=template.device)
+    elif kind == "cupy":
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(device):
+            array = cupy.empty(shape, dtype=dtype)
+    else:  # JAX arrays are immutable and anything else has no allocator we know: our own buffer
+        array = DeviceBuffer(device, shape, dtype, stream)
+    return array, Arg("output", array, stream)
+
+
+def finish_outputs(template, arrays, stream: int):
+    """Hand outputs back: our own buffers become the caller's array kind where that kind is JAX."""
+    if _framework(template) not in ("jax", "jaxlib"):
+        return arrays
+    import jax.dlpack
+
+    from . import backend
+
+    backend.synchronize(template_device(template), stream)  # JAX reads on its own stream
+    return tuple(jax.dlpack.from_dlpack(a) if isinstance(a, DeviceBuffer) else a for a in arrays)
+
+
+def template_device(obj) -> int:
+    return obj.__dlpack_device__()[1]
