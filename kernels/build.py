@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -118,18 +119,19 @@ def build_one(job):
     return entry, stats
 
 
-def all_jobs(families, archs, out_dir):
+def all_jobs(families, archs, out_dir, only=None):
     jobs = []
     for family in families:
         module = importlib.import_module(FAMILIES[family])
         for arch in archs:
             for variant in module.variants(arch):
-                jobs.append((arch, dict(variant, family=family), str(out_dir)))
+                if only is None or re.search(only, variant["key"]):
+                    jobs.append((arch, dict(variant, family=family), str(out_dir)))
     return jobs
 
 
-def build(out_dir: pathlib.Path, families, archs, workers: int) -> list[dict]:
-    jobs = all_jobs(families, archs, out_dir)
+def build(out_dir: pathlib.Path, families, archs, workers: int, only=None) -> list[dict]:
+    jobs = all_jobs(families, archs, out_dir, only)
     entries, stats = [], []
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
@@ -156,20 +158,22 @@ def main(argv=None) -> int:
                         help="rebuild into a temporary folder and fail if any committed byte differs")
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: all")
     parser.add_argument("--arch", action="append", choices=ARCHS, help="default: all")
+    parser.add_argument("--only", metavar="REGEX", help="build only the variants whose key matches (into --out)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--stats", type=pathlib.Path, help="write per-kernel compile statistics (JSON) here")
     args = parser.parse_args(argv)
     families = args.family or list(FAMILIES)
     archs = args.arch or list(ARCHS)
-    if (args.family or args.arch) and args.check:
-        parser.error("--check rebuilds everything: do not combine it with --family/--arch")
+    partial = bool(args.family or args.arch or args.only)
+    if partial and args.check:
+        parser.error("--check rebuilds everything: do not combine it with --family/--arch/--only")
 
     with tempfile.TemporaryDirectory(prefix="fmha_rt_build_") as tmp:
         # A private Triton cache makes every build a real rebuild from source.
         os.environ["TRITON_CACHE_DIR"] = str(pathlib.Path(tmp) / "cache")
         out = pathlib.Path(tmp) / "hsa"
         out.mkdir()
-        stats = build(out, families, archs, args.jobs)
+        stats = build(out, families, archs, args.jobs, args.only)
         if args.stats:
             args.stats.write_text(json.dumps(stats, indent=1) + "\n")
         if args.check:
@@ -180,24 +184,31 @@ def main(argv=None) -> int:
                 return 1
             print(f"{len(built)} files identical to {args.out}")
             return 0
-        if not (args.family or args.arch):
+        if not partial:
             shutil.rmtree(args.out, ignore_errors=True)
             shutil.copytree(out, args.out)
         else:
-            merge_partial(out, args.out)
+            merge_partial(out, args.out, whole_families=not args.only)
     return 0
 
 
-def merge_partial(built: pathlib.Path, dest: pathlib.Path) -> None:
-    """Replace only the rebuilt (arch, family) pairs in an existing hsa folder."""
+def merge_partial(built: pathlib.Path, dest: pathlib.Path, whole_families: bool) -> None:
+    """Merge a partial build into an existing hsa folder: whole (arch, family) pairs are replaced
+    (dropping variants that no longer exist), or with --only just the rebuilt kernels."""
     new = json.loads((built / "manifest.json").read_text())
     old_path = dest / "manifest.json"
     old = json.loads(old_path.read_text()) if old_path.is_file() else {"format": 1, "triton": TRITON_VERSION, "kernels": []}
-    rebuilt = {(e["arch"], e["family"]) for e in new["kernels"]}
-    for arch, family in rebuilt:
-        shutil.rmtree(dest / arch / family, ignore_errors=True)
-        shutil.copytree(built / arch / family, dest / arch / family)
-    kept = [e for e in old["kernels"] if (e["arch"], e["family"]) not in rebuilt]
+    if whole_families:
+        replaced = {(e["arch"], e["family"]) for e in new["kernels"]}
+        for arch, family in replaced:
+            shutil.rmtree(dest / arch / family, ignore_errors=True)
+        kept = [e for e in old["kernels"] if (e["arch"], e["family"]) not in replaced]
+    else:
+        replaced = {(e["arch"], e["key"]) for e in new["kernels"]}
+        kept = [e for e in old["kernels"] if (e["arch"], e["key"]) not in replaced]
+    for entry in new["kernels"]:
+        (dest / entry["file"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(built / entry["file"], dest / entry["file"])
     new["kernels"] = sorted(kept + new["kernels"], key=lambda e: (e["arch"], e["family"], e["key"]))
     old_path.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
 

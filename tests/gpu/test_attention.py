@@ -1,0 +1,236 @@
+"""The portable FMHA kernels through the public API on the GPU, against the float64 reference.
+
+Every output is poisoned with NaN before the call (so an unwritten element fails), inputs are fresh
+random draws, and errors are relative: ||out - ref|| / ||ref|| below 1e-2 (bf16/fp16 inputs).
+"""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fmha_rt  # noqa: E402
+from fmha_rt import reference  # noqa: E402
+
+TOL = 1e-2
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rand(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+def nan_like(shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def f64(t):
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def assert_close(name, got, want, tol=TOL):
+    got = f64(got) if isinstance(got, torch.Tensor) else got
+    assert not np.isnan(got).any(), f"{name}: NaN in output (unwritten or invalid)"
+    err = reference.rel_err(got, want)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+
+
+CASES = [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts
+    ("d64", 2, 256, 256, 4, 4, 64, 64, {}),
+    ("d128_causal", 2, 384, 384, 4, 4, 128, 128, {"causal": True}),
+    ("d32_gqa", 2, 200, 300, 8, 2, 32, 32, {}),
+    ("d256_mqa_causal_br", 1, 160, 330, 4, 1, 256, 256, {"causal": True, "causal_alignment": "bottom_right"}),
+    ("d96_causal_tl_sq_gt_sk", 2, 300, 130, 2, 2, 96, 96, {"causal": True}),
+    ("d192_128", 1, 256, 256, 2, 2, 192, 128, {"causal": True}),
+    ("d80_window", 2, 333, 333, 3, 3, 80, 80, {"window": (40, 7)}),
+    ("d64_window_br", 1, 100, 257, 2, 2, 64, 64, {"window": (16, 16), "causal_alignment": "bottom_right"}),
+    ("d40_masktype2", 1, 65, 190, 2, 1, 40, 40, {"mask_type": 2}),
+    ("d128_large_scale", 1, 512, 512, 2, 2, 128, 128, {"softmax_scale": 0.3}),
+]
+
+
+def mask_kwargs(opts, sq, sk):
+    """The reference's (window, bottom_right) for the API options."""
+    window = list(opts.get("window", (-1, -1)))
+    bottom_right = opts.get("causal_alignment") == "bottom_right"
+    if opts.get("causal"):
+        window[1] = 0
+    if opts.get("mask_type") == 2:
+        window, bottom_right = [window[0], 0], True
+    return {"window": tuple(window), "bottom_right": bottom_right}
+
+
+def run_case(dtype_name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts, seed, deterministic=False, extra=None):
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen)
+    v, dout = rand((B, Sk, Hk, Dv), dtype, gen), rand((B, Sq, Hq, Dv), dtype, gen)
+    extra = extra or {}
+    out, lse = nan_like((B, Sq, Hq, Dv), dtype), nan_like((B, Hq, Sq), torch.float32)
+    fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, **opts, **extra)
+    dq, dk, dv = nan_like(q.shape, dtype), nan_like(k.shape, dtype), nan_like(v.shape, dtype)
+    fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, deterministic=deterministic, **opts, **extra)
+    return q, k, v, dout, out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_and_backward_match_reference(dtype_name, case):
+    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
+    q, k, v, dout, out, lse, dq, dk, dv = run_case(dtype_name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts, seed=hash(name) % 1000)
+    ref_opts = dict(mask_kwargs(opts, Sq, Sk), softmax_scale=opts.get("softmax_scale"))
+    ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref_opts)
+    assert_close("out", out, ro)
+    assert_close("lse", lse, rl, tol=1e-3)
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref_opts)
+    assert_close("dq", dq, rdq)
+    assert_close("dk", dk, rdk)
+    assert_close("dv", dv, rdv)
+
+
+def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
+    # bottom-right causal with Sq > Sk: the first Sq - Sk query rows see no key
+    q, k, v, dout, out, lse, dq, dk, dv = run_case("bf16", 1, 200, 64, 2, 2, 64, 64,
+                                                    {"causal": True, "causal_alignment": "bottom_right"}, seed=5)
+    assert torch.all(out[:, :136] == 0) and torch.all(torch.isneginf(lse[:, :, :136]))
+    assert torch.all(dq[:, :136] == 0)
+    assert not torch.isnan(out).any() and not torch.isnan(dq).any()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 4), (2, 4)], ids=["11SS", "B1SS", "1HSS", "BHSS"])
+def test_bias_and_dbias_in_every_broadcast_shape(shape):
+    B, S, H, D = 2, 192, 4, 64
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    bias = rand((shape[0], shape[1], S, S), torch.bfloat16, gen)
+    q, k, v, dout, out, lse, dq, dk, dv = run_case("bf16", B, S, S, H, H, D, D, {"causal": True}, seed=12,
+                                                    extra={"bias": bias})
+    dbias = nan_like(bias.shape, torch.bfloat16)
+    fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, dbias=dbias, causal=True, bias=bias)
+    ref = dict(window=(-1, 0), bias=f64(bias))
+    ro, _ = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)
+    assert_close("out", out, ro)
+    rdq, rdk, rdv, rdb = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv), ("dbias", dbias, rdb)):
+        assert_close(n, got, want)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi(per_batch):
+    B, S, H, D = 2, 256, 4, 64
+    slopes = torch.rand((B, H) if per_batch else (H,), device="cuda", dtype=torch.float32) * 0.5
+    q, k, v, dout, out, lse, dq, dk, dv = run_case("bf16", B, S, S, H, H, D, D, {"causal": True}, seed=13,
+                                                    extra={"alibi_slopes": slopes})
+    ref = dict(window=(-1, 0), alibi_slopes=f64(slopes))
+    assert_close("out", out, reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)[0])
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_close(n, got, want)
+
+
+def test_dropout_matches_reference_with_the_kernels_own_mask():
+    B, S, H, D, p = 2, 200, 2, 64, 0.2
+    drop = {"dropout_p": p, "seed": 1234, "offset": 77}
+    q, k, v, dout, out, lse, dq, dk, dv = run_case("bf16", B, S, S, H, H, D, D, {}, seed=14, extra=drop)
+    keep = fmha_rt.mha_dropout_mask(q, k, **drop).bool()
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+    again = fmha_rt.mha_dropout_mask(q, k, **drop)
+    assert torch.equal(keep, again.bool())  # same seed and offset, same mask
+    other = fmha_rt.mha_dropout_mask(q, k, dropout_p=p, seed=1234, offset=78)
+    assert not torch.equal(keep, other.bool())
+    ref = dict(dropout_p=p, dropout_keep=keep.cpu().numpy())
+    assert_close("out", out, reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)[0])
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_close(n, got, want)
+
+
+def test_varlen_with_empty_and_single_token_sequences():
+    lens_q, lens_k = [37, 0, 1, 128, 64], [50, 3, 1, 128, 0]
+    H, Hk, D = 4, 2, 64
+    cu_q = torch.tensor([0] + list(np.cumsum(lens_q)), device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(np.cumsum(lens_k)), device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = rand((tq, H, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen)
+    dout = rand((tq, H, D), torch.bfloat16, gen)
+    out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    fmha_rt.mha_varlen_fwd(q, k, v, *args, out=out, lse=lse, causal=True, causal_alignment="bottom_right")
+    dq, dk, dv = nan_like(q.shape, q.dtype), nan_like(k.shape, k.dtype), nan_like(v.shape, v.dtype)
+    fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, *args, dq=dq, dk=dk, dv=dv, causal=True,
+                           causal_alignment="bottom_right")
+    ref = dict(window=(-1, 0), bottom_right=True)
+    cq, ck = cu_q.cpu().numpy(), cu_k.cpu().numpy()
+    ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cq, ck, **ref)
+    assert_close("out", out, ro)
+    assert_close("lse", lse, rl, tol=1e-3)
+    rdq, rdk, rdv, _ = reference.mha_varlen_bwd_ref(f64(dout), f64(q), f64(k), f64(v), cq, ck, **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_close(n, got, want)
+
+
+def test_deterministic_backward_is_bitwise_equal_over_runs_and_streams():
+    B, S, H, D = 2, 1024, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    q, k, v, dout = (rand((B, S, H, D), torch.bfloat16, gen) for _ in range(4))
+    out, lse = fmha_rt.mha_fwd(q, k, v, causal=True)
+    first = fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for _ in range(9):
+        again = fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = []
+    torch.cuda.synchronize()
+    for s in streams:
+        with torch.cuda.stream(s):
+            results.append(fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True, stream=s))
+    torch.cuda.synchronize()
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(first, r))
+
+
+def test_outputs_are_allocated_as_torch_tensors_on_the_input_device():
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q, k, v = (rand((1, 128, 2, 64), torch.float16, gen) for _ in range(3))
+    out, lse = fmha_rt.mha_fwd(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.device == q.device and out.dtype == q.dtype
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 128)
+    info = fmha_rt.last_launch_info()
+    assert info["family"] == "portable" and info["kernel"].startswith("fmha_fwd_fp16_d64")
+
+
+def test_long_sequence_64k():
+    B, S, H, D = 1, 65536, 2, 64
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    q, k, v = (rand((B, S, H, D), torch.bfloat16, gen) for _ in range(3))
+    out, lse = fmha_rt.mha_fwd(q, k, v, causal=True)
+    # check a sample of query rows against the reference on exactly those rows
+    rows = torch.tensor([0, 1, 4097, 33333, 65535], device="cuda")
+    qs = q[:, rows]
+    scores = torch.einsum("bqhd,bkhd->bhqk", qs.double(), k.double()) / math.sqrt(D)
+    allowed = torch.arange(S, device="cuda")[None, :] <= rows[:, None]
+    scores = scores.masked_fill(~allowed[None, None], float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v.double())
+    err = (out[:, rows].double() - ref).norm() / ref.norm()
+    assert err < TOL
+    assert torch.allclose(lse[:, :, rows].double(), torch.logsumexp(scores, -1), atol=1e-3)
+
+
+def test_batch_with_more_than_2_pow_31_elements():
+    """The last batch starts past element 2^31: its result must equal the same batch computed alone
+    (whose offsets are small), which the other tests check against the reference."""
+    B, S, H, D = 66, 2048, 16, 128
+    assert B * S * H * D > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    q = rand((B, S, H, D), torch.bfloat16, gen)
+    out, lse = fmha_rt.mha_fwd(q, q, q, causal=True)
+    last = q[B - 1:].contiguous()
+    alone, alone_lse = fmha_rt.mha_fwd(last, last, last, causal=True)
+    assert torch.equal(out[B - 1:], alone) and torch.equal(lse[B - 1:], alone_lse)
+    dout = rand((B, S, H, D), torch.bfloat16, gen)
+    dq, dk, dv = fmha_rt.mha_bwd(dout, q, q, q, out, lse, causal=True, deterministic=True)
+    adq, adk, adv = fmha_rt.mha_bwd(dout[B - 1:].contiguous(), last, last, last, alone, alone_lse, causal=True,
+                                    deterministic=True)
+    assert torch.equal(dq[B - 1:], adq) and torch.equal(dk[B - 1:], adk) and torch.equal(dv[B - 1:], adv)
