@@ -41,6 +41,8 @@ CANDIDATES = {
     },
 }
 ARCH = "sm_90"
+POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
+                  "*i64": torch.int64, "*u8": torch.uint8}
 
 
 def strided(**arrays):
@@ -55,7 +57,8 @@ def strided(**arrays):
 def run_launch(launch, variants):
     variant = variants[launch.variant]
     fn = getattr(importlib.import_module(variant["module"]), variant["function"])
-    args = {n: (torch.empty(1, device="cuda") if v is None else v) for n, v in launch.args.items()}
+    args = {n: (torch.zeros(1, device="cuda", dtype=POINTER_DTYPES[variant["signature"][n]]) if v is None else v)
+            for n, v in launch.args.items()}
     fn[launch.grid](**args, **variant["constexprs"], num_warps=variant["num_warps"], num_stages=variant["num_stages"])
 
 
