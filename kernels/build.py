@@ -30,6 +30,8 @@ FAMILIES = {
     "selftest": "kernels.selftest.selftest",
     "portable": "fmha_rt.portable_plan",
 }
+# Shared memory (LDS) one block may use: Hopper's opt-in maximum, MI300's 64 KiB, MI355's 160 KiB.
+SHARED_LIMIT = {"sm_90": 232448, "gfx942": 65536, "gfx950": 163840}
 SLOT_TYPE = {"i32": "i32", "i64": "i64", "u32": "u32", "u64": "u64", "fp32": "f32"}
 
 
@@ -74,6 +76,9 @@ def compile_variant(arch: str, variant: dict) -> dict:
     md = kernel.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise SystemExit(f"{variant['key']} on {arch} needs Triton scratch memory, which the runtime does not provide")
+    if md.shared > SHARED_LIMIT[arch]:
+        raise SystemExit(f"{variant['key']} on {arch} needs {md.shared} bytes of shared memory, above the "
+                         f"{SHARED_LIMIT[arch]} a block can have: choose a smaller tile")
     binary = kernel.asm["cubin" if arch.startswith("sm_") else "hsaco"]
     return {"binary": binary, "symbol": md.name, "shared": md.shared, "threads": md.num_warps * md.warp_size,
             "seconds": time.perf_counter() - started, "n_regs": getattr(kernel, "n_regs", None),

@@ -1,0 +1,672 @@
+"""The portable (Triton) kernel family: which variants exist, and how one attention call maps onto them.
+
+Pure Python: importable without Triton, a GPU or NumPy. Two consumers:
+- the AOT build (`variants(arch)`): every variant to compile, with its Triton signature, constexprs,
+  launch options and traits;
+- the runtime (`plan_fwd`, `plan_bwd`, `plan_dropout_mask`, `bwd_workspace`): the ordered launches of
+  one call, each a variant key, a grid and the value of every runtime argument.
+
+Pointer arguments take whatever objects the caller put in `tensors` (device addresses, arrays); an
+unused pointer is None, which an executor passes as a null pointer (or a dummy array when
+interpreting). Strides are explicit ints in `tensors` under '<name>_strides', in elements.
+
+Head dims run in power-of-two tiles (32, 64, 128, 256: Triton block shapes are powers of two, so 96 runs
+in the 128 tile and 192 in the 256 tile), with (256, 128) for the (192, 128) query/value pair. Kernels
+take head dims in units of 8 (so their column masks allow 16-byte loads): a head dim that is not a
+multiple of 8 is processed as `padded_head_dim(d)` and the caller zero-pads q, k, v and dout to that
+width (outputs then hold zeros in the padding columns).
+"""
+import math
+from dataclasses import dataclass
+
+from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
+
+# Bias kinds: the BIAS_KIND constexpr of every kernel that adds a score term.
+BIAS_NONE, BIAS_TENSOR, BIAS_ALIBI = 0, 1, 2
+BIAS_KIND_NAMES = {BIAS_NONE: "nobias", BIAS_TENSOR: "bias", BIAS_ALIBI: "alibi"}
+
+BUILD_ARCHS = ("sm_90", "gfx942", "gfx950")
+# Not a build target: small tiles that give many blocks on tiny problems under TRITON_INTERPRET=1.
+INTERPRET_ARCH = "interpret"
+DTYPES = ("fp16", "bf16")
+HEAD_DIM_TILES = (32, 64, 128, 256)
+# (query/key tile, value tile) pairs that have kernels.
+HEAD_DIM_PAIRS = ((32, 32), (64, 64), (128, 128), (256, 256), (256, 128))
+DQ_ATOMIC, DQ_DETERMINISTIC = "atomic", "deterministic"
+WORKSPACE_ALIGN = 256
+MAX_GRID_YZ = 65535
+KERNEL_MODULES = {"fwd": "kernels.portable.fmha_fwd", "bwd": "kernels.portable.fmha_bwd"}
+
+# ------------------------------------------------------------------------------------- signatures
+
+
+def _signature(spec: str) -> dict:
+    """'name type, name type, ...' -> ordered {name: type}; 'T' stands for the element type."""
+    pairs = (item.split() for item in spec.replace("\n", " ").split(",") if item.strip())
+    return {name: kind for name, kind in pairs}
+
+
+def _strides(*tensors: str) -> str:
+    """Batch and head strides are i64 (they can pass 2**31); row strides are i32 (one tile of rows
+    times a row stride stays below 2**31)."""
+    return ", ".join(f"stride_{t}_b i64, stride_{t}_s i32, stride_{t}_h i64" for t in tensors)
+
+
+_VARLEN_PTRS = "CuSeqlensQ *i32, CuSeqlensK *i32, SeqstartQ *i32, SeqstartK *i32"
+_SHAPE_ARGS = ("seqlen_q i32, seqlen_k i32, num_heads_q i32, kv_group_size i32, head_dim_qk_div8 i32, "
+               "head_dim_v_div8 i32")
+_MASK_ARGS = "window_left i32, window_right i32, bottom_right i32, is_varlen i32, has_seqstart i32"
+_DROPOUT_ARGS = "drop_threshold i64, drop_scale fp32, philox_seed i64, philox_offset i64, philox_from_ptr i32"
+_BIAS_STRIDES = "bias_stride_b i64, bias_stride_h i64, bias_stride_s i32, alibi_stride_b i32"
+_TILE = "BLOCK_M constexpr, BLOCK_N constexpr, BLOCK_DQK constexpr, BLOCK_DV constexpr"
+
+SIGNATURES = {
+    "fmha_fwd": _signature(f"""
+        Q *T, K *T, V *T, Out *T, Lse *fp32, Bias *T, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
+        {_strides("q", "k", "v", "o")}, lse_stride_b i64, lse_stride_h i64, {_BIAS_STRIDES}, {_SHAPE_ARGS},
+        scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
+        {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr"""),
+    "fmha_dropout_mask": _signature("""
+        Mask *u8, PhiloxSeedOffset *i64, mask_stride_b i64, mask_stride_h i64, mask_stride_s i32,
+        seqlen_q i32, seqlen_k i32, num_heads_q i32, drop_threshold i64, philox_seed i64, philox_offset i64,
+        philox_from_ptr i32, BLOCK_M constexpr, BLOCK_N constexpr"""),
+    "fmha_bwd_preprocess": _signature(f"""
+        Out *T, dO *T, Delta *fp32, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("o", "do")},
+        delta_stride_b i64, delta_stride_h i64, seqlen_q i32, head_dim_v_div8 i32, is_varlen i32,
+        has_seqstart i32, BLOCK_M constexpr, BLOCK_DV constexpr"""),
+    "fmha_bwd_dkdv": _signature(f"""
+        Q *T, K *T, V *T, dO *T, Lse *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32, Bias *T, dS *fp32,
+        Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
+        {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
+        stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
+        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
+        {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr"""),
+    "fmha_bwd_dq": _signature(f"""
+        Q *T, K *T, V *T, dO *T, Lse *fp32, Delta *fp32, dQ *T, Bias *T, Alibi *fp32, PhiloxSeedOffset *i64,
+        {_VARLEN_PTRS}, {_strides("q", "k", "v", "do", "dq")},
+        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
+        {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr"""),
+    "fmha_bwd_dq_convert": _signature(f"""
+        DqAcc *fp32, dQ *T, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("dqacc", "dq")},
+        seqlen_q i32, head_dim_qk_div8 i32, softmax_scale fp32, is_varlen i32, has_seqstart i32,
+        BLOCK_M constexpr, BLOCK_DQK constexpr"""),
+    "fmha_bwd_dbias": _signature("""
+        dS *fp32, dBias *T, stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
+        dbias_stride_b i64, dbias_stride_h i64, dbias_stride_s i32, seqlen_q i32, seqlen_k i32,
+        reduce_batch i32, reduce_heads i32, BLOCK_M constexpr, BLOCK_N constexpr"""),
+}
+KERNEL_SOURCE = {
+    "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
+    "fmha_bwd_dq": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd",
+}
+
+# -------------------------------------------------------------------------------------- tile configs
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(small, large, wide_v):
+    """Per head-dim pair: `small` for tiles up to 64, `large` for 128, `wide_v` for 256-wide pairs."""
+    return {(32, 32): small, (64, 64): small, (128, 128): large, (256, 256): wide_v, (256, 128): wide_v}
+
+
+# fwd: one program per query block; dkdv: one per key block (block_n keys, block_m query rows per step);
+# dq: one per query block.
+TILES = {
+    # sm_90 fwd and dq: the fastest of bench/tune_tiles.py's candidates on an H200 (NOTES.md);
+    # dkdv at 256 wide: the largest tile whose shared memory (128 KiB) fits the 227 KiB limit.
+    "sm_90": {
+        "fwd": _tiles(Tile(128, 64, 4, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 2)),
+        "bwd_dkdv": _tiles(Tile(64, 128, 8, 2), Tile(64, 128, 8, 2), Tile(64, 64, 8, 1)),
+        "bwd_dq": _tiles(Tile(128, 64, 4, 3), Tile(128, 128, 8, 2), Tile(128, 32, 8, 1)),
+    },
+    "gfx942": {
+        "fwd": _tiles(Tile(128, 64, 4, 2), Tile(128, 64, 4, 2), Tile(64, 64, 4, 1)),
+        "bwd_dkdv": _tiles(Tile(32, 128, 4, 1), Tile(32, 128, 4, 1), Tile(32, 64, 4, 1)),
+        "bwd_dq": _tiles(Tile(128, 32, 4, 1), Tile(128, 32, 4, 1), Tile(64, 32, 4, 1)),
+    },
+    INTERPRET_ARCH: {
+        "fwd": _tiles(*[Tile(16, 16, 4, 1)] * 3),
+        "bwd_dkdv": _tiles(*[Tile(16, 32, 4, 1)] * 3),
+        "bwd_dq": _tiles(*[Tile(32, 16, 4, 1)] * 3),
+    },
+}
+TILES["gfx950"] = TILES["gfx942"]
+# Memory-bound helper passes: one configuration everywhere.
+ROWS_TILE = Tile(64, 0, 4, 1)  # preprocess, dq_convert
+DBIAS_TILE = Tile(32, 64, 4, 1)
+MASK_TILE = Tile(32, 64, 4, 1)
+# Which dQ strategy a non-deterministic problem gets on each arch, and which strategies are built.
+# On the H200 the deterministic dQ kernel was never slower than fp32 atomics (NOTES.md: 301 vs 294
+# TFLOP/s dense, 224 vs 188 GQA causal at S=4k, D=128), so the shipped archs build only it; the
+# atomic path stays for the interpreter tests and for archs where it measures faster.
+DEFAULT_DQ_STRATEGY = {"sm_90": DQ_DETERMINISTIC, "gfx942": DQ_DETERMINISTIC, "gfx950": DQ_DETERMINISTIC,
+                       INTERPRET_ARCH: DQ_ATOMIC}
+BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC,), "gfx950": (DQ_DETERMINISTIC,),
+                       INTERPRET_ARCH: (DQ_ATOMIC, DQ_DETERMINISTIC)}
+
+
+def _arch_tiles(arch):
+    if arch not in TILES:
+        raise FmhaValueError(f"arch must be one of {sorted(TILES)}, got {arch!r}")
+    return TILES[arch]
+
+
+# ------------------------------------------------------------------------------------------ variants
+
+
+def _pair_name(dqk, dv):
+    return f"d{dqk}" if dqk == dv else f"d{dqk}v{dv}"
+
+
+def _feature_name(bias_kind, dropout):
+    return f"{BIAS_KIND_NAMES[bias_kind]}_{'drop' if dropout else 'nodrop'}"
+
+
+def fwd_key(dtype, pair, bias_kind, dropout):
+    return f"fmha_fwd_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+
+
+def dkdv_key(dtype, pair, bias_kind, dropout, strategy):
+    return f"fmha_bwd_dkdv_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}_{strategy}"
+
+
+def dq_key(dtype, pair, bias_kind, dropout):
+    return f"fmha_bwd_dq_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+
+
+def preprocess_key(dtype, dv_tile):
+    return f"fmha_bwd_preprocess_{dtype}_v{dv_tile}"
+
+
+def dq_convert_key(dtype, dqk_tile):
+    return f"fmha_bwd_dq_convert_{dtype}_d{dqk_tile}"
+
+
+def dbias_key(dtype):
+    return f"fmha_bwd_dbias_{dtype}"
+
+
+DROPOUT_MASK_KEY = "fmha_dropout_mask"
+
+
+def _variant(key, function, dtype, tile, constexprs, traits):
+    signature = {name: (f"*{dtype}" if kind == "*T" else kind) for name, kind in SIGNATURES[function].items()}
+    return {
+        "key": key, "module": KERNEL_MODULES[KERNEL_SOURCE[function]], "function": function,
+        "signature": signature, "constexprs": constexprs, "num_warps": tile.num_warps,
+        "num_stages": tile.num_stages, "traits": dict(traits, dtype=dtype),
+    }
+
+
+def _attention_variants(arch, dtype, pair, bias_kind, dropout):
+    tiles = _arch_tiles(arch)
+    features = {"BIAS_KIND": bias_kind, "DROPOUT": dropout}
+    common = {"head_dim_qk_tile": pair[0], "head_dim_v_tile": pair[1],
+              "bias": BIAS_KIND_NAMES[bias_kind], "dropout": dropout}
+
+    def tiled(pass_name, tile):
+        return ({"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0], "BLOCK_DV": pair[1]},
+                dict(common, block_m=tile.block_m, block_n=tile.block_n, **{"pass": pass_name}))
+
+    out = []
+    tile = tiles["fwd"][pair]
+    constexprs, traits = tiled("fwd", tile)
+    out.append(_variant(fwd_key(dtype, pair, bias_kind, dropout), "fmha_fwd", dtype, tile,
+                        dict(constexprs, **features), dict(traits, deterministic=True)))
+    tile = tiles["bwd_dkdv"][pair]
+    for strategy in BUILT_DQ_STRATEGIES[arch]:
+        constexprs, traits = tiled("bwd_main", tile)
+        out.append(_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy), "fmha_bwd_dkdv", dtype, tile,
+                            dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC, **features),
+                            dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC)))
+    tile = tiles["bwd_dq"][pair]
+    constexprs, traits = tiled("bwd_dq", tile)
+    out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
+                        dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
+    return out
+
+
+def variants(arch: str) -> list[dict]:
+    """Every variant to build for `arch` ('sm_90', 'gfx942', 'gfx950'; 'interpret' for CPU tests).
+
+    Each is a dict: key (unique name, the kernel map key), module, function, signature (every kernel
+    parameter in order, 'constexpr' for compile-time ones), constexprs, num_warps, num_stages, traits.
+    """
+    _arch_tiles(arch)
+    out = []
+    for dtype in DTYPES:
+        for pair in HEAD_DIM_PAIRS:
+            for bias_kind in (BIAS_NONE, BIAS_TENSOR, BIAS_ALIBI):
+                for dropout in (False, True):
+                    out.extend(_attention_variants(arch, dtype, pair, bias_kind, dropout))
+        for d in HEAD_DIM_TILES:
+            rows = {"BLOCK_M": ROWS_TILE.block_m}
+            out.append(_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
+                                dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
+                                                         "block_m": ROWS_TILE.block_m}))
+            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:
+                out.append(_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, ROWS_TILE,
+                                    dict(rows, BLOCK_DQK=d), {"pass": "bwd_post", "head_dim_qk_tile": d,
+                                                              "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
+        out.append(_variant(dbias_key(dtype), "fmha_bwd_dbias", dtype, DBIAS_TILE,
+                            {"BLOCK_M": DBIAS_TILE.block_m, "BLOCK_N": DBIAS_TILE.block_n},
+                            {"pass": "bwd_dbias", "block_m": DBIAS_TILE.block_m, "block_n": DBIAS_TILE.block_n,
+                             "deterministic": True}))
+    mask = _variant(DROPOUT_MASK_KEY, "fmha_dropout_mask", "u8", MASK_TILE,
+                    {"BLOCK_M": MASK_TILE.block_m, "BLOCK_N": MASK_TILE.block_n},
+                    {"pass": "dropout_mask", "block_m": MASK_TILE.block_m, "block_n": MASK_TILE.block_n})
+    out.append(mask)
+    return out
+
+
+def variant_map(arch: str) -> dict:
+    """{key: variant} for `arch`."""
+    return {v["key"]: v for v in variants(arch)}
+
+
+# ------------------------------------------------------------------------------------------ planning
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the variant key, the grid and every runtime argument by name."""
+
+    variant: str
+    grid: tuple
+    args: dict
+
+
+@dataclass(frozen=True)
+class WorkspaceRegion:
+    name: str
+    offset: int  # bytes from the workspace start, a multiple of WORKSPACE_ALIGN
+    nbytes: int
+    zero_init: bool  # must hold zeros when the backward starts
+    shape: tuple  # fp32 elements, C-contiguous
+    dtype: str = "fp32"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    regions: tuple
+    total_bytes: int
+    needs_zeroing: bool
+    dq_strategy: str
+    dq_splits: int  # fp32 dQ partial buffers (0: dQ is written directly in its dtype)
+
+    def region(self, name):
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+def padded_head_dim(d: int) -> int:
+    """The width a head dim of d runs at: the next multiple of 8."""
+    return -(-d // 8) * 8
+
+
+def head_dim_tiles(problem) -> tuple:
+    """(query/key tile, value tile) of the kernels that serve `problem`: the smallest tiles that hold
+    both head dims; a pair without its own kernels runs in the square tile of the wider one."""
+    tile = lambda d: next(t for t in HEAD_DIM_TILES if t >= d)  # noqa: E731
+    pair = (tile(problem.head_dim_qk), tile(problem.head_dim_v))
+    return pair if pair in HEAD_DIM_PAIRS else (max(pair), max(pair))
+
+
+def philox_counters(problem) -> int:
+    """Philox counters one call consumes: advance the offset by this much between calls."""
+    return problem.batch * problem.heads_q * problem.seqlen_q * -(-problem.seqlen_k // 4)
+
+
+def dropout_threshold(p: float) -> int:
+    """uint32 draws below this are dropped: keep probability 1 - threshold / 2**32."""
+    return min(round(p * 2 ** 32), 2 ** 32 - 1)
+
+
+def dq_strategy(problem, arch, requested=None) -> str:
+    """DETERMINISTIC when the problem asks for it, else `requested` or the arch's default."""
+    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC):
+        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r} or {DQ_DETERMINISTIC!r}, got {requested!r}")
+    if problem.deterministic:
+        if requested == DQ_ATOMIC:
+            raise FmhaValueError("a deterministic backward cannot use the atomic dQ strategy")
+        return DQ_DETERMINISTIC
+    _arch_tiles(arch)
+    strategy = requested or DEFAULT_DQ_STRATEGY[arch]
+    if strategy not in BUILT_DQ_STRATEGIES[arch]:
+        raise FmhaNotImplementedError(f"the {strategy} dQ strategy is not built for {arch} "
+                                      f"(built: {', '.join(BUILT_DQ_STRATEGIES[arch])})")
+    return strategy
+
+
+def _rows_shape(problem, per_row):
+    """fp32 workspace shaped like q's rows: [B, Sq, Hq, per_row] or [total_q, Hq, per_row]."""
+    lead = (problem.total_q,) if problem.varlen else (problem.batch, problem.seqlen_q)
+    return lead + (problem.heads_q, per_row)
+
+
+def _delta_shape(problem):
+    """Like the LSE: [B, Hq, Sq], or [Hq, total_q] in varlen mode."""
+    return (problem.heads_q, problem.total_q) if problem.varlen else (problem.batch, problem.heads_q, problem.seqlen_q)
+
+
+def _ds_shape(problem):
+    """dS of the bias gradient, rows padded to 8 keys: [B, Hq, Sq, ceil8(Sk)]."""
+    return (problem.batch, problem.heads_q, problem.seqlen_q, padded_head_dim(problem.seqlen_k))
+
+
+def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
+    """Workspace of plan_bwd: fp32 regions at 256-byte aligned offsets.
+
+    delta [B, Hq, Sq] (always), dq_acc [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
+    ds [B, Hq, Sq, ceil8(Sk)] (tensor bias with gradient, zeroed: masked blocks are never written).
+    """
+    strategy = dq_strategy(problem, arch, dq_strategy_request)
+    wanted = [("delta", _delta_shape(problem), False)]
+    if strategy == DQ_ATOMIC:
+        wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True))
+    if problem.bias_grad:
+        wanted.append(("ds", _ds_shape(problem), True))
+    regions, offset = [], 0
+    for name, shape, zero in wanted:
+        nbytes = 4 * math.prod(shape)
+        regions.append(WorkspaceRegion(name, offset, nbytes, zero, shape))
+        offset += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    return Workspace(tuple(regions), offset, any(r.zero_init for r in regions), strategy,
+                     1 if strategy == DQ_ATOMIC else 0)
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class _Args:
+    """Builds the runtime argument dict of one launch from the call's tensors and strides."""
+
+    def __init__(self, problem, tensors):
+        self.problem = problem
+        self.tensors = tensors
+
+    def ptr(self, name):
+        return self.tensors.get(name)
+
+    def required(self, name):
+        if self.tensors.get(name) is None:
+            raise FmhaValueError(f"tensors[{name!r}] is required for this call")
+        return self.tensors[name]
+
+    def _given_strides(self, name, rank):
+        strides = self.tensors.get(f"{name}_strides")
+        if strides is None or len(strides) != rank:
+            raise FmhaValueError(f"tensors[{name + '_strides'!r}] must list {rank} strides, got {strides!r}")
+        strides = tuple(int(s) for s in strides)
+        if strides[-1] != 1:
+            raise FmhaValueError(f"{name} must be contiguous in its last dim, got strides {strides}")
+        return strides
+
+    def rows(self, name, arg):
+        """Batch/row/head strides of a [B, S, H, D] (or varlen [T, H, D]) tensor, as stride_<arg>_*."""
+        if self.problem.varlen:
+            s, h, _ = self._given_strides(name, 3)
+            b = 0
+        else:
+            b, s, h, _ = self._given_strides(name, 4)
+        return self.checked_strides({f"stride_{arg}_b": b, f"stride_{arg}_s": s, f"stride_{arg}_h": h}, name)
+
+    @staticmethod
+    def checked_strides(strides, name):
+        for arg, value in strides.items():
+            if value % 8:
+                raise FmhaValueError(f"{name}: stride {value} ({arg}) must be a multiple of 8 elements; pad or copy "
+                                     "the tensor (head dims are padded to a multiple of 8)")
+            limit = 2 ** 31 if arg.endswith("_s") else 2 ** 63
+            if not -limit <= value < limit:
+                raise FmhaValueError(f"{name}: stride {value} ({arg}) is out of range")
+        return strides
+
+    def lse_like(self, name, prefix):
+        """[B, Hq, Sq] (or varlen [Hq, total_q]) fp32 strides as <prefix>_stride_b/_h."""
+        if self.problem.varlen:
+            h, _ = self._given_strides(name, 2)
+            b = 0
+        else:
+            b, h, _ = self._given_strides(name, 3)
+        return {f"{prefix}_stride_b": b, f"{prefix}_stride_h": h}
+
+    def shape(self):
+        p = self.problem
+        return {"seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "num_heads_q": p.heads_q,
+                "kv_group_size": p.kv_group_size, "head_dim_qk_div8": padded_head_dim(p.head_dim_qk) // 8,
+                "head_dim_v_div8": padded_head_dim(p.head_dim_v) // 8}
+
+    def varlen(self):
+        p = self.problem
+        if not p.varlen:
+            return {"CuSeqlensQ": None, "CuSeqlensK": None, "SeqstartQ": None, "SeqstartK": None,
+                    "is_varlen": 0, "has_seqstart": 0}
+        has_q, has_k = (self.tensors.get(n) is not None for n in ("seqstart_q", "seqstart_k"))
+        if has_q != has_k:
+            raise FmhaValueError("seqstart_q and seqstart_k must be given together")
+        return {"CuSeqlensQ": self.required("cu_seqlens_q"), "CuSeqlensK": self.required("cu_seqlens_k"),
+                "SeqstartQ": self.ptr("seqstart_q"), "SeqstartK": self.ptr("seqstart_k"),
+                "is_varlen": 1, "has_seqstart": int(has_q)}
+
+    def mask(self):
+        p = self.problem
+        return {"window_left": p.window_left, "window_right": p.window_right, "bottom_right": int(p.bottom_right)}
+
+    def score_terms(self):
+        """Bias and ALiBi pointers and strides (broadcast dims get stride 0)."""
+        p = self.problem
+        args = {"Bias": None, "Alibi": None, "bias_stride_b": 0, "bias_stride_h": 0, "bias_stride_s": 0,
+                "alibi_stride_b": 0}
+        if p.bias_shape is not None:
+            b, h, s, _ = self._given_strides("bias", 4)
+            args.update(Bias=self.required("bias"), bias_stride_b=b if p.bias_shape[0] == "B" else 0,
+                        bias_stride_h=h if p.bias_shape[1] == "H" else 0, bias_stride_s=s)
+        if p.alibi is not None:
+            args["Alibi"] = self.required("alibi")
+            if p.alibi == "BH":
+                args["alibi_stride_b"] = self._given_strides("alibi", 2)[0]
+        return args
+
+    def dropout(self):
+        p = self.problem
+        args = {"drop_threshold": 0, "drop_scale": 1.0, "philox_seed": 0, "philox_offset": 0,
+                "PhiloxSeedOffset": None, "philox_from_ptr": 0}
+        if p.has_dropout:
+            args.update(drop_threshold=dropout_threshold(p.dropout_p), drop_scale=1.0 / (1.0 - p.dropout_p))
+            args.update(self.philox())
+        return args
+
+    def philox(self):
+        if self.tensors.get("philox_seed_offset") is not None:
+            return {"PhiloxSeedOffset": self.tensors["philox_seed_offset"], "philox_from_ptr": 1,
+                    "philox_seed": 0, "philox_offset": 0}
+        seed, offset = self.tensors.get("philox_seed"), self.tensors.get("philox_offset", 0)
+        if seed is None:
+            raise FmhaValueError("dropout needs tensors['philox_seed'] (and 'philox_offset'), or "
+                                 "tensors['philox_seed_offset'], a device pointer to two int64")
+        return {"PhiloxSeedOffset": None, "philox_from_ptr": 0, "philox_seed": int(seed) % 2 ** 63,
+                "philox_offset": int(offset)}
+
+
+def _grid(blocks, problem):
+    if problem.heads_q > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
+        raise FmhaNotImplementedError(f"heads ({problem.heads_q}) and batch ({problem.batch}) must be <= "
+                                      f"{MAX_GRID_YZ} (grid limits)")
+    return (blocks, problem.heads_q, problem.batch)
+
+
+def _features(problem):
+    if problem.bias_shape is not None:
+        kind = BIAS_TENSOR
+    elif problem.alibi is not None:
+        kind = BIAS_ALIBI
+    else:
+        kind = BIAS_NONE
+    return kind, problem.has_dropout
+
+
+def _has_work(problem):
+    return problem.batch > 0 and problem.seqlen_q > 0
+
+
+def plan_fwd(problem, arch, tensors) -> list:
+    """Launches of the forward: fmha_fwd writing out [.., Hq, Dv] and lse.
+
+    tensors: q, k, v, out, lse (+ '<name>_strides'), optional bias, alibi, cu_seqlens_q/k, seqstart_q/k,
+    and for dropout philox_seed and philox_offset (ints) or philox_seed_offset (device pointer).
+    """
+    pair = head_dim_tiles(problem)
+    kind, dropout = _features(problem)
+    tile = _arch_tiles(arch)["fwd"][pair]
+    if not _has_work(problem):
+        return []
+    a = _Args(problem, tensors)
+    args = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "Out": a.required("out"),
+            "Lse": a.required("lse")}
+    args.update(a.score_terms())
+    args.update(a.dropout())
+    args.update(a.varlen())
+    for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o")):
+        args.update(a.rows(name, arg))
+    args.update(a.lse_like("lse", "lse"))
+    args.update(a.shape())
+    args.update(a.mask())
+    args["scale_log2"] = problem.softmax_scale * math.log2(math.e)
+    key = fwd_key(problem.dtype, pair, kind, dropout)
+    return [Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem), _ordered(key, "fmha_fwd", args))]
+
+
+def plan_dropout_mask(problem, arch, tensors) -> list:
+    """Launch writing the dropout keep mask tensors['mask'] (uint8 [B, Hq, Sq, Sk], strides in
+    'mask_strides'; Sq/Sk the maximum lengths in varlen mode) for the call's seed and offset."""
+    if not problem.has_dropout:
+        raise FmhaValueError("the problem has no dropout (dropout_p == 0)")
+    _arch_tiles(arch)
+    a = _Args(problem, tensors)
+    b, h, s, _ = a._given_strides("mask", 4)
+    args = {"Mask": a.required("mask"), "mask_stride_b": b, "mask_stride_h": h, "mask_stride_s": s,
+            "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k, "num_heads_q": problem.heads_q,
+            "drop_threshold": dropout_threshold(problem.dropout_p)}
+    args.update(a.philox())
+    if not _has_work(problem):
+        return []
+    return [Launch(DROPOUT_MASK_KEY, _grid(_cdiv(problem.seqlen_q, MASK_TILE.block_m), problem),
+                   _ordered(DROPOUT_MASK_KEY, "fmha_dropout_mask", args))]
+
+
+def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
+    """Launches of the backward, in order: preprocess, dK/dV (+ atomic dQ), dQ or its conversion,
+    dbias.
+
+    tensors: as plan_fwd plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per region of
+    bwd_workspace(problem, arch) named after it (delta, dq_acc, ds): the caller carves them out of one
+    workspace buffer and zeroes the regions marked zero_init.
+    """
+    pair = head_dim_tiles(problem)
+    kind, dropout = _features(problem)
+    tiles = _arch_tiles(arch)
+    workspace = bwd_workspace(problem, arch, dq_strategy_request)
+    strategy = workspace.dq_strategy
+    if not _has_work(problem):
+        return []
+    a = _Args(problem, tensors)
+    varlen, shape, mask = a.varlen(), a.shape(), a.mask()
+    rows = {arg: a.rows(name, arg) for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"),
+                                                      ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
+    delta = workspace.region("delta")
+    delta_strides = _contiguous_strides(delta.shape)
+    delta_args = {"Delta": a.required("delta"), "delta_stride_b": 0 if problem.varlen else delta_strides[0],
+                  "delta_stride_h": delta_strides[-2]}
+    lse_args = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
+    launches = []
+
+    pre = {"Out": a.required("out"), "dO": a.required("dout"), "CuSeqlensQ": varlen["CuSeqlensQ"],
+           "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **delta_args,
+           "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
+           "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
+    key = preprocess_key(problem.dtype, pair[1])
+    launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
+                           _ordered(key, "fmha_bwd_preprocess", pre)))
+
+    attention = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "dO": a.required("dout"),
+                 **lse_args, **delta_args, **a.score_terms(), **a.dropout(), **varlen, **shape, **mask,
+                 **rows["q"], **rows["k"], **rows["v"], **rows["do"],
+                 "softmax_scale": problem.softmax_scale, "scale_log2": problem.softmax_scale * math.log2(math.e)}
+    dqacc_args = {"DqAcc": None, "stride_dqacc_b": 0, "stride_dqacc_s": 0, "stride_dqacc_h": 0}
+    if strategy == DQ_ATOMIC:
+        acc = workspace.region("dq_acc")
+        st = _contiguous_strides(acc.shape)
+        b, s, h = (0, st[0], st[1]) if problem.varlen else st[:3]
+        dqacc_args = {"DqAcc": a.required("dq_acc"), "stride_dqacc_b": b, "stride_dqacc_s": s, "stride_dqacc_h": h}
+    ds_args = {"dS": None, "stride_ds_b": 0, "stride_ds_h": 0, "stride_ds_s": 0, "write_dbias": 0}
+    if problem.bias_grad:
+        st = _contiguous_strides(workspace.region("ds").shape)
+        ds_args = {"dS": a.required("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
+                   "write_dbias": 1}
+
+    tile = tiles["bwd_dkdv"][pair]
+    dkdv = {**attention, **dqacc_args, **ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"),
+            "dV": a.required("dv")}
+    key = dkdv_key(problem.dtype, pair, kind, dropout, strategy)
+    grid = _grid(_cdiv(problem.seqlen_k, tile.block_n), problem)
+    launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_dkdv", dkdv)))
+
+    if strategy == DQ_ATOMIC:
+        convert = {**dqacc_args, **rows["dq"], "dQ": a.required("dq"), "CuSeqlensQ": varlen["CuSeqlensQ"],
+                   "SeqstartQ": varlen["SeqstartQ"], "seqlen_q": problem.seqlen_q,
+                   "head_dim_qk_div8": shape["head_dim_qk_div8"], "softmax_scale": problem.softmax_scale,
+                   "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
+        key = dq_convert_key(problem.dtype, pair[0])
+        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
+                               _ordered(key, "fmha_bwd_dq_convert", convert)))
+    else:
+        tile = tiles["bwd_dq"][pair]
+        dq = {**attention, **rows["dq"], "dQ": a.required("dq")}
+        key = dq_key(problem.dtype, pair, kind, dropout)
+        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
+                               _ordered(key, "fmha_bwd_dq", dq)))
+
+    if problem.bias_grad:
+        b, h, s, _ = a._given_strides("dbias", 4)
+        batch_bcast, head_bcast = problem.bias_shape[0] == "1", problem.bias_shape[1] == "1"
+        dbias = {"dS": ds_args["dS"], "stride_ds_b": ds_args["stride_ds_b"], "stride_ds_h": ds_args["stride_ds_h"],
+                 "stride_ds_s": ds_args["stride_ds_s"], "dBias": a.required("dbias"),
+                 "dbias_stride_b": b, "dbias_stride_h": h, "dbias_stride_s": s,
+                 "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
+                 "reduce_batch": problem.batch if batch_bcast else 1,
+                 "reduce_heads": problem.heads_q if head_bcast else 1}
+        key = dbias_key(problem.dtype)
+        grid = (_cdiv(problem.seqlen_q, DBIAS_TILE.block_m), 1 if head_bcast else problem.heads_q,
+                1 if batch_bcast else problem.batch)
+        launches.append(Launch(key, grid, _ordered(key, "fmha_bwd_dbias", dbias)))
+    return launches
+
+
+def _ordered(key, function, args):
+    """The runtime arguments of `function` in signature order; every one must be present."""
+    names = [n for n, kind in SIGNATURES[function].items() if kind != "constexpr"]
+    missing = [n for n in names if n not in args]
+    if missing:
+        raise AssertionError(f"{key}: plan is missing arguments {missing}")
+    return {n: args[n] for n in names}
