@@ -35,25 +35,24 @@ def kernel_handle(device: int, entry: KernelEntry):
 
 class PreparedLaunch:
     """One kernel, grid and packed argument buffer, ready to launch again and again: the hot path of
-    cached plans, where a call only patches pointers into the buffer and launches."""
+    cached plans. The launch configuration lives in C, so a launch is one call with two arguments."""
 
-    __slots__ = ("device", "entry", "handle", "grid", "buffer", "size")
+    __slots__ = ("device", "entry", "grid", "buffer", "config")
 
     def __init__(self, device: int, entry: KernelEntry, grid, packed: bytes):
         self.device, self.entry, self.grid = device, entry, tuple(int(g) for g in grid)
-        self.handle = kernel_handle(device, entry)
         self.buffer = ffi.new("char[]", packed)
-        self.size = len(packed)
+        self.config = ffi.new("fmha_launch_config *", {
+            "kernel": kernel_handle(device, entry), "grid": self.grid, "block": (entry.threads, 1, 1),
+            "dynamic_shared_bytes": entry.shared, "args": self.buffer, "args_size": len(packed)})
 
     def __call__(self, stream: int = 0) -> None:
-        gx, gy, gz = self.grid
-        entry = self.entry
-        status = _launch(self.handle, gx, gy, gz, entry.threads, 1, 1, entry.shared, stream, self.buffer, self.size)
+        status = _launch(self.config, stream)
         if status:
-            backend.check(status, "fmha_launch", kernel=entry.key, device=self.device)
+            backend.check(status, "fmha_launch", kernel=self.entry.key, device=self.device)
 
 
-_launch = lib.fmha_launch
+_launch = lib.fmha_launch_prepared
 
 
 def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -> None:

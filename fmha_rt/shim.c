@@ -524,6 +524,12 @@ int fmha_launch(fmha_kernel *k, unsigned int gx, unsigned int gy, unsigned int g
              : FMHA_OK;
 }
 
+int fmha_launch_prepared(const fmha_launch_config *c, uint64_t stream) {
+    if (c == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_launch_prepared: NULL config");
+    return fmha_launch(c->kernel, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1], c->block[2],
+                       c->dynamic_shared_bytes, stream, c->args, c->args_size);
+}
+
 /* ---- memory ---- */
 
 #define ON_DEVICE(device, call_name, expr)                                  \

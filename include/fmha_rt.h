@@ -74,6 +74,17 @@ int fmha_launch(fmha_kernel *kernel, unsigned int grid_x, unsigned int grid_y, u
                 unsigned int block_x, unsigned int block_y, unsigned int block_z,
                 unsigned int dynamic_shared_bytes, uint64_t stream, void *args, size_t args_size);
 
+/* Everything one launch needs, prepared once so that a repeated launch passes only the stream. */
+typedef struct fmha_launch_config {
+    fmha_kernel *kernel;
+    unsigned int grid[3];
+    unsigned int block[3];
+    unsigned int dynamic_shared_bytes;
+    void *args;
+    size_t args_size;
+} fmha_launch_config;
+int fmha_launch_prepared(const fmha_launch_config *config, uint64_t stream);
+
 /* Stream-ordered device memory and copies, each on `device` with that device made current. */
 int fmha_mem_alloc(int device, size_t bytes, uint64_t stream, uint64_t *ptr);
 int fmha_mem_free(int device, uint64_t ptr, uint64_t stream);
