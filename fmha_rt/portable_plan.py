@@ -57,7 +57,7 @@ _SHAPE_ARGS = ("seqlen_q i32, seqlen_k i32, num_heads_q i32, kv_group_size i32, 
                "head_dim_v_div8 i32")
 _MASK_ARGS = "window_left i32, window_right i32, bottom_right i32, is_varlen i32, has_seqstart i32"
 _DROPOUT_ARGS = "drop_threshold i64, drop_scale fp32, philox_seed i64, philox_offset i64, philox_from_ptr i32"
-_BIAS_STRIDES = "bias_stride_b i64, bias_stride_h i64, bias_stride_s i32, alibi_stride_b i32"
+_BIAS_STRIDES = "stride_bias_b i64, stride_bias_h i64, stride_bias_s i32, alibi_stride_b i32"
 _TILE = "BLOCK_M constexpr, BLOCK_N constexpr, BLOCK_DQK constexpr, BLOCK_DV constexpr"
 
 SIGNATURES = {
@@ -94,7 +94,7 @@ SIGNATURES = {
         BLOCK_M constexpr, BLOCK_DQK constexpr"""),
     "fmha_bwd_dbias": _signature("""
         dS *fp32, dBias *T, stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
-        dbias_stride_b i64, dbias_stride_h i64, dbias_stride_s i32, seqlen_q i32, seqlen_k i32,
+        stride_dbias_b i64, stride_dbias_h i64, stride_dbias_s i32, seqlen_q i32, seqlen_k i32,
         reduce_batch i32, reduce_heads i32, BLOCK_M constexpr, BLOCK_N constexpr"""),
 }
 KERNEL_SOURCE = {
@@ -128,9 +128,11 @@ TILES = {
         "bwd_dkdv": _tiles(Tile(64, 128, 8, 2), Tile(64, 128, 8, 2), Tile(64, 64, 8, 1)),
         "bwd_dq": _tiles(Tile(128, 64, 4, 3), Tile(128, 128, 8, 2), Tile(128, 32, 8, 1)),
     },
+    # gfx942/gfx950 (not measured on hardware): tiles that fit 64 KiB of LDS and compile without
+    # scratch spills in every feature variant (16-row dkdv steps at 128 and 256 wide).
     "gfx942": {
         "fwd": _tiles(Tile(128, 64, 4, 2), Tile(128, 64, 4, 2), Tile(64, 64, 4, 1)),
-        "bwd_dkdv": _tiles(Tile(32, 128, 4, 1), Tile(32, 128, 4, 1), Tile(32, 64, 4, 1)),
+        "bwd_dkdv": _tiles(Tile(32, 128, 4, 1), Tile(16, 128, 4, 1), Tile(16, 64, 4, 1)),
         "bwd_dq": _tiles(Tile(128, 32, 4, 1), Tile(128, 32, 4, 1), Tile(64, 32, 4, 1)),
     },
     INTERPRET_ARCH: {
@@ -207,8 +209,14 @@ def _variant(key, function, dtype, tile, constexprs, traits):
     }
 
 
+def _with_dropout(tile, dropout):
+    """Dropout's random bits need registers and shared memory of their own: one pipeline stage fewer
+    (the sm_90 forward at 128 wide needs 240 KiB with three stages, over the 227 KiB limit)."""
+    return Tile(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages - 1) if dropout and tile.num_stages > 1 else tile
+
+
 def _attention_variants(arch, dtype, pair, bias_kind, dropout):
-    tiles = _arch_tiles(arch)
+    tiles = {name: {p: _with_dropout(t, dropout) for p, t in table.items()} for name, table in _arch_tiles(arch).items()}
     features = {"BIAS_KIND": bias_kind, "DROPOUT": dropout}
     common = {"head_dim_qk_tile": pair[0], "head_dim_v_tile": pair[1],
               "bias": BIAS_KIND_NAMES[bias_kind], "dropout": dropout}
@@ -436,7 +444,7 @@ class _Args:
         for arg, value in strides.items():
             if value % 8:
                 raise FmhaValueError(f"{name}: stride {value} ({arg}) must be a multiple of 8 elements; pad or copy "
-                                     "the tensor (head dims are padded to a multiple of 8)")
+                                     "the tensor so that every stride but the last is a multiple of 8")
             limit = 2 ** 31 if arg.endswith("_s") else 2 ** 63
             if not -limit <= value < limit:
                 raise FmhaValueError(f"{name}: stride {value} ({arg}) is out of range")
@@ -476,12 +484,14 @@ class _Args:
     def score_terms(self):
         """Bias and ALiBi pointers and strides (broadcast dims get stride 0)."""
         p = self.problem
-        args = {"Bias": None, "Alibi": None, "bias_stride_b": 0, "bias_stride_h": 0, "bias_stride_s": 0,
+        args = {"Bias": None, "Alibi": None, "stride_bias_b": 0, "stride_bias_h": 0, "stride_bias_s": 0,
                 "alibi_stride_b": 0}
         if p.bias_shape is not None:
             b, h, s, _ = self._given_strides("bias", 4)
-            args.update(Bias=self.required("bias"), bias_stride_b=b if p.bias_shape[0] == "B" else 0,
-                        bias_stride_h=h if p.bias_shape[1] == "H" else 0, bias_stride_s=s)
+            args.update(self.checked_strides({"stride_bias_b": b if p.bias_shape[0] == "B" else 0,
+                                              "stride_bias_h": h if p.bias_shape[1] == "H" else 0,
+                                              "stride_bias_s": s}, "bias"))
+            args["Bias"] = self.required("bias")
         if p.alibi is not None:
             args["Alibi"] = self.required("alibi")
             if p.alibi == "BH":
@@ -652,7 +662,8 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         batch_bcast, head_bcast = problem.bias_shape[0] == "1", problem.bias_shape[1] == "1"
         dbias = {"dS": ds_args["dS"], "stride_ds_b": ds_args["stride_ds_b"], "stride_ds_h": ds_args["stride_ds_h"],
                  "stride_ds_s": ds_args["stride_ds_s"], "dBias": a.required("dbias"),
-                 "dbias_stride_b": b, "dbias_stride_h": h, "dbias_stride_s": s,
+                 **a.checked_strides({"stride_dbias_b": b if not batch_bcast else 0,
+                                      "stride_dbias_h": h if not head_bcast else 0, "stride_dbias_s": s}, "dbias"),
                  "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k,
                  "reduce_batch": problem.batch if batch_bcast else 1,
                  "reduce_heads": problem.heads_q if head_bcast else 1}
