@@ -209,14 +209,8 @@ def _variant(key, function, dtype, tile, constexprs, traits):
     }
 
 
-def _with_dropout(tile, dropout):
-    """Dropout's random bits need registers and shared memory of their own: one pipeline stage fewer
-    (the sm_90 forward at 128 wide needs 240 KiB with three stages, over the 227 KiB limit)."""
-    return Tile(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages - 1) if dropout and tile.num_stages > 1 else tile
-
-
 def _attention_variants(arch, dtype, pair, bias_kind, dropout):
-    tiles = {name: {p: _with_dropout(t, dropout) for p, t in table.items()} for name, table in _arch_tiles(arch).items()}
+    tiles = _arch_tiles(arch)
     features = {"BIAS_KIND": bias_kind, "DROPOUT": dropout}
     common = {"head_dim_qk_tile": pair[0], "head_dim_v_tile": pair[1],
               "bias": BIAS_KIND_NAMES[bias_kind], "dropout": dropout}

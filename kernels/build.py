@@ -71,16 +71,21 @@ def compile_variant(arch: str, variant: dict) -> dict:
     source = ASTSource(fn, signature=variant["signature"], constexprs=variant["constexprs"],
                        attrs=divisibility_attrs(variant["signature"]))
     started = time.perf_counter()
-    kernel = triton.compile(source, target=target(arch),
-                            options={"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]})
+    # The deepest software pipeline that fits the shared memory a block may have: features such as a
+    # bias tile or dropout bits take shared memory of their own, so a tile's stages are an upper bound.
+    for stages in range(variant["num_stages"], 0, -1):
+        kernel = triton.compile(source, target=target(arch),
+                                options={"num_warps": variant["num_warps"], "num_stages": stages})
+        if kernel.metadata.shared <= SHARED_LIMIT[arch]:
+            break
+    else:
+        raise SystemExit(f"{variant['key']} on {arch} needs {kernel.metadata.shared} bytes of shared memory even "
+                         f"with one stage, above the {SHARED_LIMIT[arch]} a block can have: choose a smaller tile")
     md = kernel.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise SystemExit(f"{variant['key']} on {arch} needs Triton scratch memory, which the runtime does not provide")
-    if md.shared > SHARED_LIMIT[arch]:
-        raise SystemExit(f"{variant['key']} on {arch} needs {md.shared} bytes of shared memory, above the "
-                         f"{SHARED_LIMIT[arch]} a block can have: choose a smaller tile")
     binary = kernel.asm["cubin" if arch.startswith("sm_") else "hsaco"]
-    return {"binary": binary, "symbol": md.name, "shared": md.shared, "threads": md.num_warps * md.warp_size,
+    return {"binary": binary, "symbol": md.name, "num_stages": stages, "shared": md.shared, "threads": md.num_warps * md.warp_size,
             "seconds": time.perf_counter() - started, "n_regs": getattr(kernel, "n_regs", None),
             "n_spills": getattr(kernel, "n_spills", None)}
 
@@ -118,7 +123,7 @@ def build_one(job):
              "file": rel, "sha256": hashlib.sha256(stored).hexdigest(), "compressed": True,
              "threads": result["threads"], "shared": result["shared"], "param_bytes": total, "params": layout,
              "traits": dict(variant.get("traits", {}), num_warps=variant["num_warps"],
-                            num_stages=variant["num_stages"])}
+                            num_stages=result["num_stages"])}
     stats = {"key": variant["key"], "arch": arch, "seconds": round(result["seconds"], 2), "bytes": len(stored),
              "raw_bytes": len(result["binary"]), "n_regs": result["n_regs"], "n_spills": result["n_spills"]}
     return entry, stats
