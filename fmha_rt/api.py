@@ -210,18 +210,24 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return _Call(problem, device, backend.device(device).arch, handle, tensors, inputs, q)
 
 
-def _output(call: _Call, name: str, given, shape, dtype: str, created: list):
-    """The caller's output buffer, checked, or a new one like q."""
-    if given is None:
-        array, arg = allocate_like(call.template, shape, dtype, call.device, call.stream)
-        arg.name = name
-        created.append(array)
-    else:
-        arg = gpu_array(name, given, call.stream, dtypes=(dtype,), writable=True)
-        check_shape(arg, shape)
-        array = given
-    _put(call.tensors, name, arg)
-    return array, arg
+def _outputs(call: _Call, specs, inputs):
+    """Outputs (name, given array or None, shape, dtype) -> (arrays for the caller, Args). Outputs the
+    caller gave are checked (kind, shape, writable, no overlap with inputs or each other) before any
+    missing one is allocated like q, so a bad call allocates nothing."""
+    args = {}
+    for name, given, shape, dtype in specs:
+        if given is not None:
+            args[name] = gpu_array(name, given, call.stream, dtypes=(dtype,), writable=True)
+            check_shape(args[name], shape)
+    check_overlap(list(args.values()), inputs)
+    arrays = []
+    for name, given, shape, dtype in specs:
+        if given is None:
+            given, args[name] = allocate_like(call.template, shape, dtype, call.device, call.stream)
+            args[name].name = name
+        arrays.append(given)
+        _put(call.tensors, name, args[name])
+    return arrays, [args[name] for name, *_ in specs]
 
 
 def _lse_shape(p: AttentionProblem):
@@ -238,10 +244,8 @@ def _kv_shape(p: AttentionProblem, head_dim):
 
 def _forward(call: _Call, out, lse, return_lse):
     p = call.problem
-    created = []
-    out_arr, out_arg = _output(call, "out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype, created)
-    lse_arr, lse_arg = _output(call, "lse", lse, _lse_shape(p), "float32", created)
-    check_overlap([out_arg, lse_arg], call.inputs)
+    (out_arr, lse_arr), _ = _outputs(call, [("out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype),
+                                            ("lse", lse, _lse_shape(p), "float32")], call.inputs)
     launches = portable_plan.plan_fwd(p, call.arch, call.tensors)
     executor.run(call.device, call.arch, launches, call.stream)
     out_arr, lse_arr = finish_outputs(call.template, (out_arr, lse_arr), call.stream)
@@ -366,18 +370,12 @@ def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc):
     for name, a in (("dout", do_arg), ("out", o_arg), ("lse", l_arg)):
         _put(call.tensors, name, a)
     inputs = call.inputs + [do_arg, o_arg, l_arg]
-    created = []
-    dq_arr, dq_arg = _output(call, "dq", dq, _out_shape(p, p.head_dim_qk), dtype, created)
-    dk_arr, dk_arg = _output(call, "dk", dk, _kv_shape(p, p.head_dim_qk), dtype, created)
-    dv_arr, dv_arg = _output(call, "dv", dv, _kv_shape(p, p.head_dim_v), dtype, created)
-    outputs = [dq_arg, dk_arg, dv_arg]
-    arrays = [dq_arr, dk_arr, dv_arr]
+    specs = [("dq", dq, _out_shape(p, p.head_dim_qk), dtype), ("dk", dk, _kv_shape(p, p.head_dim_qk), dtype),
+             ("dv", dv, _kv_shape(p, p.head_dim_v), dtype)]
     if p.bias_grad:
         bias_arg = next(a for a in call.inputs if a.name == "bias")
-        db_arr, db_arg = _output(call, "dbias", dbias, tuple(bias_arg.shape), dtype, created)
-        outputs.append(db_arg)
-        arrays.append(db_arr)
-    check_overlap(outputs, inputs)
+        specs.append(("dbias", dbias, tuple(bias_arg.shape), dtype))
+    arrays, outputs = _outputs(call, specs, inputs)
     launcher = BwdLauncher(p, call.arch)
     keep_alive, ws_arg = _workspace(call, launcher, workspace_alloc)
     if ws_arg is not None:
@@ -430,6 +428,7 @@ def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
                     seqstart_q=None, seqstart_k=None, deterministic=False,
                     **{**_COMMON, "dropout_p": dropout_p, "seed": seed, "offset": offset, "stream": stream})
     p = call.problem
-    mask_arr, _ = _output(call, "mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8", [])
+    (mask_arr,), _ = _outputs(call, [("mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8")],
+                              call.inputs)
     executor.run(call.device, call.arch, portable_plan.plan_dropout_mask(p, call.arch, call.tensors), handle)
     return finish_outputs(call.template, (mask_arr,), handle)[0]

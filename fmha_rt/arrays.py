@@ -16,12 +16,13 @@ ATTN_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 class Arg:
     """One imported array: its DLPack view plus the pointer the kernels get."""
 
-    __slots__ = ("name", "view", "pointer", "source")
+    __slots__ = ("name", "view", "pointer", "source", "_span")
 
     def __init__(self, name: str, obj, stream: int):
         self.name, self.source = name, obj
         self.view = import_array(obj, stream=stream, name=name)
         self.pointer = Pointer(self.view.data_ptr)
+        self._span = None
 
     @property
     def shape(self):
@@ -40,7 +41,11 @@ class Arg:
         return self.view.device_id
 
     def span(self):
-        return self.view.span_start, self.view.span_start + self.view.nbytes_span
+        """[first, last) byte this array touches, computed once (overlap checks ask many times)."""
+        if self._span is None:
+            start = self.view.span_start
+            self._span = (start, start + self.view.nbytes_span)
+        return self._span
 
 
 def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False) -> Arg:

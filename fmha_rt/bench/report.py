@@ -1,0 +1,383 @@
+"""A run's record on disk (JSON) and the views made from it (a Markdown report, PNG plots).
+
+The writers read nothing but the JSON document: `python -m fmha_rt bench --report results.json`
+regenerates the Markdown and the plots of any recorded run, on any machine, without a GPU or torch.
+
+Document (format "fmha_rt-bench/1"):
+  header         date (UTC), GPU, SM count, clocks, driver, CUDA, versions, implementations found or
+                 not found (with the reason), settings; a synthetic test fixture says "fixture": true
+  rows           one per (point, implementation): impl, kind, pass, dtype, B, Hq, Hk, Sq, Sk, D, causal
+                 (+ seqlens for varlen), flops, then either ms, ms_min, ms_max, repeats, tflops,
+                 first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt)
+                 or error
+  host_overhead  one per (impl, pass) at the tiny overhead shape: us_per_call, or error
+  cold_start     one per impl: seconds from process start to the first forward's result, or error
+"""
+
+import json
+import os
+import statistics
+
+from . import grid, peers
+
+FORMAT = "fmha_rt-bench/1"
+SUBJECT = "fmha_rt"
+POINT_KEYS = ("kind", "pass", "dtype", "B", "Hq", "Hk", "Sq", "Sk", "D", "causal")
+MIB = 1024**2
+
+
+def new_document(header):
+    return {"format": FORMAT, "header": header, "rows": [], "host_overhead": [], "cold_start": []}
+
+
+def dumps(doc):
+    """JSON with one result row a line, so a committed record diffs point by point."""
+    entries = []
+    for key, value in doc.items():
+        if isinstance(value, list) and value:
+            text = "[\n" + ",\n".join("  " + json.dumps(item) for item in value) + "\n ]"
+        else:
+            text = json.dumps(value, indent=1).replace("\n", "\n ")
+        entries.append(f" {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(entries) + "\n}\n"
+
+
+def save(doc, path):
+    """Write atomically, so an interrupted sweep never leaves half a file behind."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(dumps(doc))
+    os.replace(partial, path)
+
+
+def load(path):
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{path} is not a benchmark record of this tool (format {found!r}, expected {FORMAT!r})")
+    return doc
+
+
+def merge(docs):
+    """One document from several runs (e.g. a sweep split over several sessions): the first run's
+    header, every row, and a later run's row replacing an earlier one at the same (point, impl)."""
+    merged = new_document(dict(docs[0]["header"]))
+    if len(docs) > 1:
+        merged["header"]["merged_from"] = [doc["header"].get("date") for doc in docs]
+    sections = {"rows": lambda r: (point_key(r), r["impl"]),
+                "host_overhead": lambda r: (r["impl"], r["pass"]),
+                "cold_start": lambda r: r["impl"]}
+    for section, key in sections.items():
+        by_key = {}
+        for doc in docs:
+            by_key.update((key(row), row) for row in doc.get(section, []))
+        merged[section] = list(by_key.values())
+    return merged
+
+
+def point_key(row):
+    return tuple(row.get(key) for key in POINT_KEYS) + (tuple(row.get("seqlens") or ()),)
+
+
+def impl_order(names):
+    """Implementations in the table's order (fmha_rt first), unknown names last, alphabetically."""
+    known = [name for name in peers.PEER_NAMES if name in names]
+    return known + sorted(set(names) - set(known))
+
+
+def groups(rows):
+    """Rows by (pass, dtype), in the grid's order."""
+    found = {}
+    for row in rows:
+        found.setdefault((row["pass"], row["dtype"]), []).append(row)
+    order = [(p, d) for p in grid.PASSES for d in grid.DTYPES]
+    return [(key, found[key]) for key in order if key in found] + \
+           [(key, found[key]) for key in sorted(found) if key not in order]
+
+
+def _point_sort_key(row):
+    kind = grid.KINDS.index(row["kind"]) if row["kind"] in grid.KINDS else len(grid.KINDS)
+    return (kind, row["D"], row["Hq"] // max(row["Hk"], 1), row["Sq"], row["causal"])
+
+
+def _points(rows):
+    """{point key: {impl: row}} in display order."""
+    table = {}
+    for row in sorted(rows, key=_point_sort_key):
+        table.setdefault(point_key(row), {})[row["impl"]] = row
+    return table
+
+
+def ratio_to_best_peer(by_impl):
+    """fmha_rt's TFLOP/s over the best other implementation's at one point, or None."""
+    subject = by_impl.get(SUBJECT, {}).get("tflops")
+    peer_values = [row["tflops"] for impl, row in by_impl.items() if impl != SUBJECT and row.get("tflops")]
+    if not subject or not peer_values:
+        return None
+    return subject / max(peer_values)
+
+
+# ---- Markdown -------------------------------------------------------------------------------------
+
+def markdown(doc, plot_names=()):
+    header, rows = doc["header"], doc["rows"]
+    lines = ["# fmha_rt attention benchmark", ""]
+    if header.get("fixture"):
+        lines += [f"> **Synthetic test fixture, not a measurement.** {header.get('note', '')}".rstrip(), ""]
+    lines += _machine_section(header) + _impls_section(header) + _convention_section(header)
+    for (pass_name, dtype), group in groups(rows):
+        lines += [f"## {pass_name}, {dtype}: TFLOP/s", ""] + _tflops_table(group) + [""]
+    if plot_names:
+        lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plot_names] + [""]
+    lines += _memory_section(rows) + _first_call_section(rows)
+    lines += _overhead_section(doc.get("host_overhead", [])) + _cold_start_section(doc.get("cold_start", []))
+    lines += _errors_section(rows)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _table(headings, body):
+    lines = ["| " + " | ".join(headings) + " |", "|" + "|".join("---" for _ in headings) + "|"]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in body]
+    return lines
+
+
+def _cell(value):
+    if value is None:
+        return "–"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _machine_section(h):
+    clocks = h.get("clocks_mhz") or {}
+    clock_text = None
+    if clocks.get("sm") is not None:
+        clock_text = f"SM {clocks['sm']} MHz (max {clocks.get('max_sm')}), memory {clocks.get('mem')} MHz"
+    l2 = f", L2 {h['l2_bytes'] / MIB:.0f} MiB" if h.get("l2_bytes") else ""
+    commit = f" ({h['fmha_rt_commit']})" if h.get("fmha_rt_commit") else ""
+
+    def text(*keys):
+        return " / ".join(_cell(h.get(key)) for key in keys)
+
+    body = [("date (UTC)", h.get("date")),
+            ("GPU", f"{text('gpu')}, {text('sm_count')} SMs{l2}"),
+            ("clocks at start", clock_text),
+            ("driver / CUDA", text("driver", "cuda")),
+            ("python / torch / triton", text("python", "torch", "triton")),
+            ("fmha_rt", text("fmha_rt") + commit)]
+    if h.get("merged_from"):
+        body.append(("merged runs", ", ".join(str(d) for d in h["merged_from"])))
+    return ["## Machine", ""] + _table(["", ""], body) + [""]
+
+
+def _impls_section(h):
+    impls = h.get("impls", {})
+    body = [(name, impls[name].get("status"), impls[name].get("version") or impls[name].get("reason"),
+             impls[name].get("description")) for name in impl_order(impls)]
+    return ["## Implementations", ""] + _table(["impl", "status", "version or reason", "what"], body) + [""]
+
+
+def _convention_section(h):
+    s = h.get("settings", {})
+    return [
+        "TFLOP/s = FLOPs / median time. FLOPs: fwd = 4·B·Hq·Sq·Sk·D, halved when causal; bwd and bwd_det"
+        " = 2.5 × fwd. Every dense point has B·S = 16k tokens and Hq·D = 2048.",
+        f"Median of {s.get('repeats')} calls timed by CUDA events after a warm-up of at least"
+        f" {s.get('warmup_ms')} ms; inputs rotate over copies spanning at least four L2 caches. A backward"
+        " is timed alone: fmha_rt's mha_bwd on a saved forward; the torch-based implementations'"
+        " torch.autograd.grad on a saved graph. `–`: not run (the implementation lacks that mode);"
+        " `error`: see Errors.",
+        ""]
+
+
+def _tflops_table(group):
+    impls = impl_order({row["impl"] for row in group})
+    headings = ["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls + [f"{SUBJECT} family", f"{SUBJECT} / best peer"]
+    body = []
+    for by_impl in _points(group).values():
+        first = next(iter(by_impl.values()))
+        cells = [_tflops_cell(by_impl.get(impl)) for impl in impls]
+        ratio = ratio_to_best_peer(by_impl)
+        body.append(_point_cells(first) + cells + [by_impl.get(SUBJECT, {}).get("family"),
+                                                   None if ratio is None else f"{ratio:.2f}×"])
+    return _table(headings, body)
+
+
+def _point_cells(row):
+    seqlen = f"≤{row['Sq']} (varlen)" if row.get("seqlens") else row["Sq"]
+    return [row["kind"], row["B"], f"{row['Hq']}/{row['Hk']}", seqlen, row["D"], "yes" if row["causal"] else "no"]
+
+
+def _tflops_cell(row):
+    if row is None:
+        return None
+    if "error" in row:
+        return "error"
+    return f"{row['tflops']:.1f}"
+
+
+def _memory_section(rows):
+    lines = ["## Device memory per call", "",
+             "Peak extra device memory of one call in MiB (torch allocator, measured around the call);"
+             f" for {SUBJECT}'s backward, `ws` is the workspace its API reports.", ""]
+    for (pass_name, dtype), group in groups(rows):
+        impls = impl_order({row["impl"] for row in group})
+        body = [_point_cells(next(iter(by_impl.values()))) + [_memory_cell(by_impl.get(i)) for i in impls]
+                for by_impl in _points(group).values()]
+        lines += ["<details><summary>" + f"{pass_name}, {dtype}" + "</summary>", ""]
+        lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls, body) + ["", "</details>", ""]
+    return lines
+
+
+def _memory_cell(row):
+    if row is None or "peak_extra_bytes" not in row:
+        return None
+    text = f"{row['peak_extra_bytes'] / MIB:.0f}"
+    if row.get("workspace_bytes") is not None:
+        text += f" (ws {row['workspace_bytes'] / MIB:.1f})"
+    return text
+
+
+def _first_call_section(rows):
+    """The first call at a new shape against the steady state: for implementations that compile per
+    shape (FlexAttention, FlashAttention-4) the difference is their per-new-shape compile time."""
+    timed = [row for row in rows if "first_call_ms" in row and "ms" in row]
+    keyed = {}
+    for row in timed:
+        keyed.setdefault((row["impl"], row["pass"]), []).append(row)
+    body = []
+    for impl in impl_order({impl for impl, _ in keyed}):
+        for pass_name in grid.PASSES:
+            sample = keyed.get((impl, pass_name))
+            if sample:
+                extra = [r["first_call_ms"] - r["ms"] for r in sample]
+                body.append((impl, pass_name, len(sample), f"{statistics.median(extra):.1f}",
+                             f"{max(extra):.1f}", f"{statistics.median(r['ms'] for r in sample):.3f}"))
+    if not body:
+        return []
+    return ["## First call at a new shape", "",
+            "First call minus the steady median, in ms (compile time for implementations that JIT per shape).", ""] + \
+        _table(["impl", "pass", "points", "median extra ms", "max extra ms", "median steady ms"], body) + [""]
+
+
+def _overhead_section(overhead):
+    if not overhead:
+        return []
+    by_impl = {}
+    for row in overhead:
+        by_impl.setdefault(row["impl"], {})[row["pass"]] = row
+    shape = grid.OVERHEAD_SHAPE
+    body = [(impl, *(_overhead_cell(by_impl[impl].get(p)) for p in ("fwd", "bwd"))) for impl in impl_order(by_impl)]
+    return [f"## Host overhead, µs per call (B={shape['batch']} H={shape['heads']} S={shape['seqlen']}"
+            f" D={shape['head_dim']}, bf16)", "",
+            "Wall clock over many back-to-back calls of a problem too small to keep the GPU busy.", ""] + \
+        _table(["impl", "fwd", "bwd"], body) + [""]
+
+
+def _overhead_cell(row):
+    if row is None:
+        return None
+    return "error" if "error" in row else f"{row['us_per_call']:.1f}"
+
+
+def _cold_start_section(cold):
+    if not cold:
+        return []
+    shape = grid.COLD_START_SHAPE
+    by_impl = {row["impl"]: row for row in cold}
+    body = [(impl, None if "error" in row else f"{row['seconds']:.2f}",
+             None if "error" in row else f"{row['harness_import_s']:.2f}", row.get("error"))
+            for impl, row in ((i, by_impl[i]) for i in impl_order(by_impl))]
+    return [f"## Cold start (fresh process, one forward B={shape['batch']} H={shape['heads']}"
+            f" S={shape['seqlen']} D={shape['head_dim']}, bf16)", "",
+            "Seconds from spawning `python -c` to the first result on the host; the harness's own import"
+            " is part of it and shown apart.", ""] + \
+        _table(["impl", "seconds", "of which harness import", "error"], body) + [""]
+
+
+def _errors_section(rows):
+    failed = [row for row in rows if "error" in row]
+    if not failed:
+        return []
+    body = [(row["impl"], _point_text(row), row["error"][:300]) for row in failed]
+    return ["## Errors", ""] + _table(["impl", "point", "error"], body) + [""]
+
+
+def _point_text(row):
+    causal = " causal" if row["causal"] else ""
+    return (f"{row['kind']} {row['pass']} {row['dtype']} B={row['B']} H={row['Hq']}/{row['Hk']}"
+            f" S={row['Sq']} D={row['D']}{causal}")
+
+
+# ---- Plots ----------------------------------------------------------------------------------------
+
+def plot_name(stem, pass_name, dtype):
+    return f"{stem}_{pass_name}_{dtype}.png"
+
+
+def write_plots(doc, out_dir, stem):
+    """One PNG per (pass, dtype): TFLOP/s against sequence length, one line per implementation, a
+    subplot per head dim (and one for GQA) and causal setting. Varlen rows have no sequence axis and
+    appear in the tables only. Returns the file names written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = []
+    for (pass_name, dtype), group in groups(doc["rows"]):
+        measured = [row for row in group if row["kind"] in ("dense", "gqa") and row.get("tflops")]
+        if not measured:
+            continue
+        panels = sorted({(row["kind"], row["D"]) for row in measured}, key=lambda p: (p[0] == "gqa", p[1]))
+        causals = sorted({row["causal"] for row in measured})
+        impls = impl_order({row["impl"] for row in measured})
+        fig = Figure(figsize=(5.2 * len(causals), 3.3 * len(panels) + 0.8), layout="constrained")
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(panels), len(causals), squeeze=False)
+        for (kind, head_dim), axes_row in zip(panels, axes):
+            for causal, ax in zip(causals, axes_row):
+                cell = [r for r in measured if (r["kind"], r["D"], r["causal"]) == (kind, head_dim, causal)]
+                _plot_panel(ax, cell, impls, kind, head_dim, causal)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(impls), 4))
+        fixture = " (synthetic fixture, not a measurement)" if doc["header"].get("fixture") else ""
+        fig.suptitle(f"{pass_name} {dtype}, {doc['header'].get('gpu')}{fixture}")
+        name = plot_name(stem, pass_name, dtype)
+        fig.savefig(os.path.join(out_dir, name), dpi=100)
+        names.append(name)
+    return names
+
+
+def _plot_panel(ax, rows, impls, kind, head_dim, causal):
+    seqlens = sorted({row["Sq"] for row in rows})
+    # Every implementation is drawn in every panel, even without points, so the shared legend (taken
+    # from the first panel) lists them all.
+    for impl in impls:
+        points = sorted((row["Sq"], row["tflops"]) for row in rows if row["impl"] == impl)
+        ax.plot([s for s, _ in points], [t for _, t in points], marker="o", label=impl, color=_colour(impl),
+                linewidth=2.5 if impl == SUBJECT else 1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
+    ax.minorticks_off()
+    group = f", GQA {rows[0]['Hq'] // rows[0]['Hk']}:1" if kind == "gqa" and rows else ""
+    ax.set_title(f"D={head_dim}{group}, {'causal' if causal else 'non-causal'}")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
+def _colour(impl):
+    """The same colour for an implementation in every plot of every run."""
+    index = peers.PEER_NAMES.index(impl) if impl in peers.PEER_NAMES else len(peers.PEER_NAMES)
+    return f"C{index % 10}"
+
+
+def write_reports(doc, out_dir, stem="results"):
+    """Markdown and PNGs for `doc` in `out_dir`; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    plots = write_plots(doc, out_dir, stem)
+    md_path = os.path.join(out_dir, f"{stem}.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(doc, plots))
+    return [md_path] + [os.path.join(out_dir, name) for name in plots]

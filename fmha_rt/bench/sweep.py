@@ -1,0 +1,148 @@
+"""Runs every (point, implementation) pair of a sweep into result rows, and the measurements made
+beside it (host overhead, cold start).
+
+A failure at one pair becomes that row's "error" string (with the warnings raised on the way, which
+is where torch says why it found no kernel) and the sweep goes on. Only a broken device context stops
+it, since every later call would fail the same way.
+"""
+
+import dataclasses
+import sys
+import warnings
+
+from . import flops, grid, peers, timing
+
+ERROR_CHARS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    repeats: int = 30
+    warmup_ms: float = 50.0
+    overhead_calls: int = 2000
+
+    def fields(self):
+        return dataclasses.asdict(self)
+
+
+class DeviceLost(RuntimeError):
+    """The device context broke during the sweep; rows measured before it were handed to on_point."""
+
+
+def planned_pairs(points, adapters):
+    """The (point, impl name) pairs the sweep will run: implementations skip modes they lack."""
+    return [(point, name) for point in points for name, adapter in adapters.items()
+            if peers.unsupported(adapter, point) is None]
+
+
+def run_sweep(points, adapters, device, settings, *, on_point=None, progress_stream=sys.stderr):
+    """Measure every supported pair; `adapters` maps impl names to adapters. After each point's
+    implementations are done, on_point(rows so far) runs (the CLI saves partial results there)."""
+    pairs = planned_pairs(points, adapters)
+    progress = Progress(len(pairs), progress_stream)
+    rows = []
+    try:
+        for index, (point, name) in enumerate(pairs):
+            progress.start(f"{name} {point.label()}")
+            row = measure_pair(name, adapters[name], point, device, settings)
+            rows.append(row)
+            progress.advance()
+            if "error" in row and not device.healthy():
+                if on_point:
+                    on_point(rows)
+                raise DeviceLost(f"the device stopped working after {name} at {point.label()}: {row['error']}")
+            last_of_point = index + 1 == len(pairs) or pairs[index + 1][0] != point
+            if on_point and last_of_point:
+                on_point(rows)
+    finally:
+        progress.close()
+    return rows
+
+
+def measure_pair(name, adapter, point, device, settings):
+    row = {"impl": name, **point.fields(), "flops": point.flops()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with adapter.context():
+                row.update(_measure(adapter, point, device, settings))
+        except Exception as exc:  # any failure of any implementation is a result, not a crash
+            row["error"] = describe_error(exc, caught)
+    device.release_cached()
+    return row
+
+
+def _measure(adapter, point, device, settings):
+    copies = timing.copies_needed(timing.working_set_bytes(point), device.l2_bytes())
+    cases = [peers.make_case(point, device.name, seed=i) for i in range(copies)]
+    calls = [_prepare(adapter, point, case) for case in cases]
+    result = {"copies": copies, "first_call_ms": timing.first_call_ms(calls[0], device)}
+    result.update(adapter.launch_info())
+    result["peak_extra_bytes"] = device.peak_extra_bytes(calls[0])
+    workspace = adapter.workspace_bytes(cases[0], point.deterministic) if point.backward else None
+    if workspace is not None:
+        result["workspace_bytes"] = workspace
+    measured = timing.time_calls(calls, device, warmup_ms=settings.warmup_ms, repeats=settings.repeats)
+    result.update(measured.fields(), tflops=flops.tflops(point.flops(), measured.ms))
+    return result
+
+
+def _prepare(adapter, point, case):
+    return adapter.backward(case, point.deterministic) if point.backward else adapter.forward(case)
+
+
+def describe_error(exc, caught_warnings=()):
+    text = f"{type(exc).__name__}: {exc}".strip()
+    notes = []
+    for caught in caught_warnings:
+        message = str(caught.message).strip()
+        if message and message not in text and message not in notes:
+            notes.append(message)
+    if notes:
+        text += " | warnings: " + " / ".join(notes)
+    return text[:ERROR_CHARS]
+
+
+def measure_host_overhead(name, adapter, device, settings):
+    """Host microseconds per call of the tiny grid.OVERHEAD_SHAPE, forward and backward."""
+    rows = []
+    for pass_name in ("fwd", "bwd"):
+        point = peers.small_point(grid.OVERHEAD_SHAPE, pass_name)
+        row = {"impl": name, **point.fields(), "calls": settings.overhead_calls}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with adapter.context():
+                    call = _prepare(adapter, point, peers.make_case(point, device.name, seed=0))
+                    row["us_per_call"] = timing.host_overhead_us(call, device, calls=settings.overhead_calls)
+            except Exception as exc:  # recorded like any other failed measurement
+                row["error"] = describe_error(exc, caught)
+        rows.append(row)
+    return rows
+
+
+class Progress:
+    """A tqdm bar when tqdm is installed, else one stderr line per step naming what runs next."""
+
+    def __init__(self, total, stream):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self._bar = tqdm(total=total, file=stream, unit="run", dynamic_ncols=True) if tqdm else None
+        self._total, self._done, self._stream = total, 0, stream
+
+    def start(self, label):
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=True)
+        else:
+            print(f"[{self._done + 1}/{self._total}] {label}", file=self._stream, flush=True)
+
+    def advance(self):
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
