@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from . import backend
 from .buffers import DeviceBuffer
 from .dlpack import import_array
 from .errors import FmhaTypeError, FmhaValueError
@@ -20,7 +21,12 @@ class Arg:
 
     def __init__(self, name: str, obj, stream: int):
         self.name, self.source = name, obj
-        self.view = import_array(obj, stream=stream, name=name)
+        device = _gpu_device_of(obj)
+        if device is None:
+            self.view = import_array(obj, stream=stream, name=name)
+        else:  # frameworks export only from their current device: make the array's device current
+            with backend.device_scope(device):
+                self.view = import_array(obj, stream=stream, name=name)
         self.pointer = Pointer(self.view.data_ptr)
         self._span = None
 
@@ -46,6 +52,18 @@ class Arg:
             start = self.view.span_start
             self._span = (start, start + self.view.nbytes_span)
         return self._span
+
+
+_GPU_DLPACK_DEVICES = (2, 10)  # kDLCUDA, kDLROCM
+
+
+def _gpu_device_of(obj):
+    """The GPU ordinal a DLPack producer says it lives on, or None (host arrays, non-producers)."""
+    try:
+        device_type, device_id = obj.__dlpack_device__()
+    except Exception:  # import_array reports non-producers precisely
+        return None
+    return int(device_id) if int(device_type) in _GPU_DLPACK_DEVICES else None
 
 
 def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False) -> Arg:
@@ -114,8 +132,6 @@ def finish_outputs(template, arrays, stream: int):
     if _framework(template) not in ("jax", "jaxlib"):
         return arrays
     import jax.dlpack
-
-    from . import backend
 
     backend.synchronize(template_device(template), stream)  # JAX reads on its own stream
     return tuple(jax.dlpack.from_dlpack(a) if isinstance(a, DeviceBuffer) else a for a in arrays)

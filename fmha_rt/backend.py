@@ -7,6 +7,7 @@ one. Initialisation happens on first use, once per process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import threading
@@ -130,6 +131,17 @@ def current_device() -> int:
     out = ffi.new("int *")
     check(lib.fmha_current_device(out), "fmha_current_device")
     return out[0]
+
+
+@contextlib.contextmanager
+def device_scope(ordinal: int):
+    """Make `ordinal` the calling thread's current device inside the block, then restore the caller's."""
+    scope = ffi.new("fmha_device_scope *")
+    check(lib.fmha_device_scope_enter(ordinal, scope), "fmha_device_scope_enter", device=ordinal)
+    try:
+        yield
+    finally:
+        lib.fmha_device_scope_leave(scope)
 
 
 def kernel_map_entries() -> list[tuple[int, str]]:

@@ -264,8 +264,8 @@ int fmha_device_count(int *count) {
 
 /* ---- making a device current for one call, and restoring the caller's state ---- */
 
-/* What enter_device changed, so that leave_device can put it back. */
-typedef struct { drv_handle ctx; int device; int restore; } saved_device;
+/* What enter_device changed, so that leave_device can put it back (the public fmha_device_scope). */
+typedef fmha_device_scope saved_device;
 
 static int cuda_primary_context(int device, drv_handle *ctx) {
     /* Every launch comes here: once retained, a context is read without taking the lock. */
@@ -292,8 +292,8 @@ static int enter_device(int device, saved_device *saved) {
         drv_handle ctx;
         int s = cuda_primary_context(device, &ctx);
         if (s != FMHA_OK) return s;
-        if ((r = g.d.ctx_get_current(&saved->ctx)) != 0) return driver_error(r, "cuCtxGetCurrent", NULL, device);
-        saved->restore = saved->ctx != ctx;
+        if ((r = g.d.ctx_get_current(&saved->context)) != 0) return driver_error(r, "cuCtxGetCurrent", NULL, device);
+        saved->restore = saved->context != ctx;
         if (saved->restore && (r = g.d.ctx_set_current(ctx)) != 0)
             return driver_error(r, "cuCtxSetCurrent", NULL, device);
     } else {
@@ -307,8 +307,21 @@ static int enter_device(int device, saved_device *saved) {
 
 static void leave_device(const saved_device *saved) {
     if (!saved->restore) return;
-    if (g.backend == FMHA_BACKEND_CUDA) g.d.ctx_set_current(saved->ctx);
+    if (g.backend == FMHA_BACKEND_CUDA) g.d.ctx_set_current(saved->context);
     else g.d.set_device(saved->device);
+}
+
+int fmha_device_scope_enter(int device, fmha_device_scope *scope) {
+    int s = check_ordinal(device);
+    if (s != FMHA_OK) return s;
+    if (scope == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_device_scope_enter: NULL scope");
+    return enter_device(device, scope);
+}
+
+int fmha_device_scope_leave(const fmha_device_scope *scope) {
+    if (scope == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_device_scope_leave: NULL scope");
+    leave_device(scope);
+    return FMHA_OK;
 }
 
 int fmha_current_device(int *ordinal) {

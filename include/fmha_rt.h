@@ -57,6 +57,17 @@ int fmha_device_get_info(int ordinal, fmha_device_info *info);
 /* The device that is current on the calling thread (the caller's state, which the shim restores). */
 int fmha_current_device(int *ordinal);
 
+/* Make `device` current on the calling thread until fmha_device_scope_leave, which restores what was
+   current before. For calls into other libraries that act on the current device (a framework's
+   DLPack export, say) on behalf of arrays that live on another device. */
+typedef struct fmha_device_scope {
+    void *context;
+    int device;
+    int restore;
+} fmha_device_scope;
+int fmha_device_scope_enter(int device, fmha_device_scope *scope);
+int fmha_device_scope_leave(const fmha_device_scope *scope);
+
 /* Find (device, key) in the kernel map, loading `image` on that device on first use. `symbol` is the
    entry point's name inside the image; `dynamic_shared_bytes` above 48 KiB raises the kernel's limit.
    Safe to call from many threads: the map is guarded by a mutex, loading happens outside it, and a

@@ -5,6 +5,7 @@ is a stand-in with two sm_90 devices: validation runs exactly as on a GPU machin
 passed it would reach the executor, which here fails the test. So each case shows a precise error
 raised before any launch, with every output left as it was.
 """
+import contextlib
 import ctypes
 
 import numpy as np
@@ -45,6 +46,7 @@ def fake_runtime(monkeypatch):
     devices = tuple(backend.Device(i, "stand-in", "sm_90", "sm_90", 132, 232448, 2**37) for i in range(2))
     rt = backend.Runtime("cuda", "stand-in", 13000, devices)
     monkeypatch.setattr(backend, "runtime", lambda: rt)
+    monkeypatch.setattr(backend, "device_scope", lambda ordinal: contextlib.nullcontext())
 
     def no_launch(*args, **kwargs):
         raise AssertionError("validation let a bad call reach the launch")
