@@ -156,10 +156,26 @@ BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC
                        INTERPRET_ARCH: (DQ_ATOMIC, DQ_DETERMINISTIC)}
 
 
+# Variants with a tensor bias or dropout hold one more score-sized tile per key block (bias loads are
+# pipelined like K and V; dropout draws are interleaved through shared memory). Where the plain tile
+# would then overflow shared memory (227 KiB on sm_90), they take this one instead.
+FEATURE_TILES = {
+    "sm_90": {"fwd": {(128, 128): Tile(128, 64, 8, 3)}},
+}
+
+
 def _arch_tiles(arch):
     if arch not in TILES:
         raise FmhaValueError(f"arch must be one of {sorted(TILES)}, got {arch!r}")
     return TILES[arch]
+
+
+def tile_for(arch, pass_name, pair, bias_kind, dropout) -> Tile:
+    """The tile of one attention variant: pass_name 'fwd', 'bwd_dkdv' or 'bwd_dq'."""
+    tile = _arch_tiles(arch)[pass_name][pair]
+    if bias_kind == BIAS_TENSOR or dropout:
+        return FEATURE_TILES.get(arch, {}).get(pass_name, {}).get(pair, tile)
+    return tile
 
 
 # ------------------------------------------------------------------------------------------ variants
@@ -210,7 +226,6 @@ def _variant(key, function, dtype, tile, constexprs, traits):
 
 
 def _attention_variants(arch, dtype, pair, bias_kind, dropout):
-    tiles = _arch_tiles(arch)
     features = {"BIAS_KIND": bias_kind, "DROPOUT": dropout}
     common = {"head_dim_qk_tile": pair[0], "head_dim_v_tile": pair[1],
               "bias": BIAS_KIND_NAMES[bias_kind], "dropout": dropout}
@@ -220,17 +235,17 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
                 dict(common, block_m=tile.block_m, block_n=tile.block_n, **{"pass": pass_name}))
 
     out = []
-    tile = tiles["fwd"][pair]
+    tile = tile_for(arch, "fwd", pair, bias_kind, dropout)
     constexprs, traits = tiled("fwd", tile)
     out.append(_variant(fwd_key(dtype, pair, bias_kind, dropout), "fmha_fwd", dtype, tile,
                         dict(constexprs, **features), dict(traits, deterministic=True)))
-    tile = tiles["bwd_dkdv"][pair]
+    tile = tile_for(arch, "bwd_dkdv", pair, bias_kind, dropout)
     for strategy in BUILT_DQ_STRATEGIES[arch]:
         constexprs, traits = tiled("bwd_main", tile)
         out.append(_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy), "fmha_bwd_dkdv", dtype, tile,
                             dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC, **features),
                             dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC)))
-    tile = tiles["bwd_dq"][pair]
+    tile = tile_for(arch, "bwd_dq", pair, bias_kind, dropout)
     constexprs, traits = tiled("bwd_dq", tile)
     out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
                         dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
@@ -542,7 +557,7 @@ def plan_fwd(problem, arch, tensors) -> list:
     """
     pair = head_dim_tiles(problem)
     kind, dropout = _features(problem)
-    tile = _arch_tiles(arch)["fwd"][pair]
+    tile = tile_for(arch, "fwd", pair, kind, dropout)
     if not _has_work(problem):
         return []
     a = _Args(problem, tensors)
@@ -589,7 +604,6 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     """
     pair = head_dim_tiles(problem)
     kind, dropout = _features(problem)
-    tiles = _arch_tiles(arch)
     workspace = bwd_workspace(problem, arch, dq_strategy_request)
     strategy = workspace.dq_strategy
     if not _has_work(problem):
@@ -629,7 +643,7 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         ds_args = {"dS": a.required("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
                    "write_dbias": 1}
 
-    tile = tiles["bwd_dkdv"][pair]
+    tile = tile_for(arch, "bwd_dkdv", pair, kind, dropout)
     dkdv = {**attention, **dqacc_args, **ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"),
             "dV": a.required("dv")}
     key = dkdv_key(problem.dtype, pair, kind, dropout, strategy)
@@ -645,7 +659,7 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
                                _ordered(key, "fmha_bwd_dq_convert", convert)))
     else:
-        tile = tiles["bwd_dq"][pair]
+        tile = tile_for(arch, "bwd_dq", pair, kind, dropout)
         dq = {**attention, **rows["dq"], "dQ": a.required("dq")}
         key = dq_key(problem.dtype, pair, kind, dropout)
         launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem),

@@ -1,0 +1,357 @@
+"""Portable attention backward.
+
+Passes, in launch order:
+1. fmha_bwd_preprocess: Delta = rowsum(dO * O) in fp32 (one program per query block and head).
+2. fmha_bwd_dkdv: one program per (key block, kv head, batch entry). It loops over the group's query
+   heads and the visible query blocks in a fixed order, so dK and dV (summed over the group) are
+   deterministic. It also writes dS for the bias gradient and, in the ATOMIC dQ strategy, adds
+   dS @ K into an fp32 dQ workspace with atomics.
+3. DETERMINISTIC dQ strategy: fmha_bwd_dq, one program per query block looping over its visible key
+   blocks in a fixed order; it recomputes P and dP, writes dQ in the output dtype, and needs no
+   workspace. ATOMIC strategy: fmha_bwd_dq_convert scales the fp32 workspace into dQ.
+4. fmha_bwd_dbias (with a tensor bias): sums dS over the bias's broadcast dims in a fixed order.
+
+Why a separate dQ kernel for the deterministic strategy: it is bitwise reproducible by construction
+(each dQ tile has one owner that accumulates in a fixed order), independent of the number of
+multiprocessors and of streams, runs under the CPU interpreter (unlike a serialised in-place
+accumulation, it needs no program to wait for another), and needs no dQ workspace at all. Its cost is
+recomputing Q K^T and dO V^T: 7 block products per (query block, key block) pair instead of 5, traded
+against the atomic variant's fp32 read-modify-write of a BLOCK_M x D tile per pair. On an H200 that
+trade came out even or better (see DEFAULT_DQ_STRATEGY in fmha_rt/portable_plan.py).
+"""
+import triton
+import triton.language as tl
+
+from kernels.portable.fmha_common import (KIND_ALIBI, KIND_TENSOR, LOG2E, dropout_draws, dropout_row_counters,
+                                          key_blocks, masked_block, philox_seed_offset, query_blocks, scores,
+                                          sequence_extent, window_sides)
+
+
+@triton.jit
+def _log2_lse(Lse_rows, rows_local, q_ok):
+    """LSE rows in the log2 domain; rows that saw no key (-inf) and rows past the end become +inf, so
+    that their probabilities exp2(s - lse) are exactly 0."""
+    lse = tl.load(Lse_rows + rows_local, mask=q_ok, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def fmha_bwd_preprocess(
+    Out, dO, Delta, CuSeqlensQ, SeqstartQ,
+    stride_o_b, stride_o_s, stride_o_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    delta_stride_b, delta_stride_h,
+    seqlen_q, head_dim_v_div8, is_varlen, has_seqstart,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= sq:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = m0 + offs_m < sq
+    ok = q_ok[:, None] & (offs_dv < head_dim_v_div8 * 8)[None, :]
+    row0 = (q_start + m0).to(tl.int64)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    o = tl.load(Out + b64 * stride_o_b + row0 * stride_o_s + h64 * stride_o_h
+                + offs_m[:, None] * stride_o_s + offs_dv[None, :], mask=ok, other=0.0)
+    do = tl.load(dO + b64 * stride_do_b + row0 * stride_do_s + h64 * stride_do_h
+                 + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * delta_stride_b + h64 * delta_stride_h + row0 + offs_m, delta, mask=q_ok)
+
+
+@triton.jit
+def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_rows, dO_rows, Lse_rows,
+                      Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                      stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2,
+                      slope_log2, seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale,
+                      write_dbias,
+                      MASKED: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                      DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds one query block's share to dK, dV of the program's key block (scores transposed:
+    keys are rows, queries columns)."""
+    rows = m0 + offs_m
+    q_ok = rows < sq
+    m0_64 = tl.cast(m0, tl.int64)
+    qT = tl.load(Q_rows + m0_64 * stride_q_s + offs_m[None, :] * stride_q_s + offs_dqk[:, None],
+                 mask=q_ok[None, :] & dqk_ok[:, None], other=0.0)
+    do = tl.load(dO_rows + m0_64 * stride_do_s + offs_m[:, None] * stride_do_s + offs_dv[None, :],
+                 mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse2 = _log2_lse(Lse_rows, rows, q_ok)
+    delta = tl.load(Delta_rows + rows, mask=q_ok, other=0.0)
+
+    sT, scale = scores(tl.dot(k, qT), rows[None, :], keys[:, None], q_ok[None, :], off, left, right, sk,
+                       Bias_rows + m0_64 * stride_bias_s, stride_bias_s, offs_m[None, :], slope_log2, scale_log2,
+                       MASKED, BIAS_KIND)
+    pT = tl.exp2(sT * scale - lse2[None, :])
+    if DROPOUT:
+        counters = dropout_row_counters(philox_off, dropout_bh, seqlen_q, seqlen_k, rows)
+        keepT = tl.trans(dropout_draws(seed, counters, n0, BLOCK_N)) >= drop_threshold.to(tl.uint32)
+        dv += tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do)
+        dpT = tl.where(keepT, tl.dot(v, tl.trans(do)) * drop_scale, 0.0)
+    else:
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
+    if BIAS_KIND == KIND_TENSOR:
+        if write_dbias:
+            tl.store(dS_rows + m0_64 * stride_ds_s + offs_m[None, :] * stride_ds_s + keys[:, None], dsT,
+                     mask=q_ok[None, :] & (keys < sk)[:, None])
+    if DQ_ATOMIC:
+        dq = tl.dot(tl.trans(dsT).to(k.dtype), k)
+        tl.atomic_add(DqAcc_rows + m0_64 * stride_dqacc_s + offs_m[:, None] * stride_dqacc_s + offs_dqk[None, :],
+                      dq, mask=q_ok[:, None] & dqk_ok[None, :], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def fmha_bwd_dkdv(
+    Q, K, V, dO, Lse, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):
+    n_block = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+    n0 = n_block * BLOCK_N
+    if n0 >= sk:
+        return
+    off = tl.where(bottom_right != 0, sk - sq, 0)
+    left, right = window_sides(window_left, window_right, sq, sk)
+    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    keys = n0 + offs_n
+    k_ok = keys < sk
+    dqk_ok = offs_dqk < head_dim_qk_div8 * 8
+    dv_ok = offs_dv < head_dim_v_div8 * 8
+    k_row0 = (k_start + n0).to(tl.int64)
+    k = tl.load(K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h
+                + offs_n[:, None] * stride_k_s + offs_dqk[None, :], mask=k_ok[:, None] & dqk_ok[None, :], other=0.0)
+    v = tl.load(V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h
+                + offs_n[:, None] * stride_v_s + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+    seed, philox_off = philox_seed_offset(philox_seed, philox_offset, PhiloxSeedOffset, philox_from_ptr)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
+    q_row0 = q_start.to(tl.int64)
+    for g in range(0, kv_group_size):
+        h = hk * kv_group_size + g
+        h64 = h.to(tl.int64)
+        Q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h
+        dO_rows = dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h
+        Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
+        Delta_rows = Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0
+        DqAcc_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h
+        Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h
+        dS_rows = dS + b64 * stride_ds_b + h64 * stride_ds_h
+        slope_log2 = 0.0
+        if BIAS_KIND == KIND_ALIBI:
+            slope_log2 = tl.load(Alibi + b64 * alibi_stride_b + h) * LOG2E
+        dropout_bh = b * num_heads_q + h
+        for blk in range(full_lo, full_hi):
+            dk, dv = _dkdv_query_block(
+                dk, dv, k, v, n0, keys, blk * BLOCK_M, sq, sk, off, left, right, Q_rows, dO_rows, Lse_rows,
+                Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
+                seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
+                False, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+        for t in range(0, (full_lo - lo) + (hi - full_hi)):
+            blk = masked_block(t, lo, full_lo, full_hi)
+            dk, dv = _dkdv_query_block(
+                dk, dv, k, v, n0, keys, blk * BLOCK_M, sq, sk, off, left, right, Q_rows, dO_rows, Lse_rows,
+                Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
+                seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
+                True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+
+    tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
+             + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),
+             mask=k_ok[:, None] & dqk_ok[None, :])
+    tl.store(dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h
+             + offs_n[:, None] * stride_dv_s + offs_dv[None, :], dv.to(dV.dtype.element_ty),
+             mask=k_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n, offs_dqk, offs_dv,
+                  dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2, Bias_rows,
+                  stride_bias_s, q_local, slope_log2, seed, row_counters, drop_threshold, drop_scale,
+                  MASKED: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    keys = n0 + offs_n
+    K_blk = K_rows + tl.cast(n0, tl.int64) * stride_k_s + offs_n[None, :] * stride_k_s + offs_dqk[:, None]
+    V_blk = V_rows + tl.cast(n0, tl.int64) * stride_v_s + offs_n[None, :] * stride_v_s + offs_dv[:, None]
+    if MASKED:
+        kT = tl.load(K_blk, mask=(keys < sk)[None, :] & dqk_ok[:, None], other=0.0)
+        vT = tl.load(V_blk, mask=(keys < sk)[None, :] & dv_ok[:, None], other=0.0)
+    else:
+        kT = tl.load(K_blk, mask=dqk_ok[:, None], other=0.0)
+        vT = tl.load(V_blk, mask=dv_ok[:, None], other=0.0)
+    s, scale = scores(tl.dot(q, kT), rows[:, None], keys[None, :], q_ok[:, None], off, left, right, sk, Bias_rows,
+                      stride_bias_s, q_local[:, None], slope_log2, scale_log2, MASKED, BIAS_KIND)
+    p = tl.exp2(s * scale - lse2[:, None])
+    dp = tl.dot(do, vT)
+    if DROPOUT:
+        keep = dropout_draws(seed, row_counters, n0, BLOCK_N) >= drop_threshold.to(tl.uint32)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(kT.dtype), tl.trans(kT))
+
+
+@triton.jit
+def fmha_bwd_dq(
+    Q, K, V, dO, Lse, Delta, dQ, Bias, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dq_b, stride_dq_s, stride_dq_h,
+    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+    m0 = m_block * BLOCK_M
+    if m0 >= sq:
+        return
+    off = tl.where(bottom_right != 0, sk - sq, 0)
+    left, right = window_sides(window_left, window_right, sq, sk)
+    hk = h // kv_group_size
+    b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = m0 + offs_m
+    q_ok = rows < sq
+    dqk_ok = offs_dqk < head_dim_qk_div8 * 8
+    dv_ok = offs_dv < head_dim_v_div8 * 8
+    q_row0 = (q_start + m0).to(tl.int64)
+    q = tl.load(Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h
+                + offs_m[:, None] * stride_q_s + offs_dqk[None, :], mask=q_ok[:, None] & dqk_ok[None, :], other=0.0)
+    do = tl.load(dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h
+                 + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
+    delta = tl.load(Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m, mask=q_ok, other=0.0)
+    K_rows = K + b64 * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk64 * stride_k_h
+    V_rows = V + b64 * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk64 * stride_v_h
+    Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h + tl.cast(m0, tl.int64) * stride_bias_s
+    slope_log2 = 0.0
+    if BIAS_KIND == KIND_ALIBI:
+        slope_log2 = tl.load(Alibi + b64 * alibi_stride_b + h) * LOG2E
+    seed, row_counters = 0, rows
+    if DROPOUT:
+        seed, philox_off = philox_seed_offset(philox_seed, philox_offset, PhiloxSeedOffset, philox_from_ptr)
+        row_counters = dropout_row_counters(philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, rows)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
+    for blk in range(full_lo, full_hi):
+        dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
+                           offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
+                           Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
+                           drop_scale, False, BIAS_KIND, DROPOUT, BLOCK_N)
+    for t in range(0, (full_lo - lo) + (hi - full_hi)):
+        blk = masked_block(t, lo, full_lo, full_hi)
+        dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
+                           offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
+                           Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
+                           drop_scale, True, BIAS_KIND, DROPOUT, BLOCK_N)
+    tl.store(dQ + b64 * stride_dq_b + q_row0 * stride_dq_s + h64 * stride_dq_h
+             + offs_m[:, None] * stride_dq_s + offs_dqk[None, :], (dq * softmax_scale).to(dQ.dtype.element_ty),
+             mask=q_ok[:, None] & dqk_ok[None, :])
+
+
+@triton.jit
+def fmha_bwd_dq_convert(
+    DqAcc, dQ, CuSeqlensQ, SeqstartQ,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_dq_b, stride_dq_s, stride_dq_h,
+    seqlen_q, head_dim_qk_div8, softmax_scale, is_varlen, has_seqstart,
+    BLOCK_M: tl.constexpr, BLOCK_DQK: tl.constexpr,
+):
+    """dQ = softmax_scale * (fp32 workspace of the ATOMIC strategy), in dQ's dtype."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= sq:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DQK)
+    ok = (m0 + offs_m < sq)[:, None] & (offs_d < head_dim_qk_div8 * 8)[None, :]
+    row0 = (q_start + m0).to(tl.int64)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    acc = tl.load(DqAcc + b64 * stride_dqacc_b + row0 * stride_dqacc_s + h64 * stride_dqacc_h
+                  + offs_m[:, None] * stride_dqacc_s + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(dQ + b64 * stride_dq_b + row0 * stride_dq_s + h64 * stride_dq_h
+             + offs_m[:, None] * stride_dq_s + offs_d[None, :], (acc * softmax_scale).to(dQ.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def fmha_bwd_dbias(
+    dS, dBias,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    stride_dbias_b, stride_dbias_h, stride_dbias_s,
+    seqlen_q, seqlen_k, reduce_batch, reduce_heads,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dBias[bo, ho] = sum over (b, h) broadcast onto (bo, ho) of dS[b, h], summed batch-major in a
+    fixed order (deterministic). reduce_batch / reduce_heads are B and Hq for broadcast dims, else 1."""
+    ho = tl.program_id(1)
+    bo = tl.program_id(2)
+    m0 = tl.program_id(0) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_ok = m0 + offs_m < seqlen_q
+    m0_64 = tl.cast(m0, tl.int64)
+    dS_rows = dS + m0_64 * stride_ds_s + offs_m[:, None] * stride_ds_s
+    out_rows = (dBias + bo.to(tl.int64) * stride_dbias_b + ho.to(tl.int64) * stride_dbias_h
+                + m0_64 * stride_dbias_s + offs_m[:, None] * stride_dbias_s)
+    for n0 in range(0, seqlen_k, BLOCK_N):
+        keys = n0 + offs_n
+        ok = q_ok[:, None] & (keys < seqlen_k)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for rb in range(0, reduce_batch):
+            for rh in range(0, reduce_heads):
+                plane = tl.cast(bo + rb, tl.int64) * stride_ds_b + tl.cast(ho + rh, tl.int64) * stride_ds_h
+                acc += tl.load(dS_rows + plane + keys[None, :], mask=ok, other=0.0)
+        tl.store(out_rows + keys[None, :], acc.to(dBias.dtype.element_ty), mask=ok)

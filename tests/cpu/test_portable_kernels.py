@@ -1,0 +1,410 @@
+"""The portable Triton kernels under the CPU interpreter, checked against the float64 reference.
+
+Kernels run with the 'interpret' tile table (16-32 row tiles), so that tiny problems still span several
+blocks and exercise the mask-free / boundary split. Inputs are fp16 (the interpreter mishandles bf16).
+Outputs are poisoned with NaN before each run; every element a kernel owns must be written.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import interpret_exec as ie
+from fmha_rt import portable_plan as pp
+from fmha_rt.errors import FmhaValueError
+from fmha_rt.problem import BIAS_SHAPES, AttentionProblem
+from fmha_rt.reference import mha_bwd_ref, mha_fwd_ref, mha_varlen_bwd_ref, mha_varlen_fwd_ref, rel_err
+
+TOL = 5e-3  # fp16 inputs, fp32 accumulation: observed errors are ~3e-4
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape):
+    return torch.randn(*shape, generator=gen).to(torch.float16)
+
+
+def _np(t):
+    return t.double().numpy() if isinstance(t, torch.Tensor) else t
+
+
+def _close(name, got, want, tol=TOL):
+    got = _np(got)
+    assert not np.isnan(got).any(), f"{name}: NaN left (element not written)"
+    err = rel_err(got, want)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def _inputs(gen, b, sq, sk, hq, hk, dqk, dv):
+    return {"q": _randn(gen, b, sq, hq, dqk), "k": _randn(gen, b, sk, hk, dqk), "v": _randn(gen, b, sk, hk, dv)}
+
+
+def _ref_options(problem, **extra):
+    return dict(softmax_scale=problem.softmax_scale, window=(problem.window_left, problem.window_right),
+                bottom_right=problem.bottom_right, **extra)
+
+
+def _check_fwd_bwd(problem, inputs, gen, ref_extra=None, strategy=None, grad_of=("q", "k", "v")):
+    """Runs forward and backward, compares everything with the reference; returns the outputs."""
+    ref_extra = ref_extra or {}
+    arrays = {n: _np(t) for n, t in inputs.items() if n in ("q", "k", "v")}
+    out, lse = ie.forward(problem, inputs)
+    ref_out, ref_lse = mha_fwd_ref(arrays["q"], arrays["k"], arrays["v"], **_ref_options(problem, **ref_extra))
+    _close("out", out, ref_out)
+    _close("lse", lse, ref_lse)
+    dout = _randn(gen, *out.shape)
+    grads = ie.backward(problem, inputs, out, lse, dout, dq_strategy=strategy)
+    ref = mha_bwd_ref(_np(dout), arrays["q"], arrays["k"], arrays["v"], **_ref_options(problem, **ref_extra))
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, ref):
+        if want is not None:
+            _close(name, got, want)
+    return out, lse, grads
+
+
+# ----------------------------------------------------------------------------- shapes and masks
+
+MASK_CASES = {
+    # name: (B, Sq, Sk, Hq, Hk, Dqk, Dv, window, bottom_right, dq strategy)
+    "mha_d64_nomask": (2, 48, 40, 2, 2, 64, 64, (-1, -1), False, pp.DQ_ATOMIC),
+    "gqa_d40_causal_topleft": (1, 40, 56, 4, 2, 40, 40, (-1, 0), False, pp.DQ_DETERMINISTIC),
+    "mqa_d8_causal_bottomright_sq_gt_sk": (1, 56, 40, 3, 1, 8, 8, (-1, 0), True, pp.DQ_ATOMIC),
+    "d128_causal_bottomright_sq_lt_sk": (1, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_DETERMINISTIC),
+    "d192_v128_sliding_window": (1, 45, 45, 2, 1, 192, 128, (7, 3), False, pp.DQ_DETERMINISTIC),
+    "d32_left_window_bottomright": (1, 50, 40, 2, 2, 32, 32, (16, -1), True, pp.DQ_ATOMIC),
+    "d16_narrow_window_rows_masked": (1, 40, 20, 2, 2, 16, 16, (2, 1), False, pp.DQ_ATOMIC),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+def test_shapes_and_masks_match_reference(case):
+    b, sq, sk, hq, hk, dqk, dv, (left, right), bottom_right, strategy = MASK_CASES[case]
+    problem = AttentionProblem(b, sq, sk, hq, hk, dqk, dv, "fp16", window_left=left, window_right=right,
+                               bottom_right=bottom_right)
+    gen = _gen(zlib.crc32(case.encode()))
+    _check_fwd_bwd(problem, _inputs(gen, b, sq, sk, hq, hk, dqk, dv), gen, strategy=strategy)
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse():
+    # Causal bottom-right with Sq > Sk: the first Sq - Sk queries see no key.
+    b, sq, sk, h, d = 1, 40, 24, 2, 32
+    problem = AttentionProblem(b, sq, sk, h, h, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True)
+    gen = _gen(3)
+    inputs = _inputs(gen, b, sq, sk, h, h, d, d)
+    out, lse, (dq, _, _, _) = _check_fwd_bwd(problem, inputs, gen)
+    blind = sq - sk
+    assert torch.equal(out[:, :blind], torch.zeros_like(out[:, :blind]))
+    assert bool(torch.all(lse[:, :, :blind] == float("-inf")))
+    assert torch.equal(dq[:, :blind], torch.zeros_like(dq[:, :blind]))
+    assert bool(torch.isfinite(lse[:, :, blind:]).all())
+
+
+def test_empty_key_sequence_gives_zero_output():
+    problem = AttentionProblem(1, 20, 0, 2, 2, 32, 32, "fp16")
+    gen = _gen(4)
+    out, lse = ie.forward(problem, _inputs(gen, 1, 20, 0, 2, 2, 32, 32))
+    assert torch.equal(out, torch.zeros_like(out))
+    assert bool(torch.all(lse == float("-inf")))
+
+
+# ----------------------------------------------------------------------------------- bias, ALiBi
+
+
+@pytest.mark.parametrize("shape", BIAS_SHAPES)
+def test_bias_and_its_gradient_in_every_broadcast_shape(shape):
+    b, sq, sk, h, d = 2, 24, 40, 2, 32
+    problem = AttentionProblem(b, sq, sk, h, h, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True,
+                               bias_shape=shape, bias_grad=True)
+    gen = _gen(10 + BIAS_SHAPES.index(shape))
+    bias = _randn(gen, b if shape[0] == "B" else 1, h if shape[1] == "H" else 1, sq, sk)
+    inputs = dict(_inputs(gen, b, sq, sk, h, h, d, d), bias=bias)
+    _check_fwd_bwd(problem, inputs, gen, ref_extra={"bias": _np(bias)},
+                   strategy=pp.DQ_ATOMIC if shape[0] == "B" else pp.DQ_DETERMINISTIC)
+
+
+@pytest.mark.parametrize("slopes_shape", ["H", "BH"])
+def test_alibi_slopes_per_head_and_per_batch(slopes_shape):
+    b, sq, sk, hq, hk, d = 2, 30, 44, 4, 2, 32
+    problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True,
+                               alibi=slopes_shape)
+    gen = _gen(20)
+    slopes = torch.rand((hq,) if slopes_shape == "H" else (b, hq), generator=gen) * 0.5
+    inputs = dict(_inputs(gen, b, sq, sk, hq, hk, d, d), alibi=slopes)
+    _check_fwd_bwd(problem, inputs, gen, ref_extra={"alibi_slopes": slopes.double().numpy()})
+
+
+# --------------------------------------------------------------------------------------- dropout
+
+DROP_P = 0.25
+
+
+def _dropout_problem(**kw):
+    return AttentionProblem(2, 36, 44, 2, 1, 32, 32, "fp16", dropout_p=DROP_P, **kw)
+
+
+def test_dropout_matches_reference_given_the_kernel_mask():
+    problem = _dropout_problem(window_left=-1, window_right=0, bottom_right=True)
+    philox = {"philox_seed": 1234, "philox_offset": 77}
+    keep = ie.dropout_mask(problem, philox).numpy()
+    gen = _gen(30)
+    inputs = dict(_inputs(gen, 2, 36, 44, 2, 1, 32, 32), **philox)
+    _check_fwd_bwd(problem, inputs, gen, ref_extra={"dropout_p": DROP_P, "dropout_keep": keep})
+
+
+def test_dropout_mask_depends_on_seed_and_offset_only():
+    problem = _dropout_problem()
+    first = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": 0})
+    again = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": 0})
+    assert torch.equal(first, again)
+    kept = first.float().mean().item()
+    assert abs(kept - (1 - DROP_P)) < 0.02, f"kept fraction {kept:.3f}, expected {1 - DROP_P}"
+    assert not torch.equal(first, ie.dropout_mask(problem, {"philox_seed": 6, "philox_offset": 0}))
+    # Advancing the offset by the counters a call consumes gives a fresh, non-overlapping stream.
+    shifted = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": pp.philox_counters(problem)})
+    assert 0.3 < (shifted == first).float().mean().item() < 0.9
+
+
+def test_dropout_seed_and_offset_read_from_device_memory():
+    problem = _dropout_problem()
+    by_value = {"philox_seed": 99, "philox_offset": 4}
+    by_pointer = {"philox_seed_offset": torch.tensor([99, 4], dtype=torch.int64)}
+    assert torch.equal(ie.dropout_mask(problem, by_value), ie.dropout_mask(problem, by_pointer))
+    gen = _gen(31)
+    inputs = _inputs(gen, 2, 36, 44, 2, 1, 32, 32)
+    out_value, _ = ie.forward(problem, dict(inputs, **by_value))
+    out_pointer, _ = ie.forward(problem, dict(inputs, **by_pointer))
+    assert torch.equal(out_value, out_pointer)
+
+
+# ---------------------------------------------------------------------------------------- varlen
+
+
+def _varlen_case(gen, lens_q, lens_k, hq, hk, d, gaps):
+    """Packed q/k/v with `gaps` padding rows before each sequence; returns physical and compact data."""
+    starts_q, starts_k, pos_q, pos_k = [], [], 0, 0
+    for lq, lk, gap in zip(lens_q, lens_k, gaps):
+        pos_q += gap
+        pos_k += gap
+        starts_q.append(pos_q)
+        starts_k.append(pos_k)
+        pos_q += lq
+        pos_k += lk
+    cu = lambda lens: torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)  # noqa: E731
+    tensors = {"q": _randn(gen, pos_q, hq, d), "k": _randn(gen, pos_k, hk, d), "v": _randn(gen, pos_k, hk, d),
+               "cu_seqlens_q": cu(lens_q), "cu_seqlens_k": cu(lens_k)}
+    rows_q = np.concatenate([np.arange(s, s + n) for s, n in zip(starts_q, lens_q)]).astype(np.int64)
+    rows_k = np.concatenate([np.arange(s, s + n) for s, n in zip(starts_k, lens_k)]).astype(np.int64)
+    if any(gaps):
+        tensors["seqstart_q"] = torch.tensor(starts_q + [pos_q], dtype=torch.int32)
+        tensors["seqstart_k"] = torch.tensor(starts_k + [pos_k], dtype=torch.int32)
+    return tensors, torch.from_numpy(rows_q), torch.from_numpy(rows_k)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC])
+def test_varlen_with_empty_and_single_row_sequences(padded, strategy):
+    lens_q, lens_k = [0, 1, 37, 20, 9], [6, 0, 44, 20, 1]
+    hq, hk, d = 4, 2, 32
+    gaps = [3, 1, 5, 0, 2] if padded else [0] * 5
+    gen = _gen(40 + padded)
+    tensors, rows_q, rows_k = _varlen_case(gen, lens_q, lens_k, hq, hk, d, gaps)
+    problem = AttentionProblem(len(lens_q), max(lens_q), max(lens_k), hq, hk, d, d, "fp16", window_left=-1,
+                               window_right=0, bottom_right=True, varlen=True, total_q=tensors["q"].shape[0],
+                               total_k=tensors["k"].shape[0])
+    q, k, v = (tensors[n][r] for n, r in (("q", rows_q), ("k", rows_k), ("v", rows_k)))
+    cu_q, cu_k = (tensors[n].numpy().copy() for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    opts = _ref_options(problem)
+
+    out, lse = ie.forward(problem, tensors)
+    ref_out, ref_lse = mha_varlen_fwd_ref(_np(q), _np(k), _np(v), cu_q, cu_k, **opts)
+    _close("out", out[rows_q], ref_out)
+    _close("lse", lse[:, rows_q], ref_lse)
+    dout = _randn(gen, *out.shape)
+    dq, dk, dv, _ = ie.backward(problem, tensors, out, lse, dout, dq_strategy=strategy)
+    ref = mha_varlen_bwd_ref(_np(dout[rows_q]), _np(q), _np(k), _np(v), cu_q, cu_k, **opts)
+    for name, got, want in (("dq", dq[rows_q], ref[0]), ("dk", dk[rows_k], ref[1]), ("dv", dv[rows_k], ref[2])):
+        _close(name, got, want)
+    if padded:  # padding rows belong to no sequence: nothing may write them
+        gap_q = torch.ones(out.shape[0], dtype=torch.bool)
+        gap_q[rows_q] = False
+        gap_k = torch.ones(dk.shape[0], dtype=torch.bool)
+        gap_k[rows_k] = False
+        assert bool(out[gap_q].isnan().all()) and bool(dq[gap_q].isnan().all())
+        assert bool(dk[gap_k].isnan().all()) and bool(dv[gap_k].isnan().all())
+
+
+def test_varlen_with_dropout_and_alibi():
+    lens_q, lens_k = [17, 1, 30], [25, 3, 30]
+    hq, hk, d = 2, 2, 32
+    gen = _gen(50)
+    tensors, rows_q, rows_k = _varlen_case(gen, lens_q, lens_k, hq, hk, d, [0, 0, 0])
+    problem = AttentionProblem(3, max(lens_q), max(lens_k), hq, hk, d, d, "fp16", window_left=8, window_right=8,
+                               alibi="BH", dropout_p=DROP_P, varlen=True, total_q=sum(lens_q), total_k=sum(lens_k))
+    philox = {"philox_seed": 7, "philox_offset": 0}
+    slopes = torch.rand(3, hq, generator=gen)
+    tensors.update(philox, alibi=slopes)
+    keep = ie.dropout_mask(problem, philox).numpy()
+    keep = [keep[b, :, :lq, :lk] for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
+    cu_q, cu_k = (tensors[n].numpy().copy() for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    opts = _ref_options(problem, alibi_slopes=slopes.double().numpy(), dropout_p=DROP_P, dropout_keep=keep)
+    q, k, v = (_np(tensors[n]) for n in ("q", "k", "v"))
+
+    out, lse = ie.forward(problem, tensors)
+    ref_out, ref_lse = mha_varlen_fwd_ref(q, k, v, cu_q, cu_k, **opts)
+    _close("out", out, ref_out)
+    _close("lse", lse, ref_lse)
+    dout = _randn(gen, *out.shape)
+    grads = ie.backward(problem, tensors, out, lse, dout)
+    ref = mha_varlen_bwd_ref(_np(dout), q, k, v, cu_q, cu_k, **opts)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        _close(name, got, want)
+
+
+# -------------------------------------------------------------------------------- determinism
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    b, sq, sk, hq, hk, d = 1, 40, 40, 4, 1, 32
+    problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0,
+                               bias_shape="11SS", bias_grad=True, deterministic=True)
+    gen = _gen(60)
+    inputs = dict(_inputs(gen, b, sq, sk, hq, hk, d, d), bias=_randn(gen, 1, 1, sq, sk))
+    out, lse = ie.forward(problem, inputs)
+    dout = _randn(gen, *out.shape)
+    first = ie.backward(problem, inputs, out, lse, dout)
+    second = ie.backward(problem, inputs, out, lse, dout)
+    assert pp.bwd_workspace(problem, pp.INTERPRET_ARCH).dq_strategy == pp.DQ_DETERMINISTIC
+    for a, b_ in zip(first, second):
+        assert torch.equal(a, b_)
+
+
+# ------------------------------------------------------------------------- planning and variants
+
+
+def test_workspace_layout_matches_hand_computed_sizes():
+    # B=2, Sq=100, Sk=77, Hq=8, Dqk=40, tensor bias with gradient.
+    problem = AttentionProblem(2, 100, 77, 8, 2, 40, 40, "bf16", bias_shape="B1SS", bias_grad=True)
+    delta = 4 * 2 * 8 * 100  # fp32 [B, Hq, Sq] = 6400 bytes
+    dq_acc = 4 * 2 * 100 * 8 * 40  # fp32 [B, Sq, Hq, 40]
+    ds = 4 * 2 * 8 * 100 * 80  # fp32 [B, Hq, Sq, ceil8(77) = 80]
+    ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
+    assert [(r.name, r.offset, r.nbytes, r.zero_init) for r in ws.regions] == [
+        ("delta", 0, delta, False), ("dq_acc", 6400, dq_acc, True), ("ds", 6400 + dq_acc, ds, True)]
+    assert ws.total_bytes == 6400 + dq_acc + ds and ws.needs_zeroing and ws.dq_splits == 1
+    ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_DETERMINISTIC)
+    assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [("delta", 0, delta), ("ds", 6400, ds)]
+    assert ws.dq_splits == 0 and ws.total_bytes == 6400 + ds
+    # Varlen Delta is [Hq, total_q]; offsets and the total stay 256-aligned.
+    varlen = AttentionProblem(3, 50, 50, 3, 3, 64, 64, "fp16", varlen=True, total_q=101, total_k=90,
+                              deterministic=True)
+    for arch in pp.BUILD_ARCHS:
+        ws = pp.bwd_workspace(varlen, arch)
+        assert [(r.name, r.nbytes) for r in ws.regions] == [("delta", 4 * 3 * 101)]
+        assert ws.total_bytes == 1280 and not ws.needs_zeroing and ws.dq_splits == 0
+    with pytest.raises(FmhaValueError):
+        pp.bwd_workspace(varlen, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
+
+
+def test_every_variant_matches_its_kernel_signature():
+    import kernels.portable.fmha_bwd as bwd
+    import kernels.portable.fmha_fwd as fwd
+
+    functions = {name: getattr(fwd, name, None) or getattr(bwd, name) for name in pp.SIGNATURES}
+    for name, fn in functions.items():
+        assert list(pp.SIGNATURES[name]) == list(fn.arg_names), name
+    for arch in pp.BUILD_ARCHS:
+        variants = pp.variants(arch)
+        assert len({v["key"] for v in variants}) == len(variants)
+        for v in variants:
+            constexpr_names = [n for n, kind in v["signature"].items() if kind == "constexpr"]
+            assert sorted(constexpr_names) == sorted(v["constexprs"]), v["key"]
+            assert not any(kind == "*T" for kind in v["signature"].values())
+
+
+def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
+    problem = AttentionProblem(1, 64, 64, 2, 2, 192, 128, "bf16")
+    assert pp.head_dim_tiles(problem) == (256, 128)
+    assert pp.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 96, 96, "fp16")) == (128, 128)
+    assert pp.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 64, 128, "fp16")) == (128, 128)
+    q = torch.zeros(1, 64, 2, 192, dtype=torch.float16)
+    tensors = ie.with_strides(q=q, k=q, v=q[..., :128], out=q[..., :128], lse=torch.zeros(1, 2, 64))
+    (launch,) = pp.plan_fwd(problem, "sm_90", tensors)
+    assert launch.variant == "fmha_fwd_bf16_d256v128_nobias_nodrop" and launch.grid == (1, 2, 1)
+    assert launch.args["head_dim_qk_div8"] == 24 and launch.args["stride_q_s"] == 384
+    tensors["k_strides"] = (64 * 2 * 190, 2 * 190, 190, 1)
+    with pytest.raises(FmhaValueError, match="multiple of 8"):
+        pp.plan_fwd(problem, "sm_90", tensors)
+
+
+@pytest.mark.parametrize("arch", pp.BUILD_ARCHS)
+def test_plan_grids_agree_with_the_variants_tiles(arch):
+    variants = pp.variant_map(arch)
+    x = torch.zeros(2, 300, 4, 128, dtype=torch.float16)
+    for extra in ({}, {"bias_shape": "1HSS", "bias_grad": True}, {"alibi": "H", "dropout_p": 0.1}):
+        problem = AttentionProblem(2, 300, 300, 4, 4, 128, 128, "fp16", **extra)
+        tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 300),
+                                  bias=torch.zeros(1, 4, 300, 304)[..., :300], dbias=torch.zeros(1, 4, 300, 304),
+                                  alibi=torch.zeros(4), philox_seed=1, delta=x, ds=x)
+        for launch in pp.plan_fwd(problem, arch, tensors) + pp.plan_bwd(problem, arch, tensors):
+            ce = variants[launch.variant]["constexprs"]
+            rows = ce["BLOCK_N"] if "dkdv" in launch.variant else ce["BLOCK_M"]
+            assert launch.grid[0] == -(-300 // rows), launch.variant
+            assert list(launch.args) == [n for n, k in variants[launch.variant]["signature"].items()
+                                         if k != "constexpr"]
+
+
+_COMPILE_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib
+from fmha_rt import portable_plan as pp
+
+def attrs(sig):
+    out = {}
+    for i, (name, kind) in enumerate(sig.items()):
+        if kind.startswith("*"):
+            out[(i,)] = [["tt.divisibility", 16]]
+        elif name.startswith("stride_"):
+            out[(i,)] = [["tt.divisibility", 8]]
+    return out
+
+report = {}
+for arch, target in (("sm_90", GPUTarget("cuda", 90, 32)), ("gfx942", GPUTarget("hip", "gfx942", 64))):
+    variants = pp.variant_map(arch)
+    fwd = pp.fwd_key("bf16", (128, 128), pp.BIAS_NONE, False)
+    bwd = pp.dkdv_key("fp16", (64, 64), pp.BIAS_NONE, False, pp.DEFAULT_DQ_STRATEGY[arch])
+    for key in (fwd, bwd):
+        v = variants[key]
+        fn = getattr(importlib.import_module(v["module"]), v["function"])
+        kernel = triton.compile(ASTSource(fn, v["signature"], v["constexprs"], attrs(v["signature"])), target=target,
+                                options={"num_warps": v["num_warps"], "num_stages": v["num_stages"]})
+        report[f"{arch}/{key.split('_')[1]}"] = "wgmma" in kernel.asm.get("ptx", "")
+print(json.dumps(report))
+"""
+
+
+def test_one_forward_and_one_backward_variant_compile_for_sm90_and_gfx942():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    assert report["sm_90/fwd"], "sm_90 forward does not use wgmma"
+
+
+def test_scale_and_flops_defaults():
+    problem = AttentionProblem(2, 128, 256, 4, 4, 64, 64, "fp16", window_left=-1, window_right=0)
+    assert math.isclose(problem.softmax_scale, 1 / 8) and problem.causal
+    assert problem.fwd_flops() == 4 * 2 * 4 * 128 * 256 * 64 // 2
