@@ -392,7 +392,8 @@ def mha_bwd(dout, q, k, v, out, lse, *, deterministic=False, dq=None, dk=None, d
 
     Takes the forward's options (the same mask, bias, dropout seed/offset). deterministic=True gives
     bitwise-identical results across runs, streams and thread counts. workspace_alloc(nbytes, zero_init)
-    may supply the scratch memory (an array or fmha_rt.Pointer); when zero_init is True it must be zeroed.
+    may supply the scratch memory (an array or fmha_rt.Pointer, possibly uninitialised): fmha_rt zeroes
+    the parts that must start at zero on the call's stream, which zero_init announces.
     """
     opts = _options(options)
     call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
