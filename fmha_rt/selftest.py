@@ -76,12 +76,61 @@ def max_ulp_difference(got: np.ndarray, want: np.ndarray) -> int:
     return int(np.abs(ordered(got) - ordered(want)).max(initial=0))
 
 
+def _to_device(device: int, host: np.ndarray):
+    from .buffers import DeviceBuffer
+
+    buf = DeviceBuffer(device, host.shape, {np.float16: "float16", np.float32: "float32"}[host.dtype.type])
+    backend.copy_to_device(device, buf.ptr, np.ascontiguousarray(host))
+    return buf
+
+
+def _to_host(device: int, buf, dtype) -> np.ndarray:
+    out = np.empty(buf.shape, dtype)
+    backend.synchronize(device)
+    backend.copy_to_host(device, out, buf.ptr)
+    return out
+
+
+# (name, B, Sq, Sk, Hq, Hk, D, options): small fp16 problems covering the main paths.
+ATTENTION_CASES = [
+    ("fwd+bwd d64", 2, 128, 128, 2, 2, 64, {}),
+    ("fwd+bwd d128 causal", 1, 200, 200, 2, 2, 128, {"causal": True}),
+    ("fwd+bwd d64 GQA 4:1", 1, 96, 160, 4, 1, 64, {}),
+    ("fwd+bwd d256 causal bottom-right", 1, 64, 100, 2, 2, 256, {"causal": True, "causal_alignment": "bottom_right"}),
+    ("fwd+bwd d32 window (16, 16)", 1, 150, 150, 2, 2, 32, {"window": (16, 16)}),
+]
+
+
+def attention_case(device: int, B, Sq, Sk, Hq, Hk, D, options, seed=0) -> float:
+    """Largest relative error of out, lse, dq, dk, dv against the float64 reference (fp16 inputs)."""
+    from . import api, reference
+
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(shape).astype(np.float16) for shape in ((B, Sq, Hq, D), (B, Sk, Hk, D), (B, Sk, Hk, D)))
+    dout = rng.standard_normal((B, Sq, Hq, D)).astype(np.float16)
+    qd, kd, vd, dod = (_to_device(device, a) for a in (q, k, v, dout))
+    out, lse = api.mha_fwd(qd, kd, vd, **options)
+    dq, dk, dv = api.mha_bwd(dod, qd, kd, vd, out, lse, deterministic=True, **options)
+    window = list(options.get("window", (-1, -1)))
+    if options.get("causal"):
+        window[1] = 0
+    ref = dict(window=tuple(window), bottom_right=options.get("causal_alignment") == "bottom_right")
+    r_out, r_lse = reference.mha_fwd_ref(q, k, v, **ref)
+    r_dq, r_dk, r_dv, _ = reference.mha_bwd_ref(dout, q, k, v, **ref)
+    pairs = [(out, np.float16, r_out), (lse, np.float32, r_lse), (dq, np.float16, r_dq), (dk, np.float16, r_dk),
+             (dv, np.float16, r_dv)]
+    return max(reference.rel_err(_to_host(device, got, dt).astype(np.float64), want) for got, dt, want in pairs)
+
+
 def run_selftest(device: int = 0) -> int:
     rows = []
     got, want = run_strided_copy(device, 100_003, 3, 2)
     rows.append(("strided_copy n=100003 strides 3/2", bool(np.array_equal(got, want, equal_nan=True))))
     got, want = run_axpy(device, 1 << 20, 0.75)
     rows.append(("axpy n=2^20 alpha=0.75", max_ulp_difference(got, want) <= 1))
+    for name, B, Sq, Sk, Hq, Hk, D, options in ATTENTION_CASES:
+        err = attention_case(device, B, Sq, Sk, Hq, Hk, D, options)
+        rows.append((f"{name} (rel err {err:.1e})", bool(err < 1e-2)))
     width = max(len(name) for name, _ in rows)
     for name, ok in rows:
         print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}")

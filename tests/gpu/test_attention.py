@@ -234,3 +234,33 @@ def test_batch_with_more_than_2_pow_31_elements():
     adq, adk, adv = fmha_rt.mha_bwd(dout[B - 1:].contiguous(), last, last, last, alone, alone_lse, causal=True,
                                     deterministic=True)
     assert torch.equal(dq[B - 1:], adq) and torch.equal(dk[B - 1:], adk) and torch.equal(dv[B - 1:], adv)
+
+
+def test_cupy_arrays_in_cupy_arrays_out():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(20)
+    q, k, v, dout = (rng.standard_normal((1, 128, 2, 64)).astype(np.float16) for _ in range(4))
+    qc, kc, vc, dc = (cupy.asarray(a) for a in (q, k, v, dout))
+    out, lse = fmha_rt.mha_fwd(qc, kc, vc, causal=True)
+    assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+    dq, dk, dv = fmha_rt.mha_bwd(dc, qc, kc, vc, out, lse, causal=True)
+    assert isinstance(dq, cupy.ndarray)
+    ro, rl = reference.mha_fwd_ref(q, k, v, window=(-1, 0))
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(dout, q, k, v, window=(-1, 0))
+    for name, got, want in (("out", out, ro), ("lse", lse, rl), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        got = cupy.asnumpy(got).astype(np.float64)
+        assert reference.rel_err(got, want) < TOL, name
+
+
+def test_jax_arrays_in_eager_mode():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this JAX has no GPU platform")
+    rng = np.random.default_rng(21)
+    q, k, v = (rng.standard_normal((1, 128, 2, 64)).astype(np.float16) for _ in range(3))
+    gpu = jax.devices("gpu")[0]
+    out, lse = fmha_rt.mha_fwd(*(jax.device_put(a, gpu) for a in (q, k, v)))
+    assert isinstance(out, jax.Array)
+    ro, rl = reference.mha_fwd_ref(q, k, v)
+    assert reference.rel_err(np.asarray(out).astype(np.float64), ro) < TOL
+    assert reference.rel_err(np.asarray(lse).astype(np.float64), rl) < 1e-3

@@ -70,3 +70,9 @@ def test_driver_error_names_call_kernel_and_device():
     assert "cuLaunchKernel" in message or "hipModuleLaunchKernel" in message
     assert "selftest_axpy_f32" in message and "device 0" in message
     assert info.value.error_name and info.value.error_name != "unknown driver error"
+
+
+def test_cli_selftest_sweep_passes(capsys):
+    assert selftest.run_selftest(0) == 0
+    table = capsys.readouterr().out
+    assert table.count("PASS") == 2 + len(selftest.ATTENTION_CASES) and "FAIL" not in table
