@@ -148,8 +148,12 @@ def build(out_dir: pathlib.Path, families, archs, workers: int, only=None) -> li
         for done, (entry, stat) in enumerate(pool.map(build_one, jobs, chunksize=1), 1):
             entries.append(entry)
             stats.append(stat)
-            print(f"\r[{done}/{len(jobs)}] {stat['arch']:7s} {stat['key']:60s} {stat['seconds']:6.1f}s",
-                  end="", file=sys.stderr, flush=True)
+            # a live progress line on a terminal; a line every 50 kernels in a log
+            if sys.stderr.isatty():
+                print(f"\r[{done}/{len(jobs)}] {stat['arch']:7s} {stat['key']:60s} {stat['seconds']:6.1f}s",
+                      end="", file=sys.stderr, flush=True)
+            elif done % 50 == 0 or done == len(jobs):
+                print(f"[{done}/{len(jobs)}] {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     print(f"\nbuilt {len(jobs)} code objects in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     entries.sort(key=lambda e: (e["arch"], e["family"], e["key"]))
     manifest = {"format": 1, "triton": TRITON_VERSION, "kernels": entries}
