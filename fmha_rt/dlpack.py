@@ -110,6 +110,18 @@ _USED_LEGACY = c_char_p(b"used_dltensor")
 # ---------------------------------------------------------------------------------------------- consuming
 
 
+def span_start(data_ptr, shape, strides, itemsize):
+    """Lowest byte address an element of the strided array touches."""
+    return data_ptr + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
+
+
+def span_bytes(shape, strides, itemsize):
+    """Bytes from the lowest to the highest element address, plus one element (0 when empty)."""
+    if 0 in shape:
+        return 0
+    return (sum((n - 1) * abs(s) for n, s in zip(shape, strides)) + 1) * itemsize
+
+
 class ArrayView:
     """What the runtime needs of one producer's array; the producer's memory stays valid until `close()`.
 
@@ -133,14 +145,11 @@ class ArrayView:
 
     @property
     def span_start(self):
-        return self.data_ptr + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides)) * self.itemsize
+        return span_start(self.data_ptr, self.shape, self.strides, self.itemsize)
 
     @property
     def nbytes_span(self):
-        if 0 in self.shape:
-            return 0
-        extent = sum((n - 1) * abs(s) for n, s in zip(self.shape, self.strides))
-        return (extent + 1) * self.itemsize
+        return span_bytes(self.shape, self.strides, self.itemsize)
 
     @property
     def closed(self):
