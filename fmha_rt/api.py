@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from . import backend, executor, portable_plan
 from .arrays import ATTN_DTYPES, Arg, allocate_like, check_overlap, check_shape, finish_outputs, gpu_array
 from .errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
@@ -117,6 +119,56 @@ def _put(tensors, name, arg):
     tensors[f"{name}_strides"] = tuple(arg.strides)
 
 
+class HostSeqlens:
+    """Sequence offsets given as NumPy arrays: checked on the host (monotone, inside the packed tensors,
+    no sequence longer than max_seqlen), then copied to the device. Device arrays are taken as they
+    are: checking them would force a device-to-host copy on every call."""
+
+    NAMES = ("cu_seqlens_q", "cu_seqlens_k", "seqstart_q", "seqstart_k")
+
+    def __init__(self, cu_q, cu_k, start_q, start_k, total_q, total_k, max_q, max_k):
+        given = dict(zip(self.NAMES, (cu_q, cu_k, start_q, start_k)))
+        host = {n: isinstance(a, np.ndarray) for n, a in given.items() if a is not None}
+        self.given = any(host.values())
+        if self.given and not all(host.values()):
+            raise FmhaValueError("give cu_seqlens (and seqstarts) either all as NumPy arrays or all as GPU arrays")
+        if not self.given:
+            return
+        self.arrays = {n: self._int32(n, a) for n, a in given.items() if a is not None}
+        for side, total, longest in (("q", total_q, max_q), ("k", total_k, max_k)):
+            cu = self.arrays[f"cu_seqlens_{side}"]
+            lengths = np.diff(cu.astype(np.int64))
+            if (lengths < 0).any():
+                raise FmhaValueError(f"cu_seqlens_{side} must be non-decreasing, got {cu.tolist()}")
+            if lengths.size and lengths.max() > longest:
+                raise FmhaValueError(f"cu_seqlens_{side} has a sequence of {lengths.max()} rows, more than "
+                                     f"max_seqlen_{side}={longest}")
+            starts = self.arrays.get(f"seqstart_{side}", cu)
+            if starts.shape != cu.shape:
+                raise FmhaValueError(f"seqstart_{side} must have {cu.shape[0]} entries like cu_seqlens_{side}")
+            ends = starts[:-1].astype(np.int64) + lengths
+            if cu[0] < 0 or (starts < 0).any() or (ends.size and ends.max() > total):
+                raise FmhaValueError(f"sequences of {'cu_seqlens' if starts is cu else 'seqstart'}_{side} reach row "
+                                     f"{int(ends.max()) if ends.size else 0}, beyond the {total} rows of "
+                                     f"{'q' if side == 'q' else 'k/v'}")
+
+    @staticmethod
+    def _int32(name, a):
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise FmhaTypeError(f"{name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
+        if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+            raise FmhaValueError(f"{name} values must fit int32")
+        return np.ascontiguousarray(a, dtype=np.int32)
+
+    def upload(self, name, device, stream) -> Arg:
+        from .buffers import DeviceBuffer
+
+        host = self.arrays[name]
+        buf = DeviceBuffer(device, host.shape, "int32", stream)
+        backend.copy_to_device(device, buf.ptr, host, stream)
+        return Arg(name, buf, stream)
+
+
 @dataclasses.dataclass
 class _Call:
     """A validated call: the problem, the device, the kernels' tensors and the caller's arrays."""
@@ -146,24 +198,28 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if (tv, hv) != (tk, hk) or dk_ != dqk:
             raise FmhaValueError(f"k {tuple(ka.shape)} and v {tuple(va.shape)} must agree on rows and heads, "
                                  f"and k's head dim must equal q's ({dqk})")
-        cq = gpu_array("cu_seqlens_q", cu_seqlens_q, handle, rank=1, dtypes=("int32",))
-        ck = gpu_array("cu_seqlens_k", cu_seqlens_k, handle, rank=1, dtypes=("int32",))
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise FmhaValueError(f"{name} must be a non-negative int, got {value!r}")
+        if (seqstart_q is None) != (seqstart_k is None):
+            raise FmhaValueError("seqstart_q and seqstart_k must be given together")
+        host = HostSeqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, tq, tk, max_seqlen_q, max_seqlen_k)
+        cq = host.upload("cu_seqlens_q", qa.device, handle) if host.given else \
+            gpu_array("cu_seqlens_q", cu_seqlens_q, handle, rank=1, dtypes=("int32",))
+        ck = host.upload("cu_seqlens_k", qa.device, handle) if host.given else \
+            gpu_array("cu_seqlens_k", cu_seqlens_k, handle, rank=1, dtypes=("int32",))
         if cq.shape != ck.shape or cq.shape[0] < 2:
             raise FmhaValueError(f"cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k {tuple(ck.shape)} must both "
                                  "have B + 1 >= 2 entries")
         batch = cq.shape[0] - 1
-        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise FmhaValueError(f"{name} must be a non-negative int, got {value!r}")
         sq, sk = max_seqlen_q, max_seqlen_k
         _put(tensors, "cu_seqlens_q", cq)
         _put(tensors, "cu_seqlens_k", ck)
         inputs += [cq, ck]
-        if (seqstart_q is None) != (seqstart_k is None):
-            raise FmhaValueError("seqstart_q and seqstart_k must be given together")
         if seqstart_q is not None:
             for name, value in (("seqstart_q", seqstart_q), ("seqstart_k", seqstart_k)):
-                arg = gpu_array(name, value, handle, rank=1, dtypes=("int32",))
+                arg = host.upload(name, qa.device, handle) if host.given else \
+                    gpu_array(name, value, handle, rank=1, dtypes=("int32",))
                 check_shape(arg, cq.shape, " (B + 1 entries, like cu_seqlens)")
                 _put(tensors, name, arg)
                 inputs.append(arg)

@@ -133,7 +133,17 @@ def _cases():
         ("bwd workspace on another device", lambda: _bwd_ws(q, k, v, out, lse, lambda n, z: FakeGpuArray((n,), "uint8", device=1)),
          FmhaValueError, "GPU 1"),
         ("varlen cu_seqlens int64", lambda: _varlen(cu_dtype="int64"), FmhaTypeError, "cu_seqlens_q"),
-        ("varlen cu_seqlens on host", lambda: _varlen(cu_host=True), FmhaValueError, "GPU arrays"),
+        ("varlen cu_seqlens half on host", lambda: _varlen(cu_host=True), FmhaValueError, "all as NumPy arrays"),
+        ("varlen host cu_seqlens decreasing", lambda: _host_varlen([0, 40, 30], [0, 30, 90]), FmhaValueError,
+         "non-decreasing"),
+        ("varlen host cu_seqlens beyond q", lambda: _host_varlen([0, 31, 71], [0, 30, 90]), FmhaValueError,
+         "beyond the 70 rows of q"),
+        ("varlen host sequence over max_seqlen", lambda: _host_varlen([0, 10, 70], [0, 30, 90]), FmhaValueError,
+         "more than max_seqlen_q=40"),
+        ("varlen host cu_seqlens 2-D", lambda: _host_varlen([[0, 30, 70]], [0, 30, 90]), FmhaTypeError, "1-D integer"),
+        ("varlen host cu_seqlens float", lambda: _host_varlen([0.0, 30, 70], [0, 30, 90]), FmhaTypeError, "integer"),
+        ("varlen host seqstart past k", lambda: _host_varlen([0, 30, 70], [0, 30, 90], ([0, 30, 70], [0, 40, 60])),
+         FmhaValueError, "seqstart_k reach row 100"),
         ("varlen cu_seqlens lengths differ", lambda: _varlen(cu_k_len=4), FmhaValueError, "B + 1"),
         ("varlen max_seqlen negative", lambda: _varlen(max_q=-1), FmhaValueError, "max_seqlen_q"),
         ("varlen max_seqlen float", lambda: _varlen(max_q=3.0), FmhaValueError, "max_seqlen_q"),
@@ -159,6 +169,12 @@ def _varlen(cu_dtype="int32", cu_host=False, cu_k_len=3, max_q=40, seqstart_q=No
     cu_q = np.array([0, 30, 70], np.int32) if cu_host else FakeGpuArray((3,), cu_dtype)
     cu_k = FakeGpuArray((cu_k_len,), "int32")
     return fmha_rt.mha_varlen_fwd(q, k, v, cu_q, cu_k, max_q, 60, seqstart_q=seqstart_q)
+
+
+def _host_varlen(cu_q, cu_k, seqstarts=None):
+    q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
+    starts = {} if seqstarts is None else {"seqstart_q": np.array(seqstarts[0]), "seqstart_k": np.array(seqstarts[1])}
+    return fmha_rt.mha_varlen_fwd(q, k, v, np.array(cu_q), np.array(cu_k), 40, 60, **starts)
 
 
 CASES = _cases()
@@ -219,3 +235,19 @@ def test_workspace_sizes_match_hand_computed_values():
 def test_mask_resolution(mask_type, causal, window, alignment, expected):
     m = api.resolve_mask(causal, window, mask_type, alignment)
     assert (m.window_left, m.window_right, m.bottom_right) == expected
+
+
+def test_host_cu_seqlens_are_checked_then_uploaded(monkeypatch):
+    uploaded, seen = {}, []
+
+    def upload(self, name, device, stream):
+        uploaded[name] = self.arrays[name].copy()
+        return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
+
+    monkeypatch.setattr(api.HostSeqlens, "upload", upload)
+    monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream: seen.append(launches))
+    q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
+    fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70], np.int64), np.array([0, 30, 90]), 40, 60,
+                           out=FakeGpuArray((70, 4, 64)), lse=FakeGpuArray((4, 70), "float32"))
+    assert uploaded["cu_seqlens_q"].dtype == np.int32 and uploaded["cu_seqlens_q"].tolist() == [0, 30, 70]
+    assert seen and seen[0][0].args["is_varlen"] == 1
