@@ -264,3 +264,14 @@ def test_jax_arrays_in_eager_mode():
     ro, rl = reference.mha_fwd_ref(q, k, v)
     assert reference.rel_err(np.asarray(out).astype(np.float64), ro) < TOL
     assert reference.rel_err(np.asarray(lse).astype(np.float64), rl) < 1e-3
+
+
+def test_varlen_with_numpy_cu_seqlens_equals_device_cu_seqlens():
+    lens = [17, 64, 1, 40]
+    cu = np.array([0] + list(np.cumsum(lens)), np.int32)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    q, k, v = (rand((int(cu[-1]), 2, 64), torch.float16, gen) for _ in range(3))
+    host_out, host_lse = fmha_rt.mha_varlen_fwd(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    dev_cu = torch.from_numpy(cu).cuda()
+    out, lse = fmha_rt.mha_varlen_fwd(q, k, v, dev_cu, dev_cu, max(lens), max(lens), causal=True)
+    assert torch.equal(host_out, out) and torch.equal(host_lse, lse)
