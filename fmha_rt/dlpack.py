@@ -110,19 +110,24 @@ _USED_LEGACY = c_char_p(b"used_dltensor")
 # ---------------------------------------------------------------------------------------------- consuming
 
 
-def span_start(data_ptr, shape, strides, itemsize):
-    """Lowest byte address an element of the strided array touches."""
-    return data_ptr + sum(min(0, (n - 1) * s) for n, s in zip(shape, strides)) * itemsize
+class StridedSpan:
+    """The bytes a strided array touches, from its data_ptr, shape, strides (elements) and itemsize:
+    [span_start, span_start + nbytes_span), for aliasing checks."""
+
+    __slots__ = ()
+
+    @property
+    def span_start(self):
+        return self.data_ptr + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides)) * self.itemsize
+
+    @property
+    def nbytes_span(self):
+        if 0 in self.shape:
+            return 0
+        return (sum((n - 1) * abs(s) for n, s in zip(self.shape, self.strides)) + 1) * self.itemsize
 
 
-def span_bytes(shape, strides, itemsize):
-    """Bytes from the lowest to the highest element address, plus one element (0 when empty)."""
-    if 0 in shape:
-        return 0
-    return (sum((n - 1) * abs(s) for n, s in zip(shape, strides)) + 1) * itemsize
-
-
-class ArrayView:
+class ArrayView(StridedSpan):
     """What the runtime needs of one producer's array; the producer's memory stays valid until `close()`.
 
     `data_ptr` already includes DLPack's byte_offset, `strides` count elements, and
@@ -142,14 +147,6 @@ class ArrayView:
         self.device_id = device_id
         self.read_only = read_only
         self._release = weakref.finalize(self, *release)
-
-    @property
-    def span_start(self):
-        return span_start(self.data_ptr, self.shape, self.strides, self.itemsize)
-
-    @property
-    def nbytes_span(self):
-        return span_bytes(self.shape, self.strides, self.itemsize)
 
     @property
     def closed(self):
