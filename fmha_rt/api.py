@@ -17,6 +17,8 @@ from .packing import Pointer
 from .problem import AttentionProblem
 from .streams import stream_handle
 
+INT32_LIMIT = 2**31  # lengths, window sides and small strides reach the kernels as int32
+
 # AITER / TransformerEngine mask integers: 0 none, 1 causal top-left, 2 causal bottom-right, 3 window.
 MASK_TYPES = {0: "none", 1: "causal_top_left", 2: "causal_bottom_right", 3: "window"}
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -39,13 +41,13 @@ def resolve_mask(causal, window, mask_type, causal_alignment) -> MaskSpec:
     for name, value in (("window[0]", left), ("window[1]", right)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise FmhaTypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < -1:
-            raise FmhaValueError(f"{name}={value}: window sides are >= 0, or -1 for unbounded")
+        if not -1 <= value < INT32_LIMIT:
+            raise FmhaValueError(f"{name}={value}: window sides are in [0, 2^31), or -1 for unbounded")
     if not isinstance(causal, bool):
         raise FmhaTypeError(f"causal must be a bool, got {type(causal).__name__}")
     bottom_right = causal_alignment == "bottom_right"
     if mask_type is not None:
-        if mask_type not in MASK_TYPES or isinstance(mask_type, bool):
+        if type(mask_type) is not int or mask_type not in MASK_TYPES:
             raise FmhaValueError(f"mask_type must be one of {sorted(MASK_TYPES)} ({MASK_TYPES}), got {mask_type!r}")
         if causal:
             raise FmhaValueError("give either causal=True or mask_type, not both")
@@ -105,8 +107,8 @@ def _dropout(dropout_p, seed, offset, stream):
         raise FmhaValueError("dropout_p > 0 needs seed= (an int, or a device int64 array [seed, offset]); "
                              "pass the same seed and offset to the backward")
     if isinstance(seed, int) and not isinstance(seed, bool):
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise FmhaValueError(f"offset must be a non-negative int, got {offset!r}")
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
+            raise FmhaValueError(f"offset must be an int in [0, 2^63), got {offset!r}")
         return {"philox_seed": seed, "philox_offset": offset}, []
     arg = gpu_array("seed", seed, stream, dtypes=("int64",))
     if tuple(arg.shape) != (2,):
@@ -137,6 +139,8 @@ class HostSeqlens:
         self.arrays = {n: self._int32(n, a) for n, a in given.items() if a is not None}
         for side, total, longest in (("q", total_q, max_q), ("k", total_k, max_k)):
             cu = self.arrays[f"cu_seqlens_{side}"]
+            if cu.size < 2:
+                raise FmhaValueError(f"cu_seqlens_{side} must have B + 1 >= 2 entries, got {cu.size}")
             lengths = np.diff(cu.astype(np.int64))
             if (lengths < 0).any():
                 raise FmhaValueError(f"cu_seqlens_{side} must be non-decreasing, got {cu.tolist()}")
@@ -199,8 +203,8 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise FmhaValueError(f"k {tuple(ka.shape)} and v {tuple(va.shape)} must agree on rows and heads, "
                                  f"and k's head dim must equal q's ({dqk})")
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise FmhaValueError(f"{name} must be a non-negative int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT32_LIMIT:
+                raise FmhaValueError(f"{name} must be an int in [0, 2^31), got {value!r}")
         if (seqstart_q is None) != (seqstart_k is None):
             raise FmhaValueError("seqstart_q and seqstart_k must be given together")
         host = HostSeqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, tq, tk, max_seqlen_q, max_seqlen_k)
@@ -230,6 +234,9 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise FmhaValueError(f"q {tuple(qa.shape)}, k {tuple(ka.shape)}, v {tuple(vshape)} disagree: expected "
                                  f"k [{batch}, Sk, Hk, {dqk}] and v [{batch}, Sk, Hk, Dv]")
         tq = tk = None
+    for name, value in (("query sequence length", sq), ("key sequence length", sk)):
+        if value >= INT32_LIMIT:
+            raise FmhaValueError(f"{name} {value} must be below 2^31")
     if hk == 0 or hq % hk:
         raise FmhaValueError(f"q has {hq} heads, k/v have {hk}: the query heads must be a multiple of the kv heads")
     _check_head_dims(dqk, dv)
@@ -246,13 +253,18 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if tuple(aa.shape) not in ((hq,), (batch, hq)):
             raise FmhaValueError(f"alibi_slopes must have shape [{hq}] or [{batch}, {hq}], got {tuple(aa.shape)}")
         alibi = "H" if len(aa.shape) == 1 else "BH"
+        if alibi == "BH" and not 0 <= aa.strides[0] < INT32_LIMIT:
+            raise FmhaValueError(f"alibi_slopes batch stride {aa.strides[0]} must be in [0, 2^31)")
         _put(tensors, "alibi", aa)
         inputs.append(aa)
     drop, drop_args = _dropout(dropout_p, seed, offset, handle)
     tensors.update(drop)
     inputs += drop_args
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise FmhaTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise FmhaTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not 0.0 < softmax_scale <= 1e38:  # the kernels take scale * log2(e) as a float32
+            raise FmhaValueError(f"softmax_scale must be in (0, 1e38], got {softmax_scale!r}")
     if not isinstance(deterministic, bool):
         raise FmhaTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     problem = AttentionProblem(
@@ -286,6 +298,12 @@ def _outputs(call: _Call, specs, inputs):
     return arrays, [args[name] for name, *_ in specs]
 
 
+def _with_work(launches):
+    """Launches that have blocks to run: a grid with a zero dimension (no keys, say, so dK and dV are
+    empty) does nothing, and the drivers refuse it."""
+    return [launch for launch in launches if all(launch.grid)]
+
+
 def _lse_shape(p: AttentionProblem):
     return (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
 
@@ -302,8 +320,7 @@ def _forward(call: _Call, out, lse, return_lse):
     p = call.problem
     (out_arr, lse_arr), _ = _outputs(call, [("out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype),
                                             ("lse", lse, _lse_shape(p), "float32")], call.inputs)
-    launches = portable_plan.plan_fwd(p, call.arch, call.tensors)
-    executor.run(call.device, call.arch, launches, call.stream)
+    executor.run(call.device, call.arch, _with_work(portable_plan.plan_fwd(p, call.arch, call.tensors)), call.stream)
     out_arr, lse_arr = finish_outputs(call.template, (out_arr, lse_arr), call.stream)
     return (out_arr, lse_arr) if return_lse else out_arr
 
@@ -375,7 +392,7 @@ class BwdLauncher:
                 backend.memset(device, base + region.offset, 0, region.nbytes, stream)
 
     def run(self, device: int, tensors: dict, stream: int) -> list[str]:
-        launches = portable_plan.plan_bwd(self.problem, self.arch, tensors)
+        launches = _with_work(portable_plan.plan_bwd(self.problem, self.arch, tensors))
         return executor.run(device, self.arch, launches, stream)
 
 
@@ -487,5 +504,5 @@ def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
     p = call.problem
     (mask_arr,), _ = _outputs(call, [("mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8")],
                               call.inputs)
-    executor.run(call.device, call.arch, portable_plan.plan_dropout_mask(p, call.arch, call.tensors), handle)
+    executor.run(call.device, call.arch, _with_work(portable_plan.plan_dropout_mask(p, call.arch, call.tensors)), handle)
     return finish_outputs(call.template, (mask_arr,), handle)[0]

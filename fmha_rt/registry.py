@@ -8,12 +8,12 @@ own parameter table) exactly the layout the manifest gives; anything else is ref
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
 import json
 import os
 import pathlib
 import threading
+import zlib
 
 from . import codeobj
 from .errors import FmhaRuntimeError, FmhaValueError
@@ -64,14 +64,48 @@ def search_paths() -> list[pathlib.Path]:
     return paths
 
 
+MAX_IMAGE_BYTES = 64 << 20  # far above any kernel; a larger inflated image is refused, not allocated
+
+
 def _confined(root: pathlib.Path, name: str) -> pathlib.Path:
     """The file `name` inside `root`, refusing absolute paths and anything that escapes `root`."""
-    if not isinstance(name, str) or not name or name.startswith(("/", "\\")) or ".." in pathlib.PurePosixPath(name).parts:
+    if (not isinstance(name, str) or not name or "\0" in name or name.startswith(("/", "\\"))
+            or ".." in pathlib.PurePosixPath(name).parts):
         raise FmhaValueError(f"manifest file name {name!r} must be a relative path inside {root}")
-    path = (root / name).resolve()
+    try:
+        path = (root / name).resolve()
+    except (OSError, RuntimeError) as exc:  # symlink loops
+        raise FmhaValueError(f"manifest file name {name!r} cannot be resolved: {exc}") from None
     if root.resolve() not in path.parents:
         raise FmhaValueError(f"manifest file name {name!r} resolves outside {root}")
     return path
+
+
+def _inflate(stored: bytes, name: str) -> bytes:
+    """gunzip with a size limit, so a corrupt or hostile file is refused rather than exhausting memory."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        data = inflater.decompress(stored, MAX_IMAGE_BYTES + 1)
+    except zlib.error as exc:
+        raise FmhaValueError(f"{name}: not a valid gzip stream ({exc})") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise FmhaValueError(f"{name}: inflates to more than {MAX_IMAGE_BYTES} bytes")
+    if not inflater.eof:
+        raise FmhaValueError(f"{name}: the gzip stream is truncated")
+    return data
+
+
+def _int(value, what: str, lo: int, hi: int) -> int:
+    """A JSON integer within [lo, hi]: floats, bools and strings are refused."""
+    if type(value) is not int or not lo <= value <= hi:
+        raise FmhaValueError(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _str(value, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise FmhaValueError(f"{what} must be a non-empty string, got {value!r}")
+    return value
 
 
 def parse_manifest(data: dict, root: pathlib.Path) -> dict[tuple[str, str], KernelEntry]:
@@ -80,19 +114,25 @@ def parse_manifest(data: dict, root: pathlib.Path) -> dict[tuple[str, str], Kern
         raise FmhaValueError(f"{root}/manifest.json is not a format-{MANIFEST_FORMAT} fmha_rt manifest")
     entries = {}
     for i, k in enumerate(data["kernels"]):
+        where = f"{root}/manifest.json: kernel #{i}"
+        if not isinstance(k, dict) or not isinstance(k.get("params"), list) or not isinstance(k.get("traits", {}), dict):
+            raise FmhaValueError(f"{where} is malformed (expected an object with a params list)")
         try:
-            params = tuple(Slot(p["name"], p["type"], int(p["offset"]), int(p["size"])) for p in k["params"])
+            param_bytes = _int(k["param_bytes"], f"{where} param_bytes", 1, 4096)
+            params = tuple(Slot(_str(p["name"], f"{where} parameter name"), _str(p["type"], f"{where} parameter type"),
+                                _int(p["offset"], f"{where} parameter offset", 0, param_bytes),
+                                _int(p["size"], f"{where} parameter size", 1, 8)) for p in k["params"])
             entry = KernelEntry(
-                key=str(k["key"]), family=str(k["family"]), arch=str(k["arch"]), symbol=str(k["symbol"]),
-                file=k["file"], sha256=str(k["sha256"]), compressed=bool(k.get("compressed", False)),
-                threads=int(k["threads"]), shared=int(k["shared"]), params=params,
-                param_bytes=int(k["param_bytes"]), traits=dict(k.get("traits", {})),
+                key=_str(k["key"], f"{where} key"), family=_str(k["family"], f"{where} family"),
+                arch=_str(k["arch"], f"{where} arch"), symbol=_str(k["symbol"], f"{where} symbol"),
+                file=k["file"], sha256=_str(k["sha256"], f"{where} sha256"), compressed=k.get("compressed") is True,
+                threads=_int(k["threads"], f"{where} threads", 1, 1024),
+                shared=_int(k["shared"], f"{where} shared", 0, 1 << 20), params=params, param_bytes=param_bytes,
+                traits=dict(k.get("traits", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FmhaValueError(f"{root}/manifest.json: kernel #{i} is malformed ({exc!r})") from None
+        except (KeyError, TypeError) as exc:
+            raise FmhaValueError(f"{where} is malformed ({exc!r})") from None
         _confined(root, entry.file)
-        if not 0 < entry.threads <= 1024 or not 0 <= entry.shared <= 1 << 20 or not 0 < entry.param_bytes <= 4096:
-            raise FmhaValueError(f"{root}/manifest.json: kernel {entry.key} has out-of-range launch sizes")
         if (entry.arch, entry.key) in entries:
             raise FmhaValueError(f"{root}/manifest.json: kernel {entry.key} appears twice for {entry.arch}")
         entries[(entry.arch, entry.key)] = entry
@@ -106,7 +146,7 @@ class Registry:
         self.root = root
         try:
             document = json.loads((root / "manifest.json").read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise FmhaValueError(f"cannot read {root}/manifest.json: {exc}") from None
         self.triton_version = document.get("triton") if isinstance(document, dict) else None
         self.entries = parse_manifest(document, root)
@@ -139,7 +179,7 @@ class Registry:
         digest = hashlib.sha256(stored).hexdigest()
         if digest != entry.sha256:
             raise FmhaValueError(f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}: refusing it")
-        data = gzip.decompress(stored) if entry.compressed else stored
+        data = _inflate(stored, str(path)) if entry.compressed else stored
         check_layout(entry, data, str(path))
         with self._lock:
             self._images[(entry.arch, entry.key)] = data
