@@ -1,0 +1,140 @@
+"""Host memory posing as GPU memory, so that the public API validates and plans on a machine without a GPU.
+
+`FakeGpuArray` exports host memory through DLPack as a CUDA (or any other device's) array. `StandInRuntime`
+describes two sm_90 devices and serves the runtime's own allocations and memsets from host memory, so a
+call runs exactly as on a GPU machine up to the launch, where the test puts its own executor.
+"""
+import contextlib
+import ctypes
+import math
+
+from fmha_rt import backend
+from fmha_rt.dlpack import DLPackExporter
+from fmha_rt.errors import DriverError
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int32": 4, "int64": 8, "uint8": 1}
+ALIGN = 256  # device allocations start on 256 bytes
+POISON = 0xFF  # NaN in every float dtype: an element written with anything else shows
+
+
+def span_elements(shape, strides) -> int:
+    """Elements from the first to one past the last element a view touches (non-negative strides)."""
+    if 0 in shape:
+        return 0
+    if strides is None:
+        return math.prod(shape)
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+def host_buffer(nbytes: int):
+    """Poisoned host memory with room to start on an ALIGN boundary."""
+    buf = (ctypes.c_char * (nbytes + ALIGN))()
+    ctypes.memset(buf, POISON, ctypes.sizeof(buf))
+    return buf
+
+
+def aligned_start(buf) -> int:
+    return -(-ctypes.addressof(buf) // ALIGN) * ALIGN
+
+
+class FakeGpuArray(DLPackExporter):
+    """Host memory exported as a GPU array. `strides` (elements) and `offset` make views of `base`.
+    With `address`, the array is a bare device address with no memory behind it: for shapes and strides
+    no host could hold, in calls that must never touch the memory."""
+
+    def __init__(self, shape, dtype="float16", *, device=0, strides=None, offset=0, base=None, read_only=False,
+                 device_type="cuda", address=None):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.strides = None if strides is None else tuple(strides)
+        itemsize = ITEMSIZE[dtype]
+        if address is not None:
+            self.base, start = None, address
+        else:
+            nbytes = (span_elements(self.shape, self.strides) + offset) * itemsize
+            self.base = base if base is not None else host_buffer(nbytes)
+            start = aligned_start(self.base)
+            assert start + nbytes <= ctypes.addressof(self.base) + ctypes.sizeof(self.base), "view past its base"
+        self.ptr = start + offset * itemsize
+        self.device = (device_type, device)
+        self.read_only = read_only
+        self.snapshot = self.contents()
+
+    def contents(self) -> bytes:
+        """Every byte of the memory behind the array (its whole base; nothing for a bare address)."""
+        return b"" if self.base is None else ctypes.string_at(self.base, ctypes.sizeof(self.base))
+
+    def untouched(self) -> bool:
+        return self.contents() == self.snapshot
+
+    def view(self, shape, strides, offset=0, dtype=None):
+        return FakeGpuArray(shape, dtype or self.dtype, strides=strides, offset=offset, base=self.base,
+                            device=self.device[1])
+
+
+class StandInRuntime:
+    """Two sm_90 devices whose memory is host memory. Allocations up to `limit` bytes succeed; larger ones
+    fail as the driver fails when out of memory. A memset must land inside memory this object handed out
+    (its allocations or `workspace` arrays): anywhere else is a test failure."""
+
+    def __init__(self, monkeypatch, *, devices=2, limit=64 << 20):
+        gpus = tuple(backend.Device(i, "stand-in", "sm_90", "sm_90", 132, 232448, 2**37) for i in range(devices))
+        self.runtime = backend.Runtime("cuda", "stand-in", 13000, gpus)
+        self.limit = limit
+        self.allocations = {}  # start address -> (buffer, nbytes, device)
+        self.lent = []  # (start, nbytes, device) of workspace arrays given to callers
+        self.memsets = []  # (device, address, nbytes)
+        self.problems = []  # bad frees: recorded, since buffers free themselves in __del__, which swallows errors
+        monkeypatch.setattr(backend, "runtime", lambda: self.runtime)
+        monkeypatch.setattr(backend, "mem_alloc", self.mem_alloc)
+        monkeypatch.setattr(backend, "mem_free", self.mem_free)
+        monkeypatch.setattr(backend, "memset", self.memset)
+        monkeypatch.setattr(backend, "device_scope", self.device_scope)
+        monkeypatch.setattr(backend, "copy_to_device", self.copy_to_device)
+
+    @contextlib.contextmanager
+    def device_scope(self, ordinal):
+        backend.device(ordinal)  # refuses an ordinal that does not exist, as the driver does
+        yield
+
+    def mem_alloc(self, ordinal, nbytes, stream=0):
+        backend.device(ordinal)
+        if nbytes > self.limit:
+            raise DriverError(f"fmha_mem_alloc: mem_alloc_async failed with CUDA_ERROR_OUT_OF_MEMORY ({nbytes} bytes)",
+                              code=2, error_name="CUDA_ERROR_OUT_OF_MEMORY", call="fmha_mem_alloc", device=ordinal)
+        buf = host_buffer(max(int(nbytes), 1))
+        self.allocations[aligned_start(buf)] = (buf, int(nbytes), ordinal)
+        return aligned_start(buf)
+
+    def mem_free(self, ordinal, ptr, stream=0):
+        entry = self.allocations.pop(ptr, None)
+        if entry is None or entry[2] != ordinal:
+            self.problems.append(f"free of 0x{ptr:x} on device {ordinal}: not an allocation there")
+
+    def _writable(self, what, ordinal, ptr, nbytes):
+        regions = [(start, n, dev) for start, (_, n, dev) in self.allocations.items()] + self.lent
+        if not any(dev == ordinal and start <= ptr and ptr + nbytes <= start + n for start, n, dev in regions):
+            raise AssertionError(f"{what} of {nbytes} bytes at 0x{ptr:x} on device {ordinal} is outside every "
+                                 "allocation and workspace")
+
+    def memset(self, ordinal, ptr, value, nbytes, stream=0):
+        if nbytes == 0:  # writes nothing, wherever it points
+            return
+        self._writable("memset", ordinal, ptr, nbytes)
+        ctypes.memset(ptr, value, nbytes)
+        self.memsets.append((ordinal, ptr, nbytes))
+
+    def copy_to_device(self, ordinal, dst, data, stream=0):
+        data = bytes(memoryview(data).cast("B"))
+        if data:
+            self._writable("copy to the device", ordinal, dst, len(data))
+            ctypes.memmove(dst, data, len(data))
+
+    def workspace(self, nbytes, device=0) -> FakeGpuArray:
+        """A uint8 array for a workspace callback to return: memory the runtime may clear."""
+        array = FakeGpuArray((nbytes,), "uint8", device=device)
+        self.lent.append((array.ptr, nbytes, device))
+        return array
+
+    def reset(self):
+        self.lent.clear()
+        self.memsets.clear()
