@@ -383,17 +383,23 @@ class BwdLauncher:
     def dq_acc_splits(self) -> int:
         return self.workspace.dq_splits
 
-    def prepare_workspace(self, buf: Arg, tensors: dict, stream: int, device: int) -> None:
-        """Carve the regions out of `buf` and zero those that must start at zero."""
+    def prepare_workspace(self, buf: Arg, tensors: dict) -> None:
+        """Carve the workspace regions out of `buf` into the call's tensors."""
         base = buf.pointer.address if buf is not None else 0
         for region in self.workspace.regions:
             tensors[region.name] = Pointer(base + region.offset)
-            if region.zero_init:
-                backend.memset(device, base + region.offset, 0, region.nbytes, stream)
 
     def run(self, device: int, tensors: dict, stream: int) -> list[str]:
+        """Plan, check and pack every launch; only then zero the regions that must start at zero (so a
+        refused call writes no memory at all) and launch."""
         launches = _with_work(portable_plan.plan_bwd(self.problem, self.arch, tensors))
-        return executor.run(device, self.arch, launches, stream)
+
+        def zero_regions():
+            for region in self.workspace.regions:
+                if region.zero_init:
+                    backend.memset(device, tensors[region.name].address, 0, region.nbytes, stream)
+
+        return executor.run(device, self.arch, launches, stream, before_launch=zero_regions)
 
 
 def _workspace(call: _Call, launcher: BwdLauncher, workspace_alloc):
@@ -453,7 +459,7 @@ def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc):
     keep_alive, ws_arg = _workspace(call, launcher, workspace_alloc)
     if ws_arg is not None:
         check_overlap([ws_arg], inputs + outputs)
-    launcher.prepare_workspace(ws_arg, call.tensors, call.stream, call.device)
+    launcher.prepare_workspace(ws_arg, call.tensors)
     launcher.run(call.device, call.tensors, call.stream)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
     return finish_outputs(call.template, tuple(arrays), call.stream)

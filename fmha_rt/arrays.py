@@ -112,7 +112,21 @@ def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=F
         raise FmhaValueError(f"{name} has negative strides {tuple(view.strides)}; fmha_rt needs non-negative strides")
     if writable and view.read_only:
         raise FmhaValueError(f"{name} is read-only; outputs must be writable")
+    if writable and _overlaps_itself(view.shape, view.strides):
+        raise FmhaValueError(f"{name} has strides {tuple(view.strides)} under which elements share memory; "
+                             "outputs need one location per element")
     return arg
+
+
+def _overlaps_itself(shape, strides) -> bool:
+    """Whether two elements may share an address: dims taken from the smallest stride up, each stride
+    must reach past everything the smaller dims span (conservative for exotic interleavings)."""
+    extent = 1
+    for size, stride in sorted(((n, abs(s)) for n, s in zip(shape, strides) if n > 1), key=lambda d: d[1]):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
 
 
 def check_overlap(outputs, inputs) -> None:

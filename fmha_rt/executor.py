@@ -40,9 +40,12 @@ def prepare(device: int, arch: str, launches) -> list[PreparedLaunch]:
     return prepared
 
 
-def run(device: int, arch: str, launches, stream: int) -> list[str]:
-    """Launch every kernel of `launches` on `stream`; returns their variant keys."""
+def run(device: int, arch: str, launches, stream: int, before_launch=None) -> list[str]:
+    """Launch every kernel of `launches` on `stream`; returns their variant keys. `before_launch` runs
+    once every launch is checked and packed, right before the first (e.g. zeroing a workspace)."""
     prepared = prepare(device, arch, launches)
+    if before_launch is not None:
+        before_launch()
     for p in prepared:
         p(stream)
     keys = [p.entry.key for p in prepared]

@@ -65,7 +65,8 @@ def attention(name, dtype, b, sq, sk, hq, hk, d, dv, gen, deterministic=True, wo
     if "alibi_slopes" in opts:
         ref["alibi_slopes"] = f64(opts["alibi_slopes"])
     if opts.get("dropout_p"):
-        keep = fmha_rt.mha_dropout_mask(q, k, dropout_p=opts["dropout_p"], seed=opts["seed"], offset=opts.get("offset", 0))
+        keep = fmha_rt.mha_dropout_mask(q, k, dropout_p=opts["dropout_p"], seed=opts["seed"],
+                                        offset=opts.get("offset", 0))
         note()
         ref.update(dropout_p=opts["dropout_p"], dropout_keep=f64(keep).astype(bool))
     ro, _ = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)
@@ -131,7 +132,8 @@ def main():
         attention(f"bias {shape}", bf16, 2, 70, 90, 4, 4, 64, 64, gen, bias=bias, window=(20, 5))
     attention("alibi [H]", bf16, 2, 70, 90, 4, 2, 128, 128, gen, causal=True, causal_alignment="bottom_right",
               alibi_slopes=torch.rand(4, generator=gen, device="cuda"))
-    attention("alibi [B, H]", bf16, 2, 70, 90, 4, 4, 64, 64, gen, alibi_slopes=torch.rand((2, 4), generator=gen, device="cuda"))
+    attention("alibi [B, H]", bf16, 2, 70, 90, 4, 4, 64, 64, gen,
+              alibi_slopes=torch.rand((2, 4), generator=gen, device="cuda"))
     attention("dropout", bf16, 2, 70, 90, 2, 2, 64, 64, gen, dropout_p=0.2, seed=11, offset=3)
     seed_offset = torch.tensor([12, 5], dtype=torch.int64, device="cuda")
     attention("dropout (seed in device memory)", bf16, 1, 70, 90, 2, 1, 128, 128, gen, dropout_p=0.1, seed=seed_offset)

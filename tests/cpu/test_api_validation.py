@@ -115,6 +115,8 @@ def _cases():
         ("out wrong shape", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray((2, 64, 4, 32))), FmhaValueError, "out must have shape"),
         ("out wrong dtype", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray(out.shape, "bfloat16")), FmhaTypeError, "out"),
         ("out read-only", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray(out.shape, read_only=True)), FmhaValueError, "read-only"),
+        ("out overlaps itself", lambda: fmha_rt.mha_fwd(q, k, v, out=out.view((2, 64, 4, 64), (0, 256, 64, 1))),
+         FmhaValueError, "share memory"),
         ("out aliases q", lambda: fmha_rt.mha_fwd(q, k, v, out=q), FmhaValueError, "overlaps q"),
         ("out overlaps v", lambda: fmha_rt.mha_fwd(q, k, v, out=v.view((2, 64, 4, 64), (16384, 256, 64, 1), offset=8)),
          FmhaValueError, "overlaps v"),
@@ -204,7 +206,7 @@ def test_outputs_given_are_untouched_after_an_error():
 def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):
     """The other side of the matrix: a good call passes validation and plans every launch."""
     seen = []
-    monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream: seen.append((device, arch, launches)))
+    monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream, **_: seen.append((device, arch, launches)))
     q, k, v = qkv(Hq=8, Hk=2)
     fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray((2, 64, 8, 64)), lse=FakeGpuArray((2, 8, 64), "float32"), causal=True)
     (device, arch, launches), = seen
@@ -245,7 +247,7 @@ def test_host_cu_seqlens_are_checked_then_uploaded(monkeypatch):
         return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
 
     monkeypatch.setattr(api.HostSeqlens, "upload", upload)
-    monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream: seen.append(launches))
+    monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream, **_: seen.append(launches))
     q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
     fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70], np.int64), np.array([0, 30, 90]), 40, 60,
                            out=FakeGpuArray((70, 4, 64)), lse=FakeGpuArray((4, 70), "float32"))

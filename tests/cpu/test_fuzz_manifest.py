@@ -421,7 +421,8 @@ FOUND = {
     "nesting deeper than the JSON decoder's recursion": lambda doc, root: b"[" * 100000 + b"]" * 100000,
     "right sha256, bytes not gzip": _code_object_from(lambda elf: elf),
     "right sha256, truncated gzip": _code_object_from(lambda elf: gzip.compress(elf, mtime=0)[:-9]),
-    "right sha256, corrupt deflate stream": _code_object_from(lambda elf: gzip.compress(elf, mtime=0)[:10] + b"\xff" * 20),
+    "right sha256, corrupt deflate stream": _code_object_from(
+        lambda elf: gzip.compress(elf, mtime=0)[:10] + b"\xff" * 20),
 }
 
 

@@ -75,7 +75,7 @@ class CheckingExecutor:
         self.calls = []
         self.aligning = False  # inside the alignment check: a refusal there is the executor's
 
-    def __call__(self, device, arch, launches, stream):
+    def __call__(self, device, arch, launches, stream, before_launch=None):
         assert arch == ARCH and device in (0, 1)
         reg = registry_module.registry()
         checked = []
@@ -98,6 +98,8 @@ class CheckingExecutor:
         for entry, args in checked:
             executor.check_alignment(entry, args)
         self.aligning = False
+        if before_launch is not None:  # as the executor: only after every launch is checked
+            before_launch()
         self.calls.append([launch.variant for launch in launches])
         return self.calls[-1]
 
@@ -117,9 +119,9 @@ class Draw:
     """Draws the arrays and options of one call.
 
     `maybe(p, what)` includes an optional part with probability p; `spoil(p, what)` breaks a part with
-    probability p times the call's wildness (0 for about half the calls, which are then valid but for chance clashes).
-    In `huge` mode arrays are bare addresses, far apart so that their spans do not overlap, and one size
-    or stride sits at a slot or grid limit."""
+    probability p times the call's wildness, which is 0 for half the calls (valid then, but for chance
+    clashes). In `huge` mode arrays are bare addresses, far apart so that their spans do not overlap,
+    and one size or stride sits at a slot or grid limit."""
 
     def __init__(self, data, rt):
         self.data, self.rt = data, rt

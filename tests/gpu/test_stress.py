@@ -162,7 +162,9 @@ def call(p: Prepared, stream, outputs: dict) -> tuple:
 
 
 def given_outputs(p: Prepared) -> dict:
-    return {name: nan_like(shape, dtype) for name, (shape, dtype) in p.output_shapes.items()} if p.case.given_outputs else {}
+    if not p.case.given_outputs:
+        return {}
+    return {name: nan_like(shape, dtype) for name, (shape, dtype) in p.output_shapes.items()}
 
 
 def mismatched_bits(got: tuple, want: tuple):
