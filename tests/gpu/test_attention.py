@@ -12,21 +12,10 @@ torch = pytest.importorskip("torch")
 
 import fmha_rt  # noqa: E402
 from fmha_rt import reference  # noqa: E402
+from gpu_tensors import f64, nan_like, rand  # noqa: E402
 
 TOL = 1e-2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def rand(shape, dtype, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(dtype)
-
-
-def nan_like(shape, dtype):
-    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
-
-
-def f64(t):
-    return t.detach().to("cpu", torch.float64).numpy()
 
 
 def assert_close(name, got, want, tol=TOL):

@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 
 import fmha_rt  # noqa: E402
 from fmha_rt import reference  # noqa: E402
+from gpu_tensors import f64, nan_like, rand  # noqa: E402
 
 THREADS = 64
 CALLS = int(os.environ.get("FMHA_RT_STRESS_CALLS", "4096"))
@@ -36,18 +37,6 @@ DEVICE_SLACK = 32 << 20  # driver-side growth allowed over the second half (allo
 RSS_SLACK_KB = 64 << 10
 TRACED_BYTES_PER_CALL = 64  # Python allocations a call may leave behind, on average, after warm-up
 HANG_S = 120
-
-
-def rand(shape, dtype, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(dtype)
-
-
-def nan_like(shape, dtype):
-    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
-
-
-def f64(t):
-    return t.detach().to("cpu", torch.float64).numpy()
 
 
 # ------------------------------------------------------------------------------------------ the mix

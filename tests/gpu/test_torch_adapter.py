@@ -14,6 +14,7 @@ import fmha_rt  # noqa: E402
 from fmha_rt import reference  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
 from fmha_rt.torch import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from gpu_tensors import f64  # noqa: E402
 
 TOL = 1e-2
 LSE_TOL = 1e-3
@@ -22,10 +23,6 @@ LSE_TOL = 1e-3
 def rand(shape, gen, dtype=torch.bfloat16, requires_grad=False):
     x = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
     return x.requires_grad_(requires_grad)
-
-
-def f64(t):
-    return t.detach().to("cpu", torch.float64).numpy()
 
 
 def assert_close(name, got, want, tol=TOL):
