@@ -291,7 +291,10 @@ def _outputs(call: _Call, specs, inputs):
     arrays = []
     for name, given, shape, dtype in specs:
         if given is None:
-            given, args[name] = allocate_like(call.template, shape, dtype, call.device, call.stream)
+            # Kernels need row strides in multiples of 8 elements: pad the rows of a dbias whose key
+            # count is not (other outputs end in a head dim, which is a multiple of 8 already).
+            pitch = -(-shape[-1] // 8) * 8 if name == "dbias" else None
+            given, args[name] = allocate_like(call.template, shape, dtype, call.device, call.stream, pitch)
             args[name].name = name
         arrays.append(given)
         _put(call.tensors, name, args[name])

@@ -153,19 +153,21 @@ def _framework(obj) -> str:
     return module if module in ("torch", "cupy", "jax", "jaxlib") else "buffer"
 
 
-def allocate_like(template, shape, dtype: str, device: int, stream: int):
+def allocate_like(template, shape, dtype: str, device: int, stream: int, pitch: int | None = None):
     """A new GPU array of `shape`/`dtype` on `device`, of the same kind as `template` (the caller's
-    array). Returns (array for the caller, Arg for the kernels)."""
+    array). `pitch` pads each row of the last dim to that many elements (the array is then a view of
+    the first shape[-1] of them). Returns (array for the caller, Arg for the kernels)."""
     kind = _framework(template)
+    stored = tuple(shape) if pitch is None else tuple(shape[:-1]) + (pitch,)
     if kind == "torch":
         torch = sys.modules["torch"]
-        array = torch.empty(shape, dtype=getattr(torch, dtype), device=template.device)
+        array = torch.empty(stored, dtype=getattr(torch, dtype), device=template.device)[..., :shape[-1]]
     elif kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(device):
-            array = cupy.empty(shape, dtype=dtype)
+            array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
     else:  # JAX arrays are immutable and anything else has no allocator we know: our own buffer
-        array = DeviceBuffer(device, shape, dtype, stream)
+        array = DeviceBuffer(device, shape, dtype, stream, pitch=pitch)
     return array, Arg("output", array, stream)
 
 

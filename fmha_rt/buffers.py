@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from . import backend
-from .dlpack import DLPackExporter
+from .dlpack import DLPackExporter, contiguous_strides
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "uint8": 1}
 
@@ -14,9 +14,14 @@ class DeviceBuffer(DLPackExporter):
     a DLPack consumer's) goes away. `torch.from_dlpack`, `cupy.from_dlpack` and `jax.dlpack.from_dlpack`
     take it without a copy."""
 
-    def __init__(self, device: int, shape, dtype: str, stream: int = 0):
+    def __init__(self, device: int, shape, dtype: str, stream: int = 0, pitch: int | None = None):
+        """`pitch`: elements per row of the last dim when rows are padded (None: C-contiguous)."""
         self.shape, self.dtype, self.strides = tuple(int(s) for s in shape), dtype, None
-        self.nbytes = math.prod(self.shape) * ITEMSIZE[dtype]
+        stored = self.shape
+        if pitch is not None and self.shape and pitch != self.shape[-1]:
+            stored = self.shape[:-1] + (int(pitch),)
+            self.strides = contiguous_strides(stored)
+        self.nbytes = math.prod(stored) * ITEMSIZE[dtype]
         self.device_ordinal, self.stream = device, stream
         self.device = (backend.runtime().backend if backend.runtime().backend == "cuda" else "rocm", device)
         self.ptr = backend.mem_alloc(device, self.nbytes, stream)

@@ -105,6 +105,20 @@ def test_bias_and_dbias_in_every_broadcast_shape(shape):
         assert_close(n, got, want)
 
 
+def test_bias_with_unaligned_key_count_gets_a_padded_dbias():
+    """Sk = 90: the bias comes in rows padded to 96 elements (strides must be multiples of 8); the dbias
+    fmha_rt allocates is padded the same way and returned as a [.., Sq, 90] view."""
+    B, Sq, Sk, H, D = 2, 70, 90, 2, 64
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    bias = rand((1, H, Sq, 96), torch.bfloat16, gen)[..., :Sk]
+    q, k, v, dout, out, lse, dq, dk, dv = run_case("bf16", B, Sq, Sk, H, H, D, D, {}, seed=14,
+                                                    extra={"bias": bias})
+    *_, dbias = fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, bias=bias)
+    assert dbias.shape == bias.shape and dbias.stride(-2) == 96
+    rdb = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), bias=f64(bias))[3]
+    assert_close("dbias", dbias, rdb)
+
+
 @pytest.mark.parametrize("per_batch", [False, True])
 def test_alibi(per_batch):
     B, S, H, D = 2, 256, 4, 64
