@@ -3,6 +3,10 @@
 Framework-agnostic: arrays come in by DLPack (torch, CuPy, JAX, anything with __dlpack__) and outputs
 that are not given are allocated as the same kind of array as `q`. Every argument is validated before
 the first launch, so on error nothing has been written.
+
+A call whose signature (every array's kind, shape, strides, dtype and device, every option) was seen
+before runs from the plan cache (plan_cache.py): only what depends on this call's pointers is checked
+again, and its launches are the cached ones with its pointers written in.
 """
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ import dataclasses
 
 import numpy as np
 
-from . import backend, executor, portable_plan
-from .arrays import ATTN_DTYPES, Arg, allocate_like, check_overlap, check_shape, finish_outputs, gpu_array
+from . import backend, executor, head_padding, plan_cache, portable_plan
+from .arrays import (ATTN_DTYPES, Arg, acquire_workspace, allocate_like, check_overlap, check_shape, finish_outputs,
+                     framework, gpu_array, signatures)
 from .errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
 from .packing import Pointer
 from .problem import AttentionProblem
+from .registry import registry
 from .streams import stream_handle
 
 INT32_LIMIT = 2**31  # lengths, window sides and small strides reach the kernels as int32
@@ -84,9 +90,6 @@ def _check_head_dims(dqk, dv):
     for name, d in (("head_dim (q/k)", dqk), ("head_dim (v)", dv)):
         if not 1 <= d <= 256:
             raise FmhaNotImplementedError(f"{name}={d}: supported head dims are 1..256")
-        if d % 8:
-            raise FmhaNotImplementedError(f"{name}={d}: head dims must be multiples of 8 for now "
-                                          "(pad the last dim with zeros to the next multiple of 8)")
 
 
 def _bias_shape(bias: Arg, b: int, h: int, sq: int, sk: int) -> str:
@@ -96,7 +99,7 @@ def _bias_shape(bias: Arg, b: int, h: int, sq: int, sk: int) -> str:
     return ("B" if shape[0] == b and b > 1 else "1") + ("H" if shape[1] == h and h > 1 else "1") + "SS"
 
 
-def _dropout(dropout_p, seed, offset, stream):
+def _dropout(dropout_p, seed, offset, stream, imported=None):
     """Dropout options -> tensors entries. seed: an int, or a device array of two int64 (seed, offset)
     for graph capture; offset: the Philox offset (ignored when seed is an array)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
@@ -110,7 +113,7 @@ def _dropout(dropout_p, seed, offset, stream):
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
             raise FmhaValueError(f"offset must be an int in [0, 2^63), got {offset!r}")
         return {"philox_seed": seed, "philox_offset": offset}, []
-    arg = gpu_array("seed", seed, stream, dtypes=("int64",))
+    arg = gpu_array("seed", seed, stream, dtypes=("int64",), arg=(imported or {}).get("seed"))
     if tuple(arg.shape) != (2,):
         raise FmhaValueError(f"a seed array must hold two int64 (seed, offset), got shape {tuple(arg.shape)}")
     return {"philox_seed_offset": arg.pointer}, [arg]
@@ -184,15 +187,26 @@ class _Call:
     tensors: dict
     inputs: list
     template: object
+    imported: dict  # Args the plan-cache key imported already, by argument name
+
+    def array(self, name, obj, **checks) -> Arg:
+        return gpu_array(name, obj, self.stream, arg=self.imported.get(name), **checks)
 
 
 def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqstart_q, seqstart_k,
              softmax_scale, causal, window, mask_type, causal_alignment, bias, alibi_slopes, dropout_p, seed,
-             offset, deterministic, stream, bias_grad=False) -> _Call:
-    rt = backend.runtime()
-    handle = stream_handle(stream, backend=rt.backend)
+             offset, deterministic, stream, bias_grad=False, handle=None, imported=None) -> _Call:
+    """Validate a call. `handle`: its stream's handle, when the caller has it; `imported`: arrays the
+    caller imported already (plan_cache key), by argument name."""
+    if handle is None:
+        handle = stream_handle(stream, backend=backend.runtime().backend)
+    imported = imported or {}
+
+    def array(name, obj, **checks):
+        return gpu_array(name, obj, handle, arg=imported.get(name), **checks)
+
     rank = 3 if varlen else 4
-    qa, ka, va = (gpu_array(n, x, handle, rank=rank, dtypes=tuple(ATTN_DTYPES)) for n, x in (("q", q), ("k", k), ("v", v)))
+    qa, ka, va = (array(n, x, rank=rank, dtypes=tuple(ATTN_DTYPES)) for n, x in (("q", q), ("k", k), ("v", v)))
     dtype = _dtype(qa, ka, va)
     mask = resolve_mask(causal, window, mask_type, causal_alignment)
     inputs = [qa, ka, va]
@@ -209,9 +223,9 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise FmhaValueError("seqstart_q and seqstart_k must be given together")
         host = HostSeqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, tq, tk, max_seqlen_q, max_seqlen_k)
         cq = host.upload("cu_seqlens_q", qa.device, handle) if host.given else \
-            gpu_array("cu_seqlens_q", cu_seqlens_q, handle, rank=1, dtypes=("int32",))
+            array("cu_seqlens_q", cu_seqlens_q, rank=1, dtypes=("int32",))
         ck = host.upload("cu_seqlens_k", qa.device, handle) if host.given else \
-            gpu_array("cu_seqlens_k", cu_seqlens_k, handle, rank=1, dtypes=("int32",))
+            array("cu_seqlens_k", cu_seqlens_k, rank=1, dtypes=("int32",))
         if cq.shape != ck.shape or cq.shape[0] < 2:
             raise FmhaValueError(f"cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k {tuple(ck.shape)} must both "
                                  "have B + 1 >= 2 entries")
@@ -223,7 +237,7 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if seqstart_q is not None:
             for name, value in (("seqstart_q", seqstart_q), ("seqstart_k", seqstart_k)):
                 arg = host.upload(name, qa.device, handle) if host.given else \
-                    gpu_array(name, value, handle, rank=1, dtypes=("int32",))
+                    array(name, value, rank=1, dtypes=("int32",))
                 check_shape(arg, cq.shape, " (B + 1 entries, like cu_seqlens)")
                 _put(tensors, name, arg)
                 inputs.append(arg)
@@ -244,12 +258,12 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if bias is not None:
         if alibi_slopes is not None:
             raise FmhaNotImplementedError("bias and alibi_slopes together are not supported; add the ALiBi term to the bias")
-        ba = gpu_array("bias", bias, handle, rank=4, dtypes=(qa.dtype,))
+        ba = array("bias", bias, rank=4, dtypes=(qa.dtype,))
         bias_shape = _bias_shape(ba, batch, hq, sq, sk)
         _put(tensors, "bias", ba)
         inputs.append(ba)
     if alibi_slopes is not None:
-        aa = gpu_array("alibi_slopes", alibi_slopes, handle, rank=(1, 2), dtypes=("float32",))
+        aa = array("alibi_slopes", alibi_slopes, rank=(1, 2), dtypes=("float32",))
         if tuple(aa.shape) not in ((hq,), (batch, hq)):
             raise FmhaValueError(f"alibi_slopes must have shape [{hq}] or [{batch}, {hq}], got {tuple(aa.shape)}")
         alibi = "H" if len(aa.shape) == 1 else "BH"
@@ -257,7 +271,7 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise FmhaValueError(f"alibi_slopes batch stride {aa.strides[0]} must be in [0, 2^31)")
         _put(tensors, "alibi", aa)
         inputs.append(aa)
-    drop, drop_args = _dropout(dropout_p, seed, offset, handle)
+    drop, drop_args = _dropout(dropout_p, seed, offset, handle, imported)
     tensors.update(drop)
     inputs += drop_args
     if softmax_scale is not None:
@@ -275,30 +289,33 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     device = _same_device(inputs)
     for name, a in (("q", qa), ("k", ka), ("v", va)):
         _put(tensors, name, a)
-    return _Call(problem, device, backend.device(device).arch, handle, tensors, inputs, q)
+    return _Call(problem, device, backend.device(device).arch, handle, tensors, inputs, q, imported)
 
 
 def _outputs(call: _Call, specs, inputs):
-    """Outputs (name, given array or None, shape, dtype) -> (arrays for the caller, Args). Outputs the
-    caller gave are checked (kind, shape, writable, no overlap with inputs or each other) before any
-    missing one is allocated like q, so a bad call allocates nothing."""
+    """Outputs (name, given array or None, shape, dtype) -> (arrays for the caller, [(Arg, given, shape,
+    dtype, pitch)]). Outputs the caller gave are checked (kind, shape, writable, no overlap with inputs
+    or each other) before any missing one is allocated like q, so a bad call allocates nothing."""
     args = {}
     for name, given, shape, dtype in specs:
         if given is not None:
-            args[name] = gpu_array(name, given, call.stream, dtypes=(dtype,), writable=True)
+            args[name] = call.array(name, given, dtypes=(dtype,), writable=True)
             check_shape(args[name], shape)
     check_overlap(list(args.values()), inputs)
-    arrays = []
+    arrays, records = [], []
     for name, given, shape, dtype in specs:
+        pitch = None
         if given is None:
             # Kernels need row strides in multiples of 8 elements: pad the rows of a dbias whose key
-            # count is not (other outputs end in a head dim, which is a multiple of 8 already).
+            # count is not (outputs that end in another head dim are written by the padding copies,
+            # which take any strides).
             pitch = -(-shape[-1] // 8) * 8 if name == "dbias" else None
-            given, args[name] = allocate_like(call.template, shape, dtype, call.device, call.stream, pitch)
+            array, args[name] = allocate_like(call.template, shape, dtype, call.device, call.stream, pitch)
             args[name].name = name
-        arrays.append(given)
+        arrays.append(given if given is not None else array)
+        records.append((args[name], given is not None, shape, dtype, pitch))
         _put(call.tensors, name, args[name])
-    return arrays, [args[name] for name, *_ in specs]
+    return arrays, records
 
 
 def _with_work(launches):
@@ -319,13 +336,36 @@ def _kv_shape(p: AttentionProblem, head_dim):
     return (p.total_k, p.heads_k, head_dim) if p.varlen else (p.batch, p.seqlen_k, p.heads_k, head_dim)
 
 
-def _forward(call: _Call, out, lse, return_lse):
+def _recorded(record: bool, call: _Call, launches, inputs, outputs, workspace=None, layout=None):
+    """(CallPlan or None, the launches to run): when `record` asks and the call can be cached, the
+    plan's launches bound to this call's values, so that the recording call runs what later calls will."""
+    recorded = plan_cache.record(
+        runtime=backend.runtime(), registry=registry(), device=call.device, arch=call.arch,
+        kind=framework(call.template), launches=launches, tensors=call.tensors, inputs=inputs, outputs=outputs,
+        workspace=workspace, layout=layout) if record else None
+    if recorded is None:
+        return None, launches
+    plan, values = recorded
+    return plan, plan.bind(values)
+
+
+def _forward(call: _Call, out, lse, record):
+    """Run a validated forward; returns ((out, lse), its CallPlan when `record` asks and it can be cached)."""
     p = call.problem
-    (out_arr, lse_arr), _ = _outputs(call, [("out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype),
-                                            ("lse", lse, _lse_shape(p), "float32")], call.inputs)
-    executor.run(call.device, call.arch, _with_work(portable_plan.plan_fwd(p, call.arch, call.tensors)), call.stream)
-    out_arr, lse_arr = finish_outputs(call.template, (out_arr, lse_arr), call.stream)
-    return (out_arr, lse_arr) if return_lse else out_arr
+    arrays, outputs = _outputs(call, [("out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype),
+                                      ("lse", lse, _lse_shape(p), "float32")], call.inputs)
+    from .buffers import DeviceBuffer
+
+    # Head dims that are not multiples of 8 run on zero-padded copies in a scratch buffer of this call
+    # (its pointers are new on every call, so such calls are never cached).
+    padding = head_padding.for_forward(p, call.arch, call.tensors,
+                                       lambda nbytes: DeviceBuffer(call.device, (nbytes,), "uint8", call.stream))
+    attention = portable_plan.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
+    plan, launches = _recorded(record, call, _with_work(padding.before + attention + padding.after),
+                               call.inputs, outputs)
+    executor.run(call.device, call.arch, launches, call.stream)
+    del padding  # the scratch is freed stream-ordered, after the launches
+    return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
 
 _COMMON = dict(softmax_scale=None, causal=False, window=(-1, -1), mask_type=None, causal_alignment="top_left",
@@ -333,11 +373,85 @@ _COMMON = dict(softmax_scale=None, causal=False, window=(-1, -1), mask_type=None
 
 
 def _options(given: dict) -> dict:
-    unknown = set(given) - set(_COMMON)
-    if unknown:
+    if not _COMMON.keys() >= given.keys():
+        unknown = set(given) - set(_COMMON)
         raise FmhaTypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     return {**_COMMON, **given}
 
+
+# ------------------------------------------------------------------------------------------ plan cache
+
+PLANS = plan_cache.PlanCache()
+# Option values of these types are keys as they are (with their type: True and 1 validate differently);
+# a call with an option of any other type is validated and planned every time.
+_KEY_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (the next call of each signature validates and plans again)."""
+    PLANS.clear()
+
+
+def plan_cache_info() -> dict:
+    """Entries, capacity, hits and misses of the plan cache."""
+    return PLANS.info()
+
+
+def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: int):
+    """(key, addresses, imported Args) of a call for the plan cache, or None when the call cannot be
+    keyed (then it is validated and planned every time, which raises any error precisely).
+
+    The key holds the function, every array's description (arrays.signatures: not its address) and every
+    option that decides validation or the plan, each with its type. Left out are the stream, return_lse
+    and, when dropout is off, seed and offset (none of them reach validation or the plan); with
+    dropout on, a seed by value and the offset are per-call values (replay validates them again)."""
+    try:
+        window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
+        if type(window) not in (tuple, list) or len(window) != 2:
+            return None
+        values = (opts["softmax_scale"], opts["causal"], window[0], window[1], opts["mask_type"],
+                  opts["causal_alignment"], dropout_p, *scalars)
+        types = tuple(map(type, values))
+        if not _KEY_TYPES.issuperset(types):
+            return None
+        seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
+        if seed_kind == "array":
+            arrays = {**arrays, "seed": seed}
+        descriptions, addresses, imported = signatures(arrays, handle)
+        return (function, type(window), seed_kind, values, types, *descriptions), addresses, imported
+    except Exception:  # noqa: BLE001 - a value no signature describes: the slow path says what is wrong
+        return None
+
+
+def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, workspace_alloc=None, cacheable=True):
+    """Run a call from the plan cache when its signature is there, else through slow(handle, imported,
+    record) -> (outputs, CallPlan or None), keeping the plan it recorded."""
+    handle = stream_handle(opts["stream"], backend=backend.runtime().backend)
+    request = _request(function, arrays, opts, scalars, handle) if cacheable else None
+    imported = {}
+    if request is not None:
+        key, addresses, imported = request
+        try:
+            plan = PLANS.get(key, backend.runtime(), registry)
+        except TypeError:  # an unhashable option value
+            plan = request = None
+        if plan is not None:
+            if plan.philox_by_value:
+                drop, _ = _dropout(opts["dropout_p"], opts["seed"], opts["offset"], handle)
+                addresses.update(plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]))
+            return plan_cache.replay(plan, arrays["q"], arrays, addresses, handle, workspace_alloc)
+    outputs, plan = slow(handle, imported, request is not None and PLANS.admit(request[0]))
+    if plan is not None:
+        PLANS.put(request[0], plan)
+    return outputs
+
+
+def _host_seqlens(*arrays) -> bool:
+    """NumPy offsets are checked on the host and uploaded on every call: such calls are never cached."""
+    return any(isinstance(a, np.ndarray) for a in arrays)
+
+
+# ------------------------------------------------------------------------------------------ public API
 
 def mha_fwd(q, k, v, *, return_lse=True, out=None, lse=None, **options):
     """Attention forward. q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv] (fp16 or bf16, last dim
@@ -349,9 +463,16 @@ def mha_fwd(q, k, v, *, return_lse=True, out=None, lse=None, **options):
     int64 [seed, offset]) and offset, stream (None, an int handle, or a stream object).
     """
     opts = _options(options)
-    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                    seqstart_q=None, seqstart_k=None, deterministic=False, **opts)
-    return _forward(call, out, lse, return_lse)
+
+    def slow(handle, imported, record):
+        call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, seqstart_q=None, seqstart_k=None, deterministic=False, handle=handle,
+                        imported=imported, **opts)
+        return _forward(call, out, lse, record)
+
+    arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "bias": opts["bias"], "alibi_slopes": opts["alibi_slopes"]}
+    out_arr, lse_arr = _dispatch("mha_fwd", arrays, opts, (), slow)
+    return (out_arr, lse_arr) if return_lse else out_arr
 
 
 def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqstart_q=None,
@@ -360,10 +481,19 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     GPU (logical lengths), optional seqstart_q/k int32 [B + 1] (physical starts in padded layouts).
     max_seqlen_q/k must bound every sequence. Returns (out [total_q, Hq, Dv], lse fp32 [Hq, total_q])."""
     opts = _options(options)
-    call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q, seqstart_k=seqstart_k,
-                    deterministic=False, **opts)
-    return _forward(call, out, lse, return_lse)
+
+    def slow(handle, imported, record):
+        call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q,
+                        seqstart_k=seqstart_k, deterministic=False, handle=handle, imported=imported, **opts)
+        return _forward(call, out, lse, record)
+
+    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+              "seqstart_q": seqstart_q, "seqstart_k": seqstart_k, "out": out, "lse": lse,
+              "bias": opts["bias"], "alibi_slopes": opts["alibi_slopes"]}
+    out_arr, lse_arr = _dispatch("mha_varlen_fwd", arrays, opts, (max_seqlen_q, max_seqlen_k), slow,
+                                 cacheable=not _host_seqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k))
+    return (out_arr, lse_arr) if return_lse else out_arr
 
 
 class BwdLauncher:
@@ -392,10 +522,17 @@ class BwdLauncher:
         for region in self.workspace.regions:
             tensors[region.name] = Pointer(base + region.offset)
 
-    def run(self, device: int, tensors: dict, stream: int) -> list[str]:
-        """Plan, check and pack every launch; only then zero the regions that must start at zero (so a
-        refused call writes no memory at all) and launch."""
-        launches = _with_work(portable_plan.plan_bwd(self.problem, self.arch, tensors))
+    def plan(self, tensors: dict) -> list:
+        """The launches of this backward on `tensors` (arrays and workspace regions), with the copies
+        into and out of zero-padded workspace buffers for head dims that are not multiples of 8."""
+        padding = head_padding.for_backward(self.problem, self.arch, tensors)
+        attention = portable_plan.plan_bwd(self.problem, self.arch, {**tensors, **padding.substitutes})
+        return _with_work(padding.before + attention + padding.after)
+
+    def run(self, device: int, tensors: dict, stream: int, launches=None) -> list[str]:
+        """Plan (unless `launches` are planned already), check and pack every launch; only then zero the
+        regions that must start at zero (so a refused call writes no memory at all) and launch."""
+        launches = self.plan(tensors) if launches is None else launches
 
         def zero_regions():
             for region in self.workspace.regions:
@@ -405,48 +542,15 @@ class BwdLauncher:
         return executor.run(device, self.arch, launches, stream, before_launch=zero_regions)
 
 
-def _workspace(call: _Call, launcher: BwdLauncher, workspace_alloc):
-    """Get the workspace from the callback (or our allocator) and check it is big enough."""
-    nbytes = launcher.workspace_size
-    if nbytes == 0:
-        return None, None
-    if workspace_alloc is None:
-        from .buffers import DeviceBuffer
-
-        buf = DeviceBuffer(call.device, (nbytes,), "uint8", call.stream)
-        return buf, Arg("workspace", buf, call.stream)
-    try:
-        got = workspace_alloc(nbytes, launcher.needs_zero_init)
-    except Exception as exc:
-        raise FmhaValueError(f"workspace_alloc({nbytes}, {launcher.needs_zero_init}) raised {type(exc).__name__}: {exc}") from exc
-    if isinstance(got, Pointer):
-        return got, _PointerArg(got)
-    arg = gpu_array("workspace", got, call.stream, writable=True)
-    if arg.view.nbytes_span < nbytes:
-        raise FmhaValueError(f"workspace_alloc returned {arg.view.nbytes_span} bytes, {nbytes} are needed")
-    if arg.device != call.device:
-        raise FmhaValueError(f"workspace is on GPU {arg.device}, the call runs on GPU {call.device}")
-    return got, arg
-
-
-class _PointerArg:
-    """A raw workspace address from the callback (size is the caller's promise)."""
-
-    def __init__(self, pointer):
-        self.pointer, self.name = pointer, "workspace"
-
-    def span(self):
-        return (self.pointer.address, self.pointer.address)
-
-
-def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc):
+def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, record):
+    """Run a validated backward; returns ((dq, dk, dv[, dbias]), its CallPlan when `record` asks)."""
     p = call.problem
     dtype = call.inputs[0].dtype
-    do_arg = gpu_array("dout", dout, call.stream, dtypes=(dtype,))
+    do_arg = call.array("dout", dout, dtypes=(dtype,))
     check_shape(do_arg, _out_shape(p, p.head_dim_v))
-    o_arg = gpu_array("out", out, call.stream, dtypes=(dtype,))
+    o_arg = call.array("out", out, dtypes=(dtype,))
     check_shape(o_arg, _out_shape(p, p.head_dim_v))
-    l_arg = gpu_array("lse", lse, call.stream, dtypes=("float32",))
+    l_arg = call.array("lse", lse, dtypes=("float32",))
     check_shape(l_arg, _lse_shape(p))
     _same_device(call.inputs + [do_arg, o_arg, l_arg])
     for name, a in (("dout", do_arg), ("out", o_arg), ("lse", l_arg)):
@@ -459,13 +563,21 @@ def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc):
         specs.append(("dbias", dbias, tuple(bias_arg.shape), dtype))
     arrays, outputs = _outputs(call, specs, inputs)
     launcher = BwdLauncher(p, call.arch)
-    keep_alive, ws_arg = _workspace(call, launcher, workspace_alloc)
+    keep_alive, ws_arg = acquire_workspace(call.device, call.stream, launcher.workspace_size, launcher.needs_zero_init,
+                                           workspace_alloc)
     if ws_arg is not None:
-        check_overlap([ws_arg], inputs + outputs)
+        check_overlap([ws_arg], inputs + [o[0] for o in outputs])
     launcher.prepare_workspace(ws_arg, call.tensors)
-    launcher.run(call.device, call.tensors, call.stream)
+    plan, launches = _recorded(record, call, launcher.plan(call.tensors), inputs, outputs, ws_arg, launcher.workspace)
+    launcher.run(call.device, call.tensors, call.stream, launches)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
-    return finish_outputs(call.template, tuple(arrays), call.stream)
+    return finish_outputs(call.template, tuple(arrays), call.stream), plan
+
+
+def _dispatch_backward(function, arrays, opts, scalars, workspace_alloc, slow, cacheable=True):
+    """_dispatch for a backward: its key adds whether a workspace_alloc is given."""
+    arrays = {**arrays, "bias": opts["bias"], "alibi_slopes": opts["alibi_slopes"]}
+    return _dispatch(function, arrays, opts, (*scalars, workspace_alloc is None), slow, workspace_alloc, cacheable)
 
 
 def mha_bwd(dout, q, k, v, out, lse, *, deterministic=False, dq=None, dk=None, dv=None, dbias=None,
@@ -478,9 +590,16 @@ def mha_bwd(dout, q, k, v, out, lse, *, deterministic=False, dq=None, dk=None, d
     the parts that must start at zero on the call's stream, which zero_init announces.
     """
     opts = _options(options)
-    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                    seqstart_q=None, seqstart_k=None, deterministic=deterministic, bias_grad=True, **opts)
-    return _backward(call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc)
+
+    def slow(handle, imported, record):
+        call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, seqstart_q=None, seqstart_k=None, deterministic=deterministic,
+                        bias_grad=True, handle=handle, imported=imported, **opts)
+        return _backward(call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, record)
+
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+              "dbias": dbias}
+    return _dispatch_backward("mha_bwd", arrays, opts, (deterministic,), workspace_alloc, slow)
 
 
 def mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -488,10 +607,19 @@ def mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
                    workspace_alloc=None, **options):
     """Variable-length backward: arrays as in mha_varlen_fwd; returns (dq, dk, dv)."""
     opts = _options(options)
-    call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q, seqstart_k=seqstart_k,
-                    deterministic=deterministic, **opts)
-    return _backward(call, dout, out, lse, dq, dk, dv, None, workspace_alloc)
+
+    def slow(handle, imported, record):
+        call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q,
+                        seqstart_k=seqstart_k, deterministic=deterministic, handle=handle, imported=imported, **opts)
+        return _backward(call, dout, out, lse, dq, dk, dv, None, workspace_alloc, record)
+
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q,
+              "cu_seqlens_k": cu_seqlens_k, "seqstart_q": seqstart_q, "seqstart_k": seqstart_k, "dq": dq, "dk": dk,
+              "dv": dv}
+    return _dispatch_backward("mha_varlen_bwd", arrays, opts, (deterministic, max_seqlen_q, max_seqlen_k),
+                              workspace_alloc, slow,
+                              cacheable=not _host_seqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k))
 
 
 def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
@@ -504,7 +632,7 @@ def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
 
 def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
     """The dropout keep mask (uint8 [B, Hq, Sq, Sk], 1 = kept) that mha_fwd/mha_bwd use for these
-    shapes, seed and offset: for tests and debugging."""
+    shapes, seed and offset: for tests and debugging (never cached)."""
     rt = backend.runtime()
     handle = stream_handle(stream, backend=rt.backend)
     call = _prepare(q, k, k, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,

@@ -34,6 +34,17 @@ class TorchView(StridedSpan):
         self.read_only = False
 
 
+_TORCH_TENSOR_TYPES: tuple = ()
+
+
+def _torch_tensor_types() -> tuple:
+    """torch.Tensor and Parameter once torch is imported (this module never imports it)."""
+    global _TORCH_TENSOR_TYPES
+    if not _TORCH_TENSOR_TYPES and (torch := sys.modules.get("torch")) is not None and hasattr(torch, "nn"):
+        _TORCH_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+    return _TORCH_TENSOR_TYPES
+
+
 def _is_plain_torch_tensor(obj) -> bool:
     torch = sys.modules.get("torch")
     return (torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
@@ -94,11 +105,35 @@ def _gpu_device_of(obj):
     return int(device_id) if int(device_type) in _GPU_DLPACK_DEVICES else None
 
 
-def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False) -> Arg:
-    """Import `obj` and check it is a GPU array of the given rank and dtypes, last dim contiguous."""
+def signatures(objects: dict, stream: int):
+    """What the plan cache keys a call's arrays by: (descriptions, addresses, imported) for `objects`
+    (argument name -> array or None). A description holds everything of an array that the checks and
+    the plan read (its kind, shape, strides, dtype and device), never its address; None stands for a
+    missing array. A plain torch tensor is described from its attributes (~0.5 µs); anything else is
+    imported as gpu_array would import it, and `imported` keeps that Arg by name so that a call which
+    goes on to validate need not import it twice. Raises whatever an import raises."""
+    torch_types = _TORCH_TENSOR_TYPES or _torch_tensor_types()
+    descriptions, addresses, imported = [], {}, {}
+    for name, obj in objects.items():
+        if obj is None:
+            descriptions.append(None)
+        elif type(obj) in torch_types and not obj.is_neg():  # stride() raises for non-strided layouts
+            descriptions.append((type(obj), obj.shape, obj.stride(), obj.dtype, obj.device))
+            addresses[name] = obj.data_ptr()
+        else:
+            arg = imported[name] = Arg(name, obj, stream)
+            v = arg.view
+            descriptions.append((type(obj), v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.read_only))
+            addresses[name] = v.data_ptr
+    return descriptions, addresses, imported
+
+
+def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False, arg=None) -> Arg:
+    """Import `obj` and check it is a GPU array of the given rank and dtypes, last dim contiguous.
+    `arg`: `obj` imported already (by `signature`)."""
     if obj is None:
         raise FmhaTypeError(f"{name} is required, got None")
-    arg = Arg(name, obj, stream)
+    arg = arg if arg is not None else Arg(name, obj, stream)
     view = arg.view
     if view.device_type not in GPU_DEVICE_TYPES:
         raise FmhaValueError(f"{name} is on the {view.device_type} device; fmha_rt needs GPU arrays (cuda or rocm)")
@@ -132,15 +167,21 @@ def _overlaps_itself(shape, strides) -> bool:
 def check_overlap(outputs, inputs) -> None:
     """Refuse an output whose bytes overlap an input's or another output's: the kernels read inputs
     while writing outputs, so any overlap gives wrong results."""
-    outputs = [a for a in outputs if a is not None]
-    for i, out in enumerate(outputs):
-        lo, hi = out.span()
-        for other in list(inputs) + outputs[i + 1:]:
-            if other is None or other is out or hi <= lo:
-                continue
-            olo, ohi = other.span()
+    check_spans([(a.name, *a.span()) for a in outputs if a is not None],
+                [(a.name, *a.span()) for a in inputs if a is not None])
+
+
+def check_spans(outputs, inputs) -> None:
+    """check_overlap on (name, first byte, end byte) triples."""
+    for i, (name, lo, hi) in enumerate(outputs):
+        if hi <= lo:
+            continue
+        for other, olo, ohi in inputs:
             if olo < hi and lo < ohi:
-                raise FmhaValueError(f"output {out.name} overlaps {other.name} in memory; give outputs their own buffers")
+                raise FmhaValueError(f"output {name} overlaps {other} in memory; give outputs their own buffers")
+        for other, olo, ohi in outputs[i + 1:]:
+            if olo < hi and lo < ohi:
+                raise FmhaValueError(f"output {name} overlaps {other} in memory; give outputs their own buffers")
 
 
 def check_shape(arg: Arg, expected, what: str = "") -> None:
@@ -148,32 +189,76 @@ def check_shape(arg: Arg, expected, what: str = "") -> None:
         raise FmhaValueError(f"{arg.name} must have shape {tuple(expected)}{what}, got {tuple(arg.shape)}")
 
 
-def _framework(obj) -> str:
+def framework(obj) -> str:
+    """The kind of array outputs are allocated as for a call whose q is `obj`."""
     module = type(obj).__module__.split(".")[0]
     return module if module in ("torch", "cupy", "jax", "jaxlib") else "buffer"
 
 
-def allocate_like(template, shape, dtype: str, device: int, stream: int, pitch: int | None = None):
-    """A new GPU array of `shape`/`dtype` on `device`, of the same kind as `template` (the caller's
+def allocate(kind: str, template, shape, dtype: str, device: int, stream: int, pitch: int | None = None):
+    """A new GPU array of `shape`/`dtype` on `device`, of `kind` (framework(template), the caller's
     array). `pitch` pads each row of the last dim to that many elements (the array is then a view of
-    the first shape[-1] of them). Returns (array for the caller, Arg for the kernels)."""
-    kind = _framework(template)
+    the first shape[-1] of them). Returns (array for the caller, its data address)."""
     stored = tuple(shape) if pitch is None else tuple(shape[:-1]) + (pitch,)
     if kind == "torch":
         torch = sys.modules["torch"]
-        array = torch.empty(stored, dtype=getattr(torch, dtype), device=template.device)[..., :shape[-1]]
-    elif kind == "cupy":
+        array = torch.empty(stored, dtype=getattr(torch, dtype), device=template.device)
+        if pitch is not None:
+            array = array[..., :shape[-1]]
+        return array, array.data_ptr()
+    if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(device):
             array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
-    else:  # JAX arrays are immutable and anything else has no allocator we know: our own buffer
-        array = DeviceBuffer(device, shape, dtype, stream, pitch=pitch)
+        return array, array.data.ptr
+    # JAX arrays are immutable and anything else has no allocator we know: our own buffer
+    array = DeviceBuffer(device, shape, dtype, stream, pitch=pitch)
+    return array, array.ptr
+
+
+def allocate_like(template, shape, dtype: str, device: int, stream: int, pitch: int | None = None):
+    """allocate() of the kind of `template`; returns (array for the caller, Arg for the kernels)."""
+    array, _ = allocate(framework(template), template, shape, dtype, device, stream, pitch)
     return array, Arg("output", array, stream)
+
+
+class AddressArg:
+    """Memory known by its address alone: a raw workspace address from the callback (nbytes 0: its size
+    is the caller's promise), or a buffer we allocated (no DLPack round trip needed to describe it)."""
+
+    def __init__(self, name: str, address: int, nbytes: int = 0):
+        self.name, self.pointer, self.nbytes = name, Pointer(address), nbytes
+
+    def span(self):
+        return (self.pointer.address, self.pointer.address + self.nbytes)
+
+
+def acquire_workspace(device: int, stream: int, nbytes: int, zero_init: bool, workspace_alloc):
+    """The workspace of one backward, from the caller's workspace_alloc(nbytes, zero_init) or our own
+    allocator, checked to be big enough and on the call's device. Returns (the object to keep alive
+    until the launches are queued, its Arg), or (None, None) when nothing is needed."""
+    if nbytes == 0:
+        return None, None
+    if workspace_alloc is None:
+        buf = DeviceBuffer(device, (nbytes,), "uint8", stream)
+        return buf, AddressArg("workspace", buf.ptr, buf.nbytes)
+    try:
+        got = workspace_alloc(nbytes, zero_init)
+    except Exception as exc:
+        raise FmhaValueError(f"workspace_alloc({nbytes}, {zero_init}) raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(got, Pointer):
+        return got, AddressArg("workspace", got.address)
+    arg = gpu_array("workspace", got, stream, writable=True)
+    if arg.view.nbytes_span < nbytes:
+        raise FmhaValueError(f"workspace_alloc returned {arg.view.nbytes_span} bytes, {nbytes} are needed")
+    if arg.device != device:
+        raise FmhaValueError(f"workspace is on GPU {arg.device}, the call runs on GPU {device}")
+    return got, arg
 
 
 def finish_outputs(template, arrays, stream: int):
     """Hand outputs back: our own buffers become the caller's array kind where that kind is JAX."""
-    if _framework(template) not in ("jax", "jaxlib"):
+    if framework(template) not in ("jax", "jaxlib"):
         return arrays
     import jax.dlpack
 

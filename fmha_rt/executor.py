@@ -1,5 +1,9 @@
 """Running a plan's launches on the GPU: look each variant up, check and pack every launch first (so
-that a bad argument raises before anything is written), then launch them in order on one stream."""
+that a bad argument raises before anything is written), then launch them in order on one stream.
+
+`run` takes planned launches (portable_plan.Launch: a variant, a grid, arguments by name) or the bound
+launches of a cached plan (plan_cache.BoundLaunch: packed already, with this call's pointers written
+in), whose only per-call check is the alignment of those pointers."""
 from __future__ import annotations
 
 import threading
@@ -7,43 +11,64 @@ import threading
 from .errors import FmhaValueError
 from .launch import PreparedLaunch, log_config_enabled, log_launch
 from .packing import NULL, pointer_value
-from .registry import SCRATCH_POINTERS, registry
+from .portable_plan import Launch
+from .registry import ALIGNED_STRIDE_PREFIX, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
 
 _SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 _local = threading.local()
+_ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 def check_alignment(entry, args: dict) -> None:
     """The build promised the compiler 16-byte aligned pointers and strides that are multiples of 8
-    elements (that is what lets loads vectorise); refuse arguments that break the promise."""
+    elements (that is what lets loads vectorise); refuse arguments that break the promise. Pointers
+    named Unaligned* were promised only element alignment (a misaligned access would fault)."""
     for slot in entry.params:
         value = args[slot.name]
         if slot.type == "ptr":
-            address = pointer_value(slot.name, value)
-            if address % 16:
-                raise FmhaValueError(f"{entry.key}: pointer {slot.name}=0x{address:x} is not 16-byte aligned; "
-                                     "pass arrays whose data starts on a 16-byte boundary")
-        elif slot.name.startswith("stride_") and value % 8:
+            check_pointer(entry, slot.name, pointer_value(slot.name, value))
+        elif slot.name.startswith(ALIGNED_STRIDE_PREFIX) and value % 8:
             raise FmhaValueError(f"{entry.key}: stride {slot.name}={value} must be a multiple of 8 elements")
 
 
-def prepare(device: int, arch: str, launches) -> list[PreparedLaunch]:
-    reg = registry()
+def pointer_alignment(entry, name: str) -> int:
+    """Bytes the pointer parameter `name` of `entry` must be aligned to."""
+    if name.startswith(UNALIGNED_POINTER_PREFIX):
+        return _ELEMENT_BYTES.get(entry.traits.get("dtype"), 1)
+    return 16
+
+
+def check_pointer(entry, name: str, address: int, align: int | None = None) -> None:
+    align = pointer_alignment(entry, name) if align is None else align
+    if address % align:
+        raise FmhaValueError(f"{entry.key}: pointer {name}=0x{address:x} is not {align}-byte aligned; "
+                             f"pass arrays whose data starts on a {align}-byte boundary")
+
+
+def prepare(device: int, arch: str, launches, stream: int = 0) -> list:
+    """Check and pack every launch (bound launches: check their pointers); log them when asked."""
+    reg = None
+    logging = log_config_enabled()
     prepared = []
     for launch in launches:
-        entry = reg.entry(arch, launch.variant)
-        args = {**_SCRATCH, **launch.args}
-        check_alignment(entry, args)
-        prepared.append(PreparedLaunch(device, entry, launch.grid, entry.packer.pack(args)))
-        if log_config_enabled():
-            log_launch(device, entry, launch.grid, args, 0)
+        if isinstance(launch, Launch):
+            reg = reg or registry()
+            entry = reg.entry(arch, launch.variant)
+            args = {**_SCRATCH, **launch.args}
+            check_alignment(entry, args)
+            prepared.append(PreparedLaunch(device, entry, launch.grid, entry.packer.pack(args)))
+        else:
+            launch.check_alignment()
+            prepared.append(launch)
+        if logging:
+            log_launch(device, prepared[-1].entry, launch.grid, {**_SCRATCH, **launch.args}, stream)
     return prepared
 
 
 def run(device: int, arch: str, launches, stream: int, before_launch=None) -> list[str]:
     """Launch every kernel of `launches` on `stream`; returns their variant keys. `before_launch` runs
     once every launch is checked and packed, right before the first (e.g. zeroing a workspace)."""
-    prepared = prepare(device, arch, launches)
+    prepared = prepare(device, arch, launches, stream)
     if before_launch is not None:
         before_launch()
     for p in prepared:

@@ -55,6 +55,39 @@ class PreparedLaunch:
 _launch = lib.fmha_launch_prepared
 
 
+class LaunchPool:
+    """Launches of one kernel and grid on one device whose packed arguments change from call to call
+    (a cached plan's). Each launch configuration owns a C argument buffer; a call takes one from the
+    pool, copies its arguments in, launches and puts it back. The driver copies the arguments when the
+    launch is queued, so a configuration is free again as soon as the launch call returns, and
+    concurrent calls never share one (list.pop and list.append are atomic). The pool holds at most as
+    many configurations as calls ever ran at once."""
+
+    __slots__ = ("_free", "device", "entry", "grid", "size")
+
+    def __init__(self, device: int, entry: KernelEntry, grid, size: int):
+        self.device, self.entry, self.grid, self.size = device, entry, tuple(int(g) for g in grid), size
+        self._free = []
+
+    def _new(self):
+        buffer = ffi.new("char[]", self.size)
+        config = ffi.new("fmha_launch_config *", {
+            "kernel": kernel_handle(self.device, self.entry), "grid": self.grid, "block": (self.entry.threads, 1, 1),
+            "dynamic_shared_bytes": self.entry.shared, "args": buffer, "args_size": self.size})
+        return buffer, config
+
+    def __call__(self, packed, stream: int) -> None:
+        try:
+            slot = self._free.pop()
+        except IndexError:
+            slot = self._new()
+        ffi.memmove(slot[0], packed, self.size)
+        status = _launch(slot[1], stream)
+        self._free.append(slot)
+        if status:
+            backend.check(status, "fmha_launch", kernel=self.entry.key, device=self.device)
+
+
 def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -> None:
     """Pack `args` by the kernel's typed layout and launch it on `device` and `stream`. Triton's
     scratch pointers may be left out: they are always NULL."""

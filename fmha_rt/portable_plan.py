@@ -12,9 +12,11 @@ interpreting). Strides are explicit ints in `tensors` under '<name>_strides', in
 
 Head dims run in power-of-two tiles (32, 64, 128, 256: Triton block shapes are powers of two, so 96 runs
 in the 128 tile and 192 in the 256 tile), with (256, 128) for the (192, 128) query/value pair. Kernels
-take head dims in units of 8 (so their column masks allow 16-byte loads): a head dim that is not a
-multiple of 8 is processed as `padded_head_dim(d)` and the caller zero-pads q, k, v and dout to that
-width (outputs then hold zeros in the padding columns).
+take head dims in units of 8 (so their column masks allow 16-byte loads): plan_fwd and plan_bwd run a
+head dim that is not a multiple of 8 as `padded_head_dim(d)` on tensors of that width, and
+`plan_head_padding` gives the copies around them: the caller's q, k, v (and out, dout) into zero-padded
+scratch buffers before, the padded outputs back into the caller's [.., d] arrays after (forward
+scratch: `fwd_scratch`; backward: regions of `bwd_workspace`).
 """
 import math
 from dataclasses import dataclass
@@ -35,7 +37,8 @@ HEAD_DIM_PAIRS = ((32, 32), (64, 64), (128, 128), (256, 256), (256, 128))
 DQ_ATOMIC, DQ_DETERMINISTIC = "atomic", "deterministic"
 WORKSPACE_ALIGN = 256
 MAX_GRID_YZ = 65535
-KERNEL_MODULES = {"fwd": "kernels.portable.fmha_fwd", "bwd": "kernels.portable.fmha_bwd"}
+KERNEL_MODULES = {"fwd": "kernels.portable.fmha_fwd", "bwd": "kernels.portable.fmha_bwd",
+                  "pad": "kernels.portable.fmha_pad"}
 
 # ------------------------------------------------------------------------------------- signatures
 
@@ -96,10 +99,17 @@ SIGNATURES = {
         dS *fp32, dBias *T, stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
         stride_dbias_b i64, stride_dbias_h i64, stride_dbias_s i32, seqlen_q i32, seqlen_k i32,
         reduce_batch i32, reduce_heads i32, BLOCK_M constexpr, BLOCK_N constexpr"""),
+    # The caller's side of a padding copy carries no alignment promise: an Unaligned* pointer and
+    # pitch_* strides (kernels/portable/fmha_pad.py).
+    "fmha_pad": _signature("""
+        UnalignedArray *T, Padded *T, CuSeqlens *i32, Seqstart *i32, pitch_b i64, pitch_s i64, pitch_h i64,
+        stride_padded_b i64, stride_padded_s i64, seqlen i32, num_heads i32, head_dim i32,
+        padded_dim_div8 i32, is_varlen i32, has_seqstart i32, BLOCK_R constexpr, NARROW_MAX constexpr,
+        NARROW_COLUMNS constexpr, WIDE_ROWS constexpr, WIDE_COLUMNS constexpr, WIDEN constexpr"""),
 }
 KERNEL_SOURCE = {
     "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
-    "fmha_bwd_dq": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd",
+    "fmha_bwd_dq": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 
 # -------------------------------------------------------------------------------------- tile configs
@@ -121,12 +131,12 @@ def _tiles(small, large, wide_v):
 # fwd: one program per query block; dkdv: one per key block (block_n keys, block_m query rows per step);
 # dq: one per query block.
 TILES = {
-    # sm_90 fwd and dq: the fastest of bench/tune_tiles.py's candidates on an H200 (NOTES.md);
-    # dkdv at 256 wide: the largest tile whose shared memory (128 KiB) fits the 227 KiB limit.
+    # sm_90: the fastest of bench/tune_tiles.py's candidates on an H200, causal and not, S=4k
+    # (bench/results/h200_tile_search_v2_s4k.json, NOTES.md).
     "sm_90": {
-        "fwd": _tiles(Tile(128, 64, 4, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 2)),
-        "bwd_dkdv": _tiles(Tile(64, 128, 8, 2), Tile(64, 128, 8, 2), Tile(64, 64, 8, 1)),
-        "bwd_dq": _tiles(Tile(128, 64, 4, 3), Tile(128, 128, 8, 2), Tile(128, 32, 8, 1)),
+        "fwd": _tiles(Tile(128, 64, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 2)),
+        "bwd_dkdv": _tiles(Tile(32, 128, 4, 3), Tile(32, 64, 4, 3), Tile(32, 64, 8, 2)),
+        "bwd_dq": _tiles(Tile(64, 64, 4, 3), Tile(64, 32, 4, 3), Tile(128, 32, 8, 1)),
     },
     # gfx942/gfx950 (not measured on hardware): tiles that fit 64 KiB of LDS and compile without
     # scratch spills in every feature variant (16-row dkdv steps at 128 and 256 wide).
@@ -146,6 +156,13 @@ TILES["gfx950"] = TILES["gfx942"]
 ROWS_TILE = Tile(64, 0, 4, 1)  # preprocess, dq_convert
 DBIAS_TILE = Tile(32, 64, 4, 1)
 MASK_TILE = Tile(32, 64, 4, 1)
+# Padding copies: 256 (row, head) pairs per program, moved in [256, 8] steps where the padded width is
+# at most 32 and in [128, 32] steps otherwise. H200, bf16, B*S = 8k, H = 16, GPU time of a forward's
+# copies: d = 5 36 -> 14 us and d = 13 37 -> 22 us against [128, 32] steps throughout; d = 100 141 us
+# ([64, 64] steps: 175 us).
+PAD_TILE = Tile(256, 0, 4, 1)
+PAD_CONSTEXPRS = {"BLOCK_R": PAD_TILE.block_m, "NARROW_MAX": 32, "NARROW_COLUMNS": 8, "WIDE_ROWS": 128,
+                  "WIDE_COLUMNS": 32}
 # Which dQ strategy a non-deterministic problem gets on each arch, and which strategies are built.
 # On the H200 the deterministic dQ kernel was never slower than fp32 atomics (NOTES.md: 301 vs 294
 # TFLOP/s dense, 224 vs 188 GQA causal at S=4k, D=128), so the shipped archs build only it; the
@@ -213,6 +230,11 @@ def dbias_key(dtype):
     return f"fmha_bwd_dbias_{dtype}"
 
 
+def pad_key(dtype, widen):
+    """The copy into a zero-padded buffer (widen) or out of one (narrow)."""
+    return f"fmha_pad_{'widen' if widen else 'narrow'}_{dtype}"
+
+
 DROPOUT_MASK_KEY = "fmha_dropout_mask"
 
 
@@ -278,6 +300,10 @@ def variants(arch: str) -> list[dict]:
                             {"BLOCK_M": DBIAS_TILE.block_m, "BLOCK_N": DBIAS_TILE.block_n},
                             {"pass": "bwd_dbias", "block_m": DBIAS_TILE.block_m, "block_n": DBIAS_TILE.block_n,
                              "deterministic": True}))
+        for widen in (True, False):
+            out.append(_variant(pad_key(dtype, widen), "fmha_pad", dtype, PAD_TILE,
+                                dict(PAD_CONSTEXPRS, WIDEN=widen),
+                                {"pass": "pad_widen" if widen else "pad_narrow", "block_m": PAD_TILE.block_m}))
     mask = _variant(DROPOUT_MASK_KEY, "fmha_dropout_mask", "u8", MASK_TILE,
                     {"BLOCK_M": MASK_TILE.block_m, "BLOCK_N": MASK_TILE.block_n},
                     {"pass": "dropout_mask", "block_m": MASK_TILE.block_m, "block_n": MASK_TILE.block_n})
@@ -308,23 +334,32 @@ class WorkspaceRegion:
     offset: int  # bytes from the workspace start, a multiple of WORKSPACE_ALIGN
     nbytes: int
     zero_init: bool  # must hold zeros when the backward starts
-    shape: tuple  # fp32 elements, C-contiguous
+    shape: tuple  # elements of dtype, C-contiguous
     dtype: str = "fp32"
 
 
 @dataclass(frozen=True)
-class Workspace:
+class Scratch:
+    """One scratch buffer carved into regions: the forward's padding scratch, or the backward's workspace."""
+
     regions: tuple
     total_bytes: int
-    needs_zeroing: bool
-    dq_strategy: str
-    dq_splits: int  # fp32 dQ partial buffers (0: dQ is written directly in its dtype)
+
+    @property
+    def needs_zeroing(self) -> bool:
+        return any(r.zero_init for r in self.regions)
 
     def region(self, name):
         for r in self.regions:
             if r.name == name:
                 return r
         raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Workspace(Scratch):
+    dq_strategy: str
+    dq_splits: int  # fp32 dQ partial buffers (0: dQ is written directly in its dtype)
 
 
 def padded_head_dim(d: int) -> int:
@@ -382,25 +417,138 @@ def _ds_shape(problem):
     return (problem.batch, problem.heads_q, problem.seqlen_q, padded_head_dim(problem.seqlen_k))
 
 
-def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
-    """Workspace of plan_bwd: fp32 regions at 256-byte aligned offsets.
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
-    delta [B, Hq, Sq] (always), dq_acc [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
+
+def _carve(wanted):
+    """(name, shape, zero_init, dtype) -> (regions at WORKSPACE_ALIGN-aligned offsets, total bytes)."""
+    regions, offset = [], 0
+    for name, shape, zero, dtype in wanted:
+        nbytes = ELEMENT_BYTES[dtype] * math.prod(shape)
+        regions.append(WorkspaceRegion(name, offset, nbytes, zero, shape, dtype))
+        offset += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    return tuple(regions), offset
+
+
+def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
+    """Workspace of plan_bwd and plan_head_padding: regions at 256-byte aligned offsets.
+
+    fp32: delta [B, Hq, Sq] (always), dq_acc [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
     ds [B, Hq, Sq, ceil8(Sk)] (tensor bias with gradient, zeroed: masked blocks are never written).
+    Then, in the problem's dtype, one '<name>_padded' buffer per tensor of padded_tensors(problem,
+    'bwd') (head dims that are not multiples of 8).
     """
     strategy = dq_strategy(problem, arch, dq_strategy_request)
-    wanted = [("delta", _delta_shape(problem), False)]
+    wanted = [("delta", _delta_shape(problem), False, "fp32")]
     if strategy == DQ_ATOMIC:
-        wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True))
+        wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True, "fp32"))
     if problem.bias_grad:
-        wanted.append(("ds", _ds_shape(problem), True))
-    regions, offset = [], 0
-    for name, shape, zero in wanted:
-        nbytes = 4 * math.prod(shape)
-        regions.append(WorkspaceRegion(name, offset, nbytes, zero, shape))
-        offset += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-    return Workspace(tuple(regions), offset, any(r.zero_init for r in regions), strategy,
-                     1 if strategy == DQ_ATOMIC else 0)
+        wanted.append(("ds", _ds_shape(problem), True, "fp32"))
+    wanted += _padding_regions(problem, "bwd")
+    regions, total = _carve(wanted)
+    return Workspace(regions, total, strategy, 1 if strategy == DQ_ATOMIC else 0)
+
+
+# ------------------------------------------------------------------------------ head-dim padding
+
+
+@dataclass(frozen=True)
+class PaddedTensor:
+    """A tensors entry that the attention kernels read or write at the padded head dim."""
+
+    name: str  # the entry it stands in for: 'q', 'dout', 'dk', ...
+    head_dim: int
+    side: str  # 'q': rows and heads of q (Sq, Hq); 'k': of k and v (Sk, Hk)
+    is_output: bool  # written by the attention kernels, then narrowed into the caller's array
+
+    @property
+    def region(self) -> str:
+        return f"{self.name}_padded"
+
+
+# (name, head dim 'qk' or 'v', side, is_output) of every tensor a pass reads or writes at its head dim.
+_HEAD_DIM_TENSORS = {
+    "fwd": (("q", "qk", "q", False), ("k", "qk", "k", False), ("v", "v", "k", False), ("out", "v", "q", True)),
+    "bwd": (("q", "qk", "q", False), ("k", "qk", "k", False), ("v", "v", "k", False), ("out", "v", "q", False),
+            ("dout", "v", "q", False), ("dq", "qk", "q", True), ("dk", "qk", "k", True), ("dv", "v", "k", True)),
+}
+
+
+def padded_tensors(problem, pass_name) -> list[PaddedTensor]:
+    """The tensors of pass 'fwd' or 'bwd' whose head dim is not a multiple of 8 (q, k, dq, dk follow
+    Dqk; v, out, dout, dv follow Dv): these run on zero-padded copies."""
+    if pass_name not in _HEAD_DIM_TENSORS:
+        raise FmhaValueError(f"pass_name must be 'fwd' or 'bwd', got {pass_name!r}")
+    dims = {"qk": problem.head_dim_qk, "v": problem.head_dim_v}
+    return [PaddedTensor(name, dims[dim], side, is_output)
+            for name, dim, side, is_output in _HEAD_DIM_TENSORS[pass_name] if dims[dim] % 8]
+
+
+def _padded_shape(problem, t):
+    """[B, S, H, Dp] (varlen: [total, H, Dp]) with the rows and heads of t's side."""
+    q_side = t.side == "q"
+    heads = problem.heads_q if q_side else problem.heads_k
+    if problem.varlen:
+        lead = (problem.total_q if q_side else problem.total_k,)
+    else:
+        lead = (problem.batch, problem.seqlen_q if q_side else problem.seqlen_k)
+    return lead + (heads, padded_head_dim(t.head_dim))
+
+
+def _padding_regions(problem, pass_name):
+    return [(t.region, _padded_shape(problem, t), False, problem.dtype) for t in padded_tensors(problem, pass_name)]
+
+
+def fwd_scratch(problem) -> Scratch:
+    """Scratch memory of a forward: one '<name>_padded' region per tensor of padded_tensors(problem,
+    'fwd'); no regions (0 bytes) when both head dims are multiples of 8. Nothing needs zeroing."""
+    return Scratch(*_carve(_padding_regions(problem, "fwd")))
+
+
+def plan_head_padding(problem, arch, tensors, pass_name) -> tuple[list, list, dict]:
+    """(before, after, substitutes) around plan_fwd ('fwd') or plan_bwd ('bwd').
+
+    tensors: the call's tensors (caller's arrays with their strides, cu_seqlens/seqstarts in varlen
+    mode) plus one '<name>_padded' entry per padded tensor (a region of fwd_scratch or bwd_workspace).
+    `before` widens the inputs into their buffers, `after` narrows the outputs back into the caller's
+    arrays; `substitutes` are the tensors entries (buffers and their strides) that the attention plan
+    takes in place of the caller's arrays. All empty when both head dims are multiples of 8.
+    """
+    _arch_tiles(arch)
+    before, after, substitutes = [], [], {}
+    a = _Args(problem, tensors)
+    varlen = a.varlen()
+    for t in padded_tensors(problem, pass_name):
+        q_side = t.side == "q"
+        shape = _padded_shape(problem, t)
+        padded_strides = _contiguous_strides(shape)
+        substitutes[t.name] = a.required(t.region)
+        substitutes[f"{t.name}_strides"] = padded_strides
+        if problem.varlen:
+            (pitch_s, pitch_h, _), pitch_b = a._given_strides(t.name, 3), 0
+            stride_padded_b, stride_padded_s = 0, padded_strides[0]
+        else:
+            pitch_b, pitch_s, pitch_h, _ = a._given_strides(t.name, 4)
+            stride_padded_b, stride_padded_s = padded_strides[:2]
+        seqlen, heads = (problem.seqlen_q, problem.heads_q) if q_side else (problem.seqlen_k, problem.heads_k)
+        args = {"UnalignedArray": a.required(t.name), "Padded": substitutes[t.name],
+                "CuSeqlens": varlen["CuSeqlensQ" if q_side else "CuSeqlensK"],
+                "Seqstart": varlen["SeqstartQ" if q_side else "SeqstartK"],
+                "pitch_b": pitch_b, "pitch_s": pitch_s, "pitch_h": pitch_h,
+                "stride_padded_b": stride_padded_b, "stride_padded_s": stride_padded_s,
+                "seqlen": seqlen, "num_heads": heads, "head_dim": t.head_dim,
+                "padded_dim_div8": padded_head_dim(t.head_dim) // 8,
+                "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
+        blocks = _cdiv(seqlen * heads, PAD_TILE.block_m)
+        if not (_has_work(problem) and blocks):
+            continue
+        if blocks >= 2 ** 31 or problem.batch > MAX_GRID_YZ:
+            raise FmhaNotImplementedError(f"{t.name}: {seqlen} rows x {heads} heads in {problem.batch} sequences "
+                                          "exceed the grid of the padding copy")
+        key = pad_key(problem.dtype, not t.is_output)
+        launch = Launch(key, (blocks, problem.batch, 1), _ordered(key, "fmha_pad", args))
+        (after if t.is_output else before).append(launch)
+    return before, after, substitutes
 
 
 def _contiguous_strides(shape):

@@ -23,6 +23,13 @@ MANIFEST_FORMAT = 1
 # Triton appends these pointer parameters after a kernel's own; the build refuses kernels that need
 # the scratch memory behind them, so the runtime always passes NULL.
 SCRATCH_POINTERS = ("global_scratch", "profile_scratch")
+# The alignment a kernel may assume is carried by its parameter names, so that the build (which promises
+# it to the compiler) and the executor (which checks it before every launch) read one rule: a pointer
+# is 16-byte aligned unless its name starts with UNALIGNED_POINTER_PREFIX (then it is only aligned to
+# its element), and an integer named ALIGNED_STRIDE_PREFIX* is a multiple of 8 elements (no other
+# integer carries a promise: strides of arrays that may have any layout are named pitch_*).
+UNALIGNED_POINTER_PREFIX = "Unaligned"
+ALIGNED_STRIDE_PREFIX = "stride_"
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 

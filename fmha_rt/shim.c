@@ -516,6 +516,94 @@ int fmha_unload_all(void) {
     return FMHA_OK;
 }
 
+/* ---- registered images (for launchers without Python: the XLA FFI handler) ---- */
+
+typedef struct registered_image {
+    char key[KEY_LEN];
+    char symbol[KEY_LEN];
+    void *image;
+    size_t image_size;
+    unsigned int shared_bytes;
+} registered_image;
+
+static struct {
+    pthread_mutex_t lock;
+    registered_image *items;
+    size_t len, cap;
+} g_images = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0};
+
+static registered_image *image_find_locked(const char *key) {
+    for (size_t i = 0; i < g_images.len; ++i)
+        if (strcmp(g_images.items[i].key, key) == 0) return &g_images.items[i];
+    return NULL;
+}
+
+int fmha_image_register(const char *key, const void *image, size_t image_size, const char *symbol,
+                        unsigned int dynamic_shared_bytes) {
+    if (key == NULL || image == NULL || image_size == 0 || symbol == NULL)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_image_register: NULL or empty argument");
+    if (strlen(key) >= KEY_LEN || strlen(symbol) >= KEY_LEN)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "kernel key '%s' or its symbol is longer than %d characters", key,
+                         KEY_LEN - 1);
+    int s = FMHA_OK;
+    pthread_mutex_lock(&g_images.lock);
+    registered_image *found = image_find_locked(key);
+    if (found) {
+        if (found->image_size != image_size || memcmp(found->image, image, image_size) != 0 ||
+            strcmp(found->symbol, symbol) != 0 || found->shared_bytes != dynamic_shared_bytes)
+            s = set_error(FMHA_ERR_BAD_ARGUMENT, "kernel '%s' is already registered with a different image", key);
+        pthread_mutex_unlock(&g_images.lock);
+        return s;
+    }
+    void *copy = malloc(image_size);
+    if (copy == NULL) s = set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory registering '%s'", key);
+    if (s == FMHA_OK && g_images.len == g_images.cap) {
+        size_t cap = g_images.cap ? 2 * g_images.cap : 64;
+        registered_image *grown = realloc(g_images.items, cap * sizeof *grown);
+        if (grown == NULL) s = set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory growing the image table");
+        else { g_images.items = grown; g_images.cap = cap; }
+    }
+    if (s == FMHA_OK) {
+        registered_image *r = &g_images.items[g_images.len++];
+        snprintf(r->key, sizeof r->key, "%s", key);
+        snprintf(r->symbol, sizeof r->symbol, "%s", symbol);
+        memcpy(copy, image, image_size);
+        r->image = copy;
+        r->image_size = image_size;
+        r->shared_bytes = dynamic_shared_bytes;
+        copy = NULL;
+    }
+    pthread_mutex_unlock(&g_images.lock);
+    free(copy);
+    return s;
+}
+
+int fmha_image_kernel(int device, const char *key, fmha_kernel **kernel) {
+    if (key == NULL || kernel == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_image_kernel: NULL argument");
+    int s = check_ordinal(device);
+    if (s != FMHA_OK) return s;
+    if ((s = fmha_kernel_find(device, key, kernel)) != FMHA_OK || *kernel != NULL) return s;
+    /* Image bytes are never freed or moved (the table holds them by pointer), so the entry copied
+       under the lock stays valid while the load runs outside it. */
+    pthread_mutex_lock(&g_images.lock);
+    registered_image *found = image_find_locked(key);
+    registered_image entry;
+    if (found) entry = *found;
+    pthread_mutex_unlock(&g_images.lock);
+    if (found == NULL)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "kernel '%s' was never registered in this process (its "
+                         "program was built elsewhere: trace the call in this process first)", key);
+    return fmha_kernel_get(device, key, entry.image, entry.image_size, entry.symbol, entry.shared_bytes, kernel);
+}
+
+int fmha_image_count(size_t *count) {
+    if (count == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_image_count: NULL argument");
+    pthread_mutex_lock(&g_images.lock);
+    *count = g_images.len;
+    pthread_mutex_unlock(&g_images.lock);
+    return FMHA_OK;
+}
+
 /* ---- launch ---- */
 
 int fmha_launch(fmha_kernel *k, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,

@@ -1,9 +1,9 @@
 /*
  * fmha_rt C shim: the one declaration of its API.
  *
- * The Python binding's cffi cdef is read from the block between the CDEF markers below, so this file
- * is the single source of truth for the ABI between Python and C. Keep that block free of
- * preprocessor directives other than integer #defines (cffi parses it).
+ * The Python binding's cffi cdef is read from the blocks between the CDEF markers below, so this file
+ * is the single source of truth for the ABI between Python and C. Keep those blocks free of
+ * preprocessor directives other than integer #defines (cffi parses them).
  *
  * Every function returns FMHA_OK (0) or an error code; after an error, fmha_last_error() gives a
  * thread-local message that names the driver call, the driver's error name, the kernel and the device.
@@ -106,7 +106,32 @@ int fmha_stream_synchronize(int device, uint64_t stream);
 
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);
+
+/* Kernel images kept inside the shim, for launchers that run where Python cannot be asked (the XLA FFI
+   handler below): `key` -> a private copy of `image`, its entry point `symbol` and the dynamic shared
+   memory its launches use. The copy lives as long as the process. Registering a key again with the
+   same bytes does nothing; with different bytes it fails: one key names one image. Thread-safe. */
+int fmha_image_register(const char *key, const void *image, size_t image_size, const char *symbol,
+                        unsigned int dynamic_shared_bytes);
+/* The kernel `key` on `device`: from the kernel map, or loaded into it from the registered image. */
+int fmha_image_kernel(int device, const char *key, fmha_kernel **kernel);
+int fmha_image_count(size_t *count);
 /* CDEF END */
+
+/* The XLA FFI handler (fmha_rt/xla_ffi.c). It is compiled in only when the build found XLA's C FFI
+   header (jaxlib's include folder); the cffi cdef takes this block only then, so Python sees these
+   names exactly when they exist.
+   fmha_xla_run_program runs the launch program in the call's `program` attribute (an int64 array in
+   the format of fmha_rt/launch_program.py) on XLA's stream and device: it checks the call's buffers
+   against the program, patches their addresses into each launch's argument template, zeroes the
+   regions that must start at zero, and launches through fmha_launch. It never calls into Python. */
+/* CDEF XLA_FFI BEGIN */
+struct XLA_FFI_Error;
+struct XLA_FFI_CallFrame;
+struct XLA_FFI_Error *fmha_xla_run_program(struct XLA_FFI_CallFrame *frame);
+/* The version of XLA's FFI C API the handler was compiled against. */
+void fmha_xla_ffi_api_version(int *major, int *minor);
+/* CDEF XLA_FFI END */
 
 #ifdef __cplusplus
 }

@@ -49,12 +49,16 @@ def target(arch: str):
 
 def divisibility_attrs(signature: dict) -> dict:
     """Alignment promises that let loads vectorise; the runtime checks them before every launch:
-    pointers are 16-byte aligned and `stride_*` arguments are multiples of 8 elements."""
+    pointers are 16-byte aligned (but `Unaligned*` ones) and `stride_*` arguments are multiples of 8
+    elements (fmha_rt/registry.py states the naming rule)."""
+    from fmha_rt.registry import ALIGNED_STRIDE_PREFIX, UNALIGNED_POINTER_PREFIX
+
     attrs = {}
     for index, (name, kind) in enumerate(signature.items()):
         if kind.startswith("*"):
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name.startswith("stride_"):
+            if not name.startswith(UNALIGNED_POINTER_PREFIX):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name.startswith(ALIGNED_STRIDE_PREFIX):
             attrs[(index,)] = [["tt.divisibility", 8]]
     return attrs
 

@@ -18,6 +18,8 @@ examples:
   python -m fmha_rt bench --dtype bf16 --hdim 128 --pass fwd bwd --impl fmha_rt fa4
   python -m fmha_rt bench --gqa only --causal 1   only the GQA rows, causal
   python -m fmha_rt bench --list                  which implementations this machine has
+  python -m fmha_rt bench --overhead-only --impl fmha_rt sdpa_flash
+                                                  host cost per call only (cached, uncached, first)
   python -m fmha_rt bench --report out/bench/results.json
                                                   Markdown and PNGs again from a recorded run
   python -m fmha_rt bench --report a.json b.json --out merged
@@ -82,6 +84,9 @@ def build_parser():
                      f"{MEASURE_DEFAULTS['warmup_ms']:g}, quick {QUICK_MEASURE_DEFAULTS['warmup_ms']:g})")
     how.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     how.add_argument("--no-extras", action="store_true", help="skip the host-overhead and cold-start measurements")
+    how.add_argument("--overhead-only", action="store_true",
+                     help="measure only the host overhead (repeated, plan-cache-cleared and first calls): no sweep, "
+                          "no cold start")
     parser.add_argument("--out", metavar="DIR", help=f"where results go (default {DEFAULT_OUT}; "
                         "with --report, beside the JSON)")
     mode = parser.add_mutually_exclusive_group()
@@ -128,6 +133,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.report:
         return _write_reports(parser, args)
+    if args.overhead_only and args.no_extras:
+        parser.error("--overhead-only measures one of the extras that --no-extras skips")
     points = grid.build_grid(**selection(args))
     if not points:
         parser.error(f"no point matches these flags (GQA rows exist at D={grid.GQA_HEAD_DIM} only)")
@@ -176,7 +183,7 @@ def _run(argv, args, points, discovered, adapters):
     json_path = os.path.join(out_dir, RECORD_NAME)
     doc = report.new_document(machine.header(args.device, discovered,
                                              {**settings.fields(), "device": args.device, "command": ["bench", *argv]}))
-    pairs = sweep.planned_pairs(points, adapters)
+    pairs = [] if args.overhead_only else sweep.planned_pairs(points, adapters)
     print(f"{len(points)} points, {len(pairs)} measurements; results go to {json_path}", file=sys.stderr)
 
     def save_rows(rows):
@@ -184,12 +191,13 @@ def _run(argv, args, points, discovered, adapters):
         report.save(doc, json_path)
 
     try:
-        sweep.run_sweep(points, adapters, device, settings, on_point=save_rows)
+        if not args.overhead_only:
+            sweep.run_sweep(points, adapters, device, settings, on_point=save_rows)
         if not args.no_extras:
             for name, adapter in adapters.items():
                 print(f"host overhead: {name}", file=sys.stderr)
                 doc["host_overhead"] += sweep.measure_host_overhead(name, adapter, device, settings)
-            for name in adapters:
+            for name in adapters if not args.overhead_only else ():
                 print(f"cold start: {name}", file=sys.stderr)
                 doc["cold_start"].append(peers.measure_cold_start(name, args.device))
     except sweep.DeviceLost as exc:

@@ -93,10 +93,16 @@ class _Adapter:
     def workspace_bytes(self, case, deterministic):
         return None
 
+    has_plan_cache = False
+
+    def clear_plan_cache(self):
+        """Forget what repeated calls reuse (nothing, for implementations without a plan cache)."""
+
 
 class FmhaRtAdapter(_Adapter):
     has_varlen = True
     has_deterministic = True
+    has_plan_cache = True
 
     def __init__(self):
         import fmha_rt
@@ -142,6 +148,9 @@ class FmhaRtAdapter(_Adapter):
                                  causal=p.causal, deterministic=deterministic, dq=torch.empty_like(case.q),
                                  dk=torch.empty_like(case.k), dv=torch.empty_like(case.v),
                                  stream=_stream_of(case.q))
+
+    def clear_plan_cache(self):
+        self.rt.clear_plan_cache()
 
     def launch_info(self):
         info = self.rt.last_launch_info() or {}
@@ -387,8 +396,13 @@ def cold_start_child(name, device_index):
     torch.cuda.synchronize(device)
 
 
-def small_point(shape, pass_name, dtype="bf16"):
-    """A dense, non-causal point of one of the fixed extra shapes in grid (overhead, cold start)."""
+def small_point(shape, pass_name, dtype="bf16", seqlens=None):
+    """A non-causal point of one of the fixed extra shapes in grid (overhead, cold start): dense, or
+    varlen over `seqlens`."""
+    if seqlens is not None:
+        return grid.Point(kind="varlen", pass_name=pass_name, dtype=dtype, batch=len(seqlens),
+                          heads_q=shape["heads"], heads_k=shape["heads"], seqlen_q=max(seqlens),
+                          seqlen_k=max(seqlens), head_dim=shape["head_dim"], causal=False, seqlens=tuple(seqlens))
     return grid.Point(kind="dense", pass_name=pass_name, dtype=dtype, batch=shape["batch"],
                       heads_q=shape["heads"], heads_k=shape["heads"], seqlen_q=shape["seqlen"],
                       seqlen_k=shape["seqlen"], head_dim=shape["head_dim"], causal=False)

@@ -10,7 +10,9 @@ Document (format "fmha_rt-bench/1"):
                  (+ seqlens for varlen), flops, then either ms, ms_min, ms_max, repeats, tflops,
                  first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt)
                  or error
-  host_overhead  one per (impl, pass) at the tiny overhead shape: us_per_call, or error
+  host_overhead  one per (impl, kind, pass) at the tiny overhead shape (dense, and varlen where the impl has
+                 it): us_per_call (repeated calls), first_call_us (the first, plan cache cleared),
+                 uncached_us_per_call (impls with a plan cache: cleared before every call), or error
   cold_start     one per impl: seconds from process start to the first forward's result, or error
 """
 
@@ -67,7 +69,7 @@ def merge(docs):
     if len(docs) > 1:
         merged["header"]["merged_from"] = [doc["header"].get("date") for doc in docs]
     sections = {"rows": lambda r: (point_key(r), r["impl"]),
-                "host_overhead": lambda r: (r["impl"], r["pass"]),
+                "host_overhead": lambda r: (r["impl"], r.get("kind", "dense"), r["pass"]),
                 "cold_start": lambda r: r["impl"]}
     for section, key in sections.items():
         by_key = {}
@@ -261,24 +263,42 @@ def _first_call_section(rows):
         _table(["impl", "pass", "points", "median extra ms", "max extra ms", "median steady ms"], body) + [""]
 
 
+# (column heading, row kind, pass) of the host-overhead table; varlen columns only when measured.
+_OVERHEAD_COLUMNS = (("fwd", "dense", "fwd"), ("bwd", "dense", "bwd"), ("varlen fwd", "varlen", "fwd"),
+                     ("varlen bwd", "varlen", "bwd"))
+# (row label suffix, field) of each line an implementation gets, where it measured that field.
+_OVERHEAD_LINES = (("", "us_per_call"), (", plan cache cleared", "uncached_us_per_call"),
+                   (", first call", "first_call_us"))
+
+
 def _overhead_section(overhead):
     if not overhead:
         return []
     by_impl = {}
     for row in overhead:
-        by_impl.setdefault(row["impl"], {})[row["pass"]] = row
+        by_impl.setdefault(row["impl"], {})[(row.get("kind", "dense"), row["pass"])] = row
+    columns = [c for c in _OVERHEAD_COLUMNS if c[1] == "dense" or any((c[1], c[2]) in rows for rows in by_impl.values())]
+    body = []
+    for impl in impl_order(by_impl):
+        rows = by_impl[impl]
+        for suffix, field in _OVERHEAD_LINES:
+            if field == "us_per_call" or any(field in r for r in rows.values()):
+                body.append((impl + suffix, *(_overhead_cell(rows.get((kind, p)), field) for _, kind, p in columns)))
     shape = grid.OVERHEAD_SHAPE
-    body = [(impl, *(_overhead_cell(by_impl[impl].get(p)) for p in ("fwd", "bwd"))) for impl in impl_order(by_impl)]
     return [f"## Host overhead, µs per call (B={shape['batch']} H={shape['heads']} S={shape['seqlen']}"
-            f" D={shape['head_dim']}, bf16)", "",
-            "Wall clock over many back-to-back calls of a problem too small to keep the GPU busy.", ""] + \
-        _table(["impl", "fwd", "bwd"], body) + [""]
+            f" D={shape['head_dim']}, bf16; varlen: sequences of {', '.join(map(str, grid.OVERHEAD_VARLEN_SEQLENS))})",
+            "", "Wall clock over many back-to-back calls of a problem too small to keep the GPU busy. \"plan cache "
+            "cleared\": the cache is emptied before every call, so each call validates and plans as a call of a "
+            "new signature does; \"first call\": one call's host time, plan cache cleared before it.", ""] + \
+        _table(["impl", *(c[0] for c in columns)], body) + [""]
 
 
-def _overhead_cell(row):
+def _overhead_cell(row, field="us_per_call"):
     if row is None:
         return None
-    return "error" if "error" in row else f"{row['us_per_call']:.1f}"
+    if "error" in row:
+        return "error"
+    return f"{row[field]:.1f}" if field in row else None
 
 
 def _cold_start_section(cold):

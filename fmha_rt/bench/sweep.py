@@ -103,18 +103,36 @@ def describe_error(exc, caught_warnings=()):
     return text[:ERROR_CHARS]
 
 
+def overhead_points(adapter):
+    """The tiny points of the host-overhead measurement: forward and backward at grid.OVERHEAD_SHAPE,
+    and their varlen forms for implementations that have them."""
+    points = [peers.small_point(grid.OVERHEAD_SHAPE, p) for p in ("fwd", "bwd")]
+    if adapter.has_varlen:
+        points += [peers.small_point(grid.OVERHEAD_SHAPE, p, seqlens=grid.OVERHEAD_VARLEN_SEQLENS)
+                   for p in ("fwd", "bwd")]
+    return points
+
+
 def measure_host_overhead(name, adapter, device, settings):
-    """Host microseconds per call of the tiny grid.OVERHEAD_SHAPE, forward and backward."""
+    """Host microseconds per call of the tiny overhead points. Each row has `us_per_call` (one call
+    repeated: what a training loop pays, plan cache warm), `first_call_us` (the call's first run,
+    plan cache cleared just before it) and, for implementations with a plan cache,
+    `uncached_us_per_call` (the cache cleared before every call: what a call of a new signature pays,
+    kernels already loaded)."""
     rows = []
-    for pass_name in ("fwd", "bwd"):
-        point = peers.small_point(grid.OVERHEAD_SHAPE, pass_name)
+    for point in overhead_points(adapter):
         row = {"impl": name, **point.fields(), "calls": settings.overhead_calls}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 with adapter.context():
                     call = _prepare(adapter, point, peers.make_case(point, device.name, seed=0))
+                    adapter.clear_plan_cache()
+                    row["first_call_us"] = timing.one_call_us(call, device)
                     row["us_per_call"] = timing.host_overhead_us(call, device, calls=settings.overhead_calls)
+                    if adapter.has_plan_cache:
+                        row["uncached_us_per_call"] = timing.host_overhead_us(
+                            call, device, calls=settings.overhead_calls, before_each=adapter.clear_plan_cache)
             except Exception as exc:  # recorded like any other failed measurement
                 row["error"] = describe_error(exc, caught)
         rows.append(row)

@@ -93,16 +93,32 @@ def time_calls(calls, device, *, warmup_ms, repeats):
     return summarize(device.time_each([calls[i % len(calls)] for i in range(repeats)]))
 
 
-def host_overhead_us(call, device, *, calls):
+def host_overhead_us(call, device, *, calls, before_each=None):
     """Wall-clock microseconds per call over `calls` back-to-back calls of a problem too small to
-    keep the GPU busy, so the host side (argument checks, packing, launch) is what is measured."""
+    keep the GPU busy, so the host side (argument checks, packing, launch) is what is measured.
+    `before_each` runs before every call, inside the timed loop (clearing a plan cache, say)."""
     call()
     device.synchronize()
     start = time.perf_counter()
-    for _ in range(calls):
-        call()
+    if before_each is None:
+        for _ in range(calls):
+            call()
+    else:
+        for _ in range(calls):
+            before_each()
+            call()
     device.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def one_call_us(call, device):
+    """Host microseconds of one call (the GPU's work is waited for outside the timed region)."""
+    device.synchronize()
+    start = time.perf_counter()
+    call()
+    elapsed = time.perf_counter() - start
+    device.synchronize()
+    return elapsed * 1e6
 
 
 READY_MARKER = "FMHA_BENCH_READY "

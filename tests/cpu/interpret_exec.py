@@ -17,7 +17,7 @@ import torch.multiprocessing
 
 from fmha_rt import portable_plan as pp
 
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
                    "*i64": torch.int64, "*u8": torch.uint8}
 _RUN_TIMEOUT_S = 600
@@ -104,47 +104,55 @@ def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype)
 
 
-def workspace_tensors(workspace):
-    """One buffer carved into the workspace's regions: zero_init regions zeroed, the rest NaN."""
-    buffer = torch.full((max(workspace.total_bytes, 4) // 4,), float("nan"), dtype=torch.float32)
+def scratch_tensors(scratch):
+    """One buffer carved into the regions of a Scratch or Workspace, each a view in its dtype and
+    shape: zero_init regions zeroed, the rest NaN."""
+    buffer = torch.empty(max(scratch.total_bytes, 4), dtype=torch.uint8)
     views = {}
-    for region in workspace.regions:
-        view = buffer[region.offset // 4: region.offset // 4 + region.nbytes // 4].view(region.shape)
-        if region.zero_init:
-            view.zero_()
-        views[region.name] = view
+    for region in scratch.regions:
+        view = buffer[region.offset: region.offset + region.nbytes].view(TORCH_DTYPES[region.dtype]).view(region.shape)
+        views[region.name] = view.zero_() if region.zero_init else view.fill_(float("nan"))
     return views
 
 
 def output_shapes(problem):
     """Shapes of out and lse (batched [B, Sq, Hq, Dv] / [B, Hq, Sq]; varlen [T, Hq, Dv] / [Hq, T])."""
-    dv = pp.padded_head_dim(problem.head_dim_v)
+    dv = problem.head_dim_v
     if problem.varlen:
         return (problem.total_q, problem.heads_q, dv), (problem.heads_q, problem.total_q)
     return (problem.batch, problem.seqlen_q, problem.heads_q, dv), (problem.batch, problem.heads_q, problem.seqlen_q)
 
 
-def forward(problem, inputs, arch=pp.INTERPRET_ARCH):
+def run_padded(plan, problem, tensors, pass_name, arch=pp.INTERPRET_ARCH):
+    """Runs plan(tensors with padded buffers in place) between the head-dim padding copies, as the API
+    does (tensors hold the '<name>_padded' regions of the pass's scratch)."""
+    before, after, padded = pp.plan_head_padding(problem, arch, tensors, pass_name)
+    run(before + plan({**tensors, **padded}) + after, arch)
+
+
+def forward(problem, inputs, arch=pp.INTERPRET_ARCH, out=None):
     """inputs: q, k, v and optional bias, alibi, cu_seqlens_q/k, seqstart_q/k, philox_* entries.
-    Returns (out, lse), allocated poisoned with NaN before the run."""
+    Returns (out, lse), allocated poisoned with NaN before the run (or `out` as given)."""
     out_shape, lse_shape = output_shapes(problem)
-    out = poisoned(out_shape, inputs["q"].dtype)
+    out = poisoned(out_shape, inputs["q"].dtype) if out is None else out
     lse = poisoned(lse_shape, torch.float32)
     tensors = with_strides(**inputs, out=out, lse=lse)
-    run(pp.plan_fwd(problem, arch, tensors), arch)
+    tensors.update(scratch_tensors(pp.fwd_scratch(problem)))
+    run_padded(lambda t: pp.plan_fwd(problem, arch, t), problem, tensors, "fwd", arch)
     return out, lse
 
 
-def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strategy=None):
-    """Returns (dq, dk, dv, dbias or None), outputs poisoned with NaN before the run."""
+def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strategy=None, grads=None):
+    """Returns (dq, dk, dv, dbias or None), outputs poisoned with NaN before the run (or `grads` as given)."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    grads = {"dq": poisoned(q.shape, q.dtype), "dk": poisoned(k.shape, k.dtype), "dv": poisoned(v.shape, v.dtype)}
+    if grads is None:
+        grads = {"dq": poisoned(q.shape, q.dtype), "dk": poisoned(k.shape, k.dtype), "dv": poisoned(v.shape, v.dtype)}
     if problem.bias_grad:
         grads["dbias"] = poisoned(inputs["bias"].shape, inputs["bias"].dtype)
     workspace = pp.bwd_workspace(problem, arch, dq_strategy)
     tensors = with_strides(**inputs, **grads, out=out, lse=lse, dout=dout)
-    tensors.update(workspace_tensors(workspace))
-    run(pp.plan_bwd(problem, arch, tensors, dq_strategy), arch)
+    tensors.update(scratch_tensors(workspace))
+    run_padded(lambda t: pp.plan_bwd(problem, arch, t, dq_strategy), problem, tensors, "bwd", arch)
     return grads["dq"], grads["dk"], grads["dv"], grads.get("dbias")
 
 

@@ -389,6 +389,58 @@ def test_host_overhead_rows():
     assert all(r["us_per_call"] > 0 and r["calls"] == 2 for r in rows)
 
 
+class PlanCachedAdapter(peers._Adapter):
+    """An implementation with varlen and a plan cache whose clears are counted."""
+
+    has_varlen = True
+    has_plan_cache = True
+
+    def __init__(self):
+        self.clears, self.calls = 0, []
+
+    def clear_plan_cache(self):
+        self.clears += 1
+
+    def forward(self, case):
+        return lambda: self.calls.append((case.point.kind, "fwd"))
+
+    def backward(self, case, deterministic):
+        return lambda: self.calls.append((case.point.kind, "bwd"))
+
+
+def test_host_overhead_of_an_implementation_with_a_plan_cache():
+    adapter = PlanCachedAdapter()
+    rows = sweep.measure_host_overhead("fmha_rt", adapter, StandInDevice(), sweep.Settings(overhead_calls=3))
+    assert [(r["kind"], r["pass"], r["B"], r["Sq"]) for r in rows] == [
+        ("dense", "fwd", 1, 128), ("dense", "bwd", 1, 128), ("varlen", "fwd", 2, 80), ("varlen", "bwd", 2, 80)]
+    assert all(r["seqlens"] == [48, 80] for r in rows[2:])
+    assert all(r["first_call_us"] > 0 and r["us_per_call"] > 0 and r["uncached_us_per_call"] > 0 for r in rows)
+    # per point: one clear before the first call, one before each of the 3 uncached calls
+    assert adapter.clears == 4 * (1 + 3)
+    assert len(adapter.calls) == 4 * (1 + 1 + 3 + 1 + 3)  # first, warm-up + 3 repeated, warm-up + 3 uncached
+    sdpa_rows = sweep.measure_host_overhead("sdpa_flash", peers.SdpaAdapter("FLASH_ATTENTION"), StandInDevice(),
+                                            sweep.Settings(overhead_calls=2))
+    assert len(sdpa_rows) == 2 and all("uncached_us_per_call" not in r and r["first_call_us"] > 0 for r in sdpa_rows)
+
+
+def test_host_overhead_table_shows_cached_uncached_and_first_calls(fixture_doc):
+    doc = json.loads(json.dumps(fixture_doc))
+    for row in doc["host_overhead"]:
+        if row["impl"] == "fmha_rt":
+            row.update(uncached_us_per_call=row["us_per_call"] * 10, first_call_us=row["us_per_call"] * 20)
+    varlen = {"impl": "fmha_rt", "kind": "varlen", "dtype": "bf16", "B": 2, "Hq": 1, "Hk": 1, "Sq": 80, "Sk": 80,
+              "D": 64, "causal": False, "seqlens": [48, 80], "calls": 2000}
+    doc["host_overhead"] += [dict(varlen, **{"pass": "fwd", "us_per_call": 11.0, "uncached_us_per_call": 120.0}),
+                             dict(varlen, **{"pass": "bwd", "error": "RuntimeError: no"})]
+    text = report.markdown(doc)
+    assert "| impl | fwd | bwd | varlen fwd | varlen bwd |" in text
+    assert "| fmha_rt | 9.5 | 20.9 | 11.0 | error |" in text
+    assert "| fmha_rt, plan cache cleared | 95.0 | 209.0 | 120.0 | error |" in text
+    assert "| fmha_rt, first call | 190.0 | 418.0 | – | error |" in text
+    assert "| sdpa_flash | 14.0 | 30.8 | – | – |" in text
+    assert len(report.merge([doc])["host_overhead"]) == len(doc["host_overhead"])  # varlen rows keep their own key
+
+
 def test_error_text_carries_the_warnings():
     warned = [types.SimpleNamespace(message=UserWarning("flash needs D <= 256")),
               types.SimpleNamespace(message=UserWarning("flash needs D <= 256"))]

@@ -1,0 +1,282 @@
+"""Launch programs: a call's planned launches, serialised so that C can run them without Python.
+
+Under jax.jit the shapes of a call are known when it is traced, but its buffers exist only when XLA
+runs it. So at trace time fmha_rt.jax plans the call with placeholder pointers, packs every launch's
+arguments as usual, and records which argument bytes hold which buffer's address; at run time the XLA
+FFI handler (fmha_rt/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
+workspace regions that must start at zero, and launches.
+
+The wire format is an int64 array (the custom call's `program` attribute). `bytes` below is a length
+word followed by the bytes packed eight to a word, little-endian:
+
+    magic "FMHAPRG1", format version, operand count, result count, zero-fill count, launch count,
+    label (bytes: names the call in error messages),
+    per buffer, operands first, then results: XLA dtype number, size in bytes,
+    per zero fill: buffer, byte offset, byte count,
+    per launch: kernel key (bytes), grid x y z, block x y z, dynamic shared bytes,
+                argument template (bytes), patch count,
+                per patch: byte offset in the template, buffer, byte offset into the buffer.
+
+Buffers are numbered operands first, then results, as XLA passes them to the handler.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import portable_plan
+from .api import _kv_shape, _lse_shape, _out_shape
+from .errors import FmhaValueError
+from .executor import check_alignment
+from .packing import NULL, Pointer, pointer_value
+from .registry import SCRATCH_POINTERS, registry
+
+MAGIC = int.from_bytes(b"FMHAPRG1", "little")
+FORMAT = 1
+# XLA's PrimitiveType numbers (xla_data.proto), which the FFI reports as a buffer's dtype.
+XLA_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "float16": 10, "float32": 11,
+              "bfloat16": 16}
+ITEM_BYTES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "float16": 2, "float32": 4,
+              "bfloat16": 2}
+ATTENTION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# A placeholder pointer is (buffer + 1) << 40 | offset: never NULL, 16-byte aligned when the offset is,
+# and it decodes back to (buffer, offset). 2**40 bytes is far above any buffer of one call.
+_PLACEHOLDER_SHIFT = 40
+_OFFSET_MASK = (1 << _PLACEHOLDER_SHIFT) - 1
+MAX_BUFFERS = 32  # the handler's limits (xla_ffi.c)
+MAX_LAUNCHES = 16
+MAX_LABEL_BYTES = 255
+
+
+def placeholder(buffer: int, offset: int = 0) -> Pointer:
+    """The pointer that stands for byte `offset` of buffer `buffer` while planning."""
+    if not 0 <= buffer < MAX_BUFFERS or not 0 <= offset <= _OFFSET_MASK:
+        raise FmhaValueError(f"placeholder for buffer {buffer} + {offset} is out of range")
+    return Pointer((buffer + 1) << _PLACEHOLDER_SHIFT | offset)
+
+
+def _resolve(address: int, buffers: int, where: str) -> tuple[int, int]:
+    buffer, offset = (address >> _PLACEHOLDER_SHIFT) - 1, address & _OFFSET_MASK
+    if not 0 <= buffer < buffers:
+        raise FmhaValueError(f"{where}: pointer 0x{address:x} is not a placeholder of one of the call's "
+                             f"{buffers} buffers")
+    return buffer, offset
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One operand or result of the call: C-contiguous (XLA's default layout)."""
+
+    name: str
+    shape: tuple
+    dtype: str  # NumPy name: "bfloat16", "float32", "int32", ...
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEM_BYTES[self.dtype]
+
+    @property
+    def strides(self) -> tuple:
+        """In elements."""
+        return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    arg_offset: int  # byte offset of a pointer slot in the argument template
+    buffer: int
+    offset: int  # bytes into the buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroFill:
+    buffer: int
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramLaunch:
+    key: str
+    grid: tuple
+    block: tuple
+    shared: int
+    template: bytes  # the packed arguments, pointer slots zero
+    patches: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchProgram:
+    label: str
+    buffers: tuple  # Buffer, operands first
+    operands: int
+    zero_fills: tuple
+    launches: tuple
+
+    @property
+    def results(self) -> tuple:
+        return self.buffers[self.operands:]
+
+    def encode(self) -> np.ndarray:
+        words = [MAGIC, FORMAT, self.operands, len(self.buffers) - self.operands, len(self.zero_fills),
+                 len(self.launches)]
+        _put_bytes(words, self.label.encode())
+        for b in self.buffers:
+            words += [XLA_DTYPES[b.dtype], b.nbytes]
+        for f in self.zero_fills:
+            words += [f.buffer, f.offset, f.nbytes]
+        for launch in self.launches:
+            _put_bytes(words, launch.key.encode())
+            words += [*launch.grid, *launch.block, launch.shared]
+            _put_bytes(words, launch.template)
+            words.append(len(launch.patches))
+            for p in launch.patches:
+                words += [p.arg_offset, p.buffer, p.offset]
+        return np.array(words, dtype=np.int64)
+
+    @classmethod
+    def decode(cls, words) -> LaunchProgram:
+        """The program `encode` wrote. Buffers come back as what the wire holds: a dtype and a size
+        (shape (elements,), no name)."""
+        r = _Reader(np.asarray(words, dtype=np.int64))
+        if r.word() != MAGIC or r.word() != FORMAT:
+            raise FmhaValueError("not a launch program of this format")
+        operands, results, fills, launches = (r.word() for _ in range(4))
+        label = r.bytes().decode()
+        names = {v: k for k, v in XLA_DTYPES.items()}
+        buffers = []
+        for _ in range(operands + results):
+            dtype, nbytes = names[r.word()], r.word()
+            buffers.append(Buffer("", (nbytes // ITEM_BYTES[dtype],), dtype))
+        zero_fills = tuple(ZeroFill(r.word(), r.word(), r.word()) for _ in range(fills))
+        decoded = []
+        for _ in range(launches):
+            key = r.bytes().decode()
+            grid, block, shared = tuple(r.word() for _ in range(3)), tuple(r.word() for _ in range(3)), r.word()
+            template = r.bytes()
+            patches = tuple(Patch(r.word(), r.word(), r.word()) for _ in range(r.word()))
+            decoded.append(ProgramLaunch(key, grid, block, shared, template, patches))
+        if r.next != len(r.words):
+            raise FmhaValueError("launch program has words past its end")
+        return cls(label, tuple(buffers), operands, zero_fills, tuple(decoded))
+
+
+def _put_bytes(words: list, data: bytes) -> None:
+    words.append(len(data))
+    padded = data + b"\0" * (-len(data) % 8)
+    words.extend(int(w) for w in np.frombuffer(padded, dtype="<i8"))
+
+
+class _Reader:
+    def __init__(self, words):
+        self.words, self.next = words, 0
+
+    def word(self) -> int:
+        if self.next >= len(self.words):
+            raise FmhaValueError("launch program is truncated")
+        self.next += 1
+        return int(self.words[self.next - 1])
+
+    def bytes(self) -> bytes:
+        n = self.word()
+        count = -(-n // 8)
+        chunk = self.words[self.next:self.next + count]
+        if len(chunk) != count:
+            raise FmhaValueError("launch program is truncated")
+        self.next += count
+        return chunk.astype("<i8").tobytes()[:n]
+
+
+def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()) -> LaunchProgram:
+    """The program of `launches` (portable_plan.Launch, planned with `placeholder` pointers into
+    `buffers`). Launches with an empty grid are left out (the drivers refuse them); every other one is
+    checked and packed exactly as the Python executor would."""
+    if len(buffers) > MAX_BUFFERS:
+        raise FmhaValueError(f"{label}: {len(buffers)} buffers, the handler takes at most {MAX_BUFFERS}")
+    reg = registry()
+    built = []
+    for launch in launches:
+        if not all(launch.grid):
+            continue
+        entry = reg.entry(arch, launch.variant)
+        args = {**dict.fromkeys(SCRATCH_POINTERS, NULL), **launch.args}
+        check_alignment(entry, args)
+        patches = []
+        for slot in entry.params:
+            address = pointer_value(slot.name, args[slot.name]) if slot.type == "ptr" else 0
+            if address:
+                patches.append(Patch(slot.offset, *_resolve(address, len(buffers), f"{entry.key} {slot.name}")))
+                args[slot.name] = NULL
+        built.append(ProgramLaunch(entry.key, tuple(launch.grid), (entry.threads, 1, 1), entry.shared,
+                                   entry.packer.pack(args), tuple(patches)))
+    if len(built) > MAX_LAUNCHES:
+        raise FmhaValueError(f"{label}: {len(built)} launches, the handler takes at most {MAX_LAUNCHES}")
+    label = label.encode()[:MAX_LABEL_BYTES].decode(errors="ignore")  # it only names the call in messages
+    return LaunchProgram(label, tuple(buffers), operands, tuple(zero_fills), tuple(built))
+
+
+# ------------------------------------------------------------------ the calls fmha_rt.jax makes
+
+
+def _tensors(buffers) -> dict:
+    """Plan inputs: each buffer's placeholder and strides, by name."""
+    tensors = {}
+    for i, b in enumerate(buffers):
+        tensors[b.name] = placeholder(i)
+        tensors[f"{b.name}_strides"] = b.strides
+    return tensors
+
+
+def _inputs(problem) -> list:
+    dtype = ATTENTION_DTYPES[problem.dtype]
+    q_shape = _out_shape(problem, problem.head_dim_qk)
+    buffers = [Buffer("q", q_shape, dtype), Buffer("k", _kv_shape(problem, problem.head_dim_qk), dtype),
+               Buffer("v", _kv_shape(problem, problem.head_dim_v), dtype)]
+    if problem.varlen:
+        buffers += [Buffer(f"cu_seqlens_{s}", (problem.batch + 1,), "int32") for s in ("q", "k")]
+    return buffers
+
+
+def label(problem, pass_name: str) -> str:
+    p = problem
+    shape = f"total_q={p.total_q} total_k={p.total_k} B={p.batch}" if p.varlen else f"B={p.batch}"
+    mask = f" window=({p.window_left}, {p.window_right}){' bottom_right' if p.bottom_right else ''}"
+    return (f"{'varlen ' if p.varlen else ''}{pass_name} {p.dtype} {shape} Sq={p.seqlen_q} Sk={p.seqlen_k} "
+            f"Hq={p.heads_q} Hk={p.heads_k} D={p.head_dim_qk} Dv={p.head_dim_v}{mask}")
+
+
+def forward(problem, arch: str) -> LaunchProgram:
+    """Operands q, k, v (+ cu_seqlens_q, cu_seqlens_k); results out, lse."""
+    dtype = ATTENTION_DTYPES[problem.dtype]
+    inputs = _inputs(problem)
+    buffers = inputs + [Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
+                        Buffer("lse", _lse_shape(problem), "float32")]
+    launches = portable_plan.plan_fwd(problem, arch, _tensors(buffers))
+    return build(label(problem, "forward"), arch, launches, buffers, len(inputs))
+
+
+def backward(problem, arch: str) -> LaunchProgram:
+    """Operands dout, q, k, v, out, lse (+ cu_seqlens_q, cu_seqlens_k); results dq, dk, dv and, when the
+    plan needs one, the workspace (uint8), whose zero_init regions the handler zeroes."""
+    dtype = ATTENTION_DTYPES[problem.dtype]
+    q, k, v, *seqlens = _inputs(problem)
+    inputs = [Buffer("dout", _out_shape(problem, problem.head_dim_v), dtype), q, k, v,
+              Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
+              Buffer("lse", _lse_shape(problem), "float32"), *seqlens]
+    buffers = inputs + [Buffer("dq", _out_shape(problem, problem.head_dim_qk), dtype),
+                        Buffer("dk", _kv_shape(problem, problem.head_dim_qk), dtype),
+                        Buffer("dv", _kv_shape(problem, problem.head_dim_v), dtype)]
+    workspace = portable_plan.bwd_workspace(problem, arch)
+    tensors = _tensors(buffers)
+    fills = []
+    if workspace.total_bytes:
+        index = len(buffers)
+        buffers.append(Buffer("workspace", (workspace.total_bytes,), "uint8"))
+        for region in workspace.regions:
+            tensors[region.name] = placeholder(index, region.offset)
+            if region.zero_init:
+                fills.append(ZeroFill(index, region.offset, region.nbytes))
+    launches = portable_plan.plan_bwd(problem, arch, tensors)
+    return build(label(problem, "backward"), arch, launches, buffers, len(inputs), fills)

@@ -1,0 +1,579 @@
+"""The plan cache on the CPU: a repeated call of a signature launches, byte for byte, what an uncached call
+of the same arrays would launch, with its own pointers written in; anything that changes the plan misses;
+what depends on pointers (overlaps, alignment, the workspace) is still checked on a hit, before anything
+is launched or written; concurrent calls never share a launch buffer; the cache stays within its bound.
+
+Arrays are host memory exported as CUDA arrays and the runtime is the two-device sm_90 stand-in of
+fake_gpu.py. The real executor runs; only the driver is replaced: kernel handles are tokens and each
+launch records its kernel, grid, stream and the argument bytes from the C launch configuration.
+"""
+import dataclasses
+import gc
+import logging
+import sys
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import fmha_rt
+from fmha_rt import api, arrays, executor, launch, plan_cache
+from fmha_rt import registry as registry_module
+from fmha_rt.backend import ffi
+from fmha_rt.errors import FmhaTypeError, FmhaValueError
+from fmha_rt.packing import Pointer
+
+from fake_gpu import FakeGpuArray, StandInRuntime
+
+B, S, H, D = 2, 64, 4, 64
+
+
+class Driver:
+    """Stands in for the driver's launch: records (kernel key, grid, argument bytes, stream, thread)."""
+
+    def __init__(self, monkeypatch):
+        self.kernels, self.launches, self._lock = [], [], threading.Lock()
+        monkeypatch.setattr(launch, "kernel_handle", self.kernel_handle)
+        monkeypatch.setattr(launch, "_launch", self.launch)
+
+    def kernel_handle(self, device, entry):
+        with self._lock:
+            self.kernels.append(entry.key)
+            return ffi.cast("fmha_kernel *", len(self.kernels))
+
+    def launch(self, config, stream):
+        key = self.kernels[int(ffi.cast("uintptr_t", config.kernel)) - 1]
+        self.launches.append((key, tuple(config.grid), bytes(ffi.buffer(config.args, config.args_size)), stream,
+                              threading.get_ident()))
+        return 0
+
+    def take(self):
+        """The launches since the last take, without the thread."""
+        taken, self.launches = self.launches, []
+        return [item[:4] for item in taken]
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
+    monkeypatch.delenv("FMHA_RT_LOG_CONFIG", raising=False)
+    registry_module.reset()
+    runtime = StandInRuntime(monkeypatch)
+    fmha_rt.clear_plan_cache()
+    yield runtime
+    fmha_rt.clear_plan_cache()
+    registry_module.reset()
+
+
+@pytest.fixture
+def driver(monkeypatch, rt):
+    return Driver(monkeypatch)
+
+
+def unpack(key, packed):
+    entry = registry_module.registry().entry("sm_90", key)
+    return dict(zip(entry.packer.names, entry.packer.struct.unpack(packed)))
+
+
+def uncached(monkeypatch, driver, call):
+    """What `call` launches planned from scratch: the cache is never asked, the executor packs."""
+    with monkeypatch.context() as m:
+        m.setattr(api, "_request", lambda *_: None)
+        call()
+    return driver.take()
+
+
+def hits():
+    return fmha_rt.plan_cache_info()["hits"]
+
+
+def warm(call):
+    """Call twice: a signature is recorded the second time it is seen."""
+    call()
+    call()
+
+
+# ------------------------------------------------------------------------------------- call factories
+
+class Inputs:
+    """One set of arrays for every case (fresh memory, so each set has its own pointers)."""
+
+    def __init__(self, rt, *, hq=H, hk=H, varlen=False, bias=None, alibi=None, seed_array=False):
+        lead_q, lead_k = ((3 * S // 2,), (2 * S,)) if varlen else ((B, S), (B, S))
+        self.q = FakeGpuArray((*lead_q, hq, D))
+        self.k, self.v = FakeGpuArray((*lead_k, hk, D)), FakeGpuArray((*lead_k, hk, D))
+        self.out, self.dout = FakeGpuArray((*lead_q, hq, D)), FakeGpuArray((*lead_q, hq, D))
+        self.lse = FakeGpuArray((hq, lead_q[0]) if varlen else (B, hq, S), "float32")
+        self.dq, self.dk, self.dv = FakeGpuArray(self.q.shape), FakeGpuArray(self.k.shape), FakeGpuArray(self.v.shape)
+        self.bias = FakeGpuArray(bias) if bias else None
+        self.dbias = FakeGpuArray(bias) if bias else None
+        self.alibi = FakeGpuArray(alibi, "float32") if alibi else None
+        self.seed = FakeGpuArray((2,), "int64") if seed_array else None
+        self.cu_q, self.cu_k = FakeGpuArray((3,), "int32"), FakeGpuArray((3,), "int32")
+        self.workspace = rt.workspace(1 << 20)
+
+    def options(self, extra):
+        opts = dict(extra)
+        if self.bias is not None:
+            opts["bias"] = self.bias
+        if self.alibi is not None:
+            opts["alibi_slopes"] = self.alibi
+        if self.seed is not None:
+            opts["seed"] = self.seed
+        return opts
+
+
+def fwd(x, **extra):
+    return lambda: fmha_rt.mha_fwd(x.q, x.k, x.v, out=x.out, lse=x.lse, **x.options(extra))
+
+
+def bwd(x, **extra):
+    grads = {"dbias": x.dbias} if x.dbias is not None else {}
+    return lambda: fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
+                                   workspace_alloc=lambda n, z: x.workspace, **grads, **x.options(extra))
+
+
+def varlen_fwd(x, **extra):
+    return lambda: fmha_rt.mha_varlen_fwd(x.q, x.k, x.v, x.cu_q, x.cu_k, 40, 70, out=x.out, lse=x.lse,
+                                          **x.options(extra))
+
+
+def varlen_bwd(x, **extra):
+    return lambda: fmha_rt.mha_varlen_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, x.cu_q, x.cu_k, 40, 70, dq=x.dq,
+                                          dk=x.dk, dv=x.dv, workspace_alloc=lambda n, z: x.workspace,
+                                          **x.options(extra))
+
+
+CASES = {
+    "fwd": (fwd, {}, {}),
+    "fwd causal GQA": (fwd, {"hq": 8, "hk": 2}, {"causal": True}),
+    "fwd window bottom-right": (fwd, {}, {"window": (16, 8), "causal_alignment": "bottom_right"}),
+    "fwd bias": (fwd, {"bias": (1, H, S, S)}, {}),
+    "fwd alibi": (fwd, {"alibi": (B, H)}, {"softmax_scale": 0.3}),
+    "fwd dropout": (fwd, {}, {"dropout_p": 0.2, "seed": 2**64 + 5, "offset": 12}),
+    "fwd dropout seed array": (fwd, {"seed_array": True}, {"dropout_p": 0.2}),
+    "bwd": (bwd, {}, {}),
+    "bwd deterministic": (bwd, {}, {"deterministic": True, "causal": True}),
+    "bwd GQA": (bwd, {"hq": 8, "hk": 2}, {"deterministic": True}),
+    "bwd bias grad": (bwd, {"bias": (B, 1, S, S)}, {}),
+    "bwd alibi dropout": (bwd, {"alibi": (H,)}, {"dropout_p": 0.1, "seed": 7, "offset": 3}),
+    "varlen fwd": (varlen_fwd, {"hq": 8, "hk": 2, "varlen": True}, {"causal": True}),
+    "varlen bwd": (varlen_bwd, {"varlen": True}, {"deterministic": True}),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_a_hit_launches_what_an_uncached_call_of_its_arrays_launches(monkeypatch, rt, driver, case):
+    make, shape, options = CASES[case]
+    first, second = Inputs(rt, **shape), Inputs(rt, **shape)
+    expected = uncached(monkeypatch, driver, make(second, **options))
+    assert expected and fmha_rt.plan_cache_info()["entries"] == 0
+    make(first, **options)()  # seen once: planned, not recorded
+    assert fmha_rt.plan_cache_info()["entries"] == 0
+    make(first, **options)()  # seen again: recorded, and its launches are the recorded plan's
+    assert fmha_rt.plan_cache_info()["entries"] == 1
+    launched = driver.take()
+    assert launched == uncached(monkeypatch, driver, make(first, **options)) * 2, \
+        "the recording call launches what a planned call launches"
+    make(second, **options)()
+    assert hits() == 1
+    got = driver.take()
+    assert got == expected  # kernels, grids, streams and every argument byte
+    # ... and the pointers really are the second call's: they differ from the first call's
+    first_args = [unpack(k, b) for k, _, b, _ in uncached(monkeypatch, driver, make(first, **options))]
+    second_args = [unpack(k, b) for k, _, b, _ in got]
+    attention = next(i for i, args in enumerate(second_args) if "Q" in args)
+    assert second_args[attention]["Q"] == second.q.ptr != first_args[attention]["Q"]
+    assert all(a != b for a, b in zip(first_args, second_args))
+
+
+def test_dropout_by_value_patches_the_seed_and_offset_of_each_call(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(fwd(x, dropout_p=0.3, seed=1, offset=0))
+    driver.take()
+    for seed, offset in ((5, 7), (2**63 + 9, 2**62), (0, 0)):
+        fwd(x, dropout_p=0.3, seed=seed, offset=offset)()
+        (key, _, packed, _), = driver.take()
+        args = unpack(key, packed)
+        assert (args["philox_seed"], args["philox_offset"]) == (seed % 2**63, offset)
+        assert uncached(monkeypatch, driver, fwd(x, dropout_p=0.3, seed=seed, offset=offset))[0][2] == packed
+    assert hits() == 3
+    with pytest.raises(FmhaValueError, match="offset"):
+        fwd(x, dropout_p=0.3, seed=1, offset=-1)()
+    assert driver.take() == []
+
+
+def test_allocated_outputs_and_workspace_get_this_calls_addresses(rt, driver):
+    """The backward allocates dq, dk, dv, dbias and its workspace on every call; the patched launches
+    point at this call's allocations, and the zeroed regions are zeroed again."""
+    x = Inputs(rt, bias=(1, 1, S, S))
+    dbias_shape = (1, 1, S, S)
+    for call in range(4):
+        rt.reset()
+        dq, dk, dv, dbias = fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, bias=x.bias, deterministic=True)
+        assert tuple(dbias.shape) == dbias_shape
+        launched = {key: unpack(key, packed) for key, _, packed, _ in driver.take()}
+        dq_kernel = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dq_"))
+        dkdv = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dkdv_"))
+        assert (dq_kernel["dQ"], dkdv["dK"], dkdv["dV"]) == (dq.ptr, dk.ptr, dv.ptr)
+        assert launched["fmha_bwd_dbias_fp16"]["dBias"] == dbias.ptr
+        assert dkdv["dS"] == launched["fmha_bwd_dbias_fp16"]["dS"] > dkdv["Delta"]
+        # the stand-in's memset fails outside its allocations: dS is in this call's workspace, zeroed again
+        assert [(dev, ptr) for dev, ptr, _ in rt.memsets] == [(0, dkdv["dS"])]
+    assert hits() == 2
+
+
+def test_torch_tensors_take_the_fast_signature_and_hit(monkeypatch, rt, driver):
+    """torch tensors (CPU tensors posing as CUDA ones) are keyed from their attributes; a hit launches what
+    the uncached call launches, and a tensor of other strides misses."""
+    torch = pytest.importorskip("torch")
+    as_cuda = arrays.TorchView.__init__
+
+    def cuda_view(self, t):
+        as_cuda(self, t)
+        self.device_type = "cuda"
+
+    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float16) for _ in range(3))
+    fmha_rt.mha_fwd(q, k, v, causal=True)
+    out, _ = fmha_rt.mha_fwd(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor)
+    driver.take()
+    out2, _ = fmha_rt.mha_fwd(q, k, v, causal=True)
+    assert hits() == 1 and out2.data_ptr() != out.data_ptr()
+    got = driver.take()
+    assert unpack(got[0][0], got[0][2])["Out"] == out2.data_ptr()
+    q2, k2, v2 = (torch.randn(B, S, H, D, dtype=torch.float16) for _ in range(3))
+    o, lse_given = torch.empty_like(q2), torch.empty(B, H, S)
+    warm(lambda: fmha_rt.mha_fwd(q2, k2, v2, out=o, lse=lse_given))
+    driver.take()
+    fmha_rt.mha_fwd(q, k, v, out=o, lse=lse_given)
+    assert driver.take() == uncached(monkeypatch, driver, lambda: fmha_rt.mha_fwd(q, k, v, out=o, lse=lse_given))
+    wide = torch.randn(B, S, H, 2 * D, dtype=torch.float16)[..., :D]  # other strides: a miss
+    fmha_rt.mha_fwd(wide, k, v, out=o, lse=lse_given)
+    assert hits() == 2
+
+
+# ------------------------------------------------------------------------------------------- misses
+
+def _base(x):
+    return {"q": x.q, "k": x.k, "v": x.v, "out": x.out, "lse": x.lse}
+
+
+def _variants(rt):
+    """(what changes, a call differing from the base call in that alone)."""
+    x = Inputs(rt)
+    a = _base(x)
+
+    def call(**over):
+        kw = {**a, **over}
+        return lambda: fmha_rt.mha_fwd(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+    strided = FakeGpuArray((B, S, H, D + 8)).view((B, S, H, D), (S * H * (D + 8), H * (D + 8), D + 8, 1))
+    return [
+        ("shape", call(q=FakeGpuArray((B, S // 2, H, D)), out=FakeGpuArray((B, S // 2, H, D)),
+                       lse=FakeGpuArray((B, H, S // 2), "float32"))),
+        ("strides", call(q=strided)),
+        ("dtype", call(q=FakeGpuArray(x.q.shape, "bfloat16"), k=FakeGpuArray(x.k.shape, "bfloat16"),
+                       v=FakeGpuArray(x.v.shape, "bfloat16"), out=FakeGpuArray(x.out.shape, "bfloat16"))),
+        ("device", call(**{n: FakeGpuArray(arr.shape, arr.dtype, device=1) for n, arr in a.items()})),
+        ("framework kind", call(q=_Subclassed(x.q.shape))),
+        ("softmax_scale", call(softmax_scale=0.5)),
+        ("softmax_scale int", call(softmax_scale=1)),
+        ("causal", call(causal=True)),
+        ("window", call(window=(8, 8))),
+        ("alignment", call(window=(8, 8), causal_alignment="bottom_right")),
+        ("mask_type", call(mask_type=1)),
+        ("bias", call(bias=FakeGpuArray((1, 1, S, S)))),
+        ("bias broadcast", call(bias=FakeGpuArray((1, H, S, S)))),
+        ("alibi", call(alibi_slopes=FakeGpuArray((H,), "float32"))),
+        ("dropout", call(dropout_p=0.1, seed=1)),
+        ("dropout seed array", call(dropout_p=0.1, seed=FakeGpuArray((2,), "int64"))),
+        ("out allocated", call(out=None)),
+        ("lse allocated", call(lse=None)),
+        ("read-only out", call(out=FakeGpuArray(x.out.shape, read_only=True))),
+    ]
+
+
+class _Subclassed(FakeGpuArray):
+    """Another kind of array: outputs are allocated by kind."""
+
+
+def test_any_change_that_reaches_the_plan_misses(rt, driver):
+    x = Inputs(rt)
+    for what, variant in _variants(rt):
+        fmha_rt.clear_plan_cache()
+        fmha_rt.mha_fwd(x.q, x.k, x.v, out=x.out, lse=x.lse)
+        try:
+            variant()
+        except FmhaValueError:
+            assert what == "read-only out"
+        info = fmha_rt.plan_cache_info()
+        assert info["hits"] == 0, f"{what}: a hit"
+        assert info["misses"] == 2, what
+
+
+def test_backward_and_varlen_options_are_keyed(rt, driver):
+    x = Inputs(rt)
+    base = [lambda: fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv),
+            lambda: fmha_rt.mha_varlen_fwd(x.q.view((B * S, H, D), (H * D, D, 1)), x.k.view((B * S, H, D), (H * D, D, 1)),
+                                           x.v.view((B * S, H, D), (H * D, D, 1)), x.cu_q, x.cu_k, 40, 70)]
+    variants = [
+        lambda: fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True),
+        lambda: fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=None),
+        lambda: fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
+                                workspace_alloc=lambda n, z: x.workspace),
+        lambda: fmha_rt.mha_varlen_fwd(x.q.view((B * S, H, D), (H * D, D, 1)), x.k.view((B * S, H, D), (H * D, D, 1)),
+                                       x.v.view((B * S, H, D), (H * D, D, 1)), x.cu_q, x.cu_k, 41, 70),
+    ]
+    for base_call, variant in zip([base[0]] * 3 + [base[1]], variants):
+        fmha_rt.clear_plan_cache()
+        base_call()
+        variant()
+        assert fmha_rt.plan_cache_info()["hits"] == 0
+
+
+def test_options_are_keyed_with_their_types(rt, driver):
+    """True and 1, 0.0 and False hash alike; validation tells them apart, so a hit must not."""
+    x = Inputs(rt)
+    warm(fwd(x, causal=True))
+    with pytest.raises(FmhaTypeError, match="causal must be a bool"):
+        fwd(x, causal=1)()
+    warm(fwd(x, dropout_p=0.0))
+    with pytest.raises(FmhaValueError, match="dropout_p"):
+        fwd(x, dropout_p=False)()
+    warm(fwd(x, window=(4, 4)))
+    with pytest.raises(FmhaTypeError, match="window"):
+        fwd(x, window=(True, 4))()
+    fwd(x, window=[4, 4])()  # a list is keyed apart from the tuple, and works
+    assert hits() == 0 and fmha_rt.plan_cache_info()["entries"] == 3
+
+
+def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, driver):
+    uploaded = []
+
+    def upload(self, name, device, stream):
+        uploaded.append(name)
+        return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
+
+    monkeypatch.setattr(api.HostSeqlens, "upload", upload)
+    q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
+    for _ in range(2):
+        fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70]), np.array([0, 30, 90]), 40, 60)
+    with pytest.raises(FmhaTypeError):
+        fmha_rt.mha_fwd(FakeGpuArray((B, S, H, D)), FakeGpuArray((B, S, H, D)), FakeGpuArray((B, S, H, D)),
+                        softmax_scale={})
+    assert uploaded == ["cu_seqlens_q", "cu_seqlens_k"] * 2
+    assert fmha_rt.plan_cache_info()["entries"] == 0
+
+
+def test_a_pointer_the_cache_cannot_trace_leaves_the_call_uncached(monkeypatch, rt, driver):
+    stray = FakeGpuArray((S,), "float32")  # memory that is none of the call's arrays
+    planner = api.portable_plan.plan_fwd
+
+    def plan_with_a_stray_pointer(problem, arch, tensors):
+        launches = planner(problem, arch, tensors)
+        return [dataclasses.replace(launch_, args={**launch_.args, "Alibi": Pointer(stray.ptr)}) for launch_ in launches]
+
+    monkeypatch.setattr(api.portable_plan, "plan_fwd", plan_with_a_stray_pointer)
+    x = Inputs(rt)
+    fwd(x)()
+    fwd(x)()
+    assert fmha_rt.plan_cache_info() == {"entries": 0, "capacity": plan_cache.DEFAULT_CAPACITY, "hits": 0,
+                                         "misses": 2}
+    assert len(driver.take()) == 2
+
+
+# ------------------------------------------------------------------------------- per-call checks on a hit
+
+def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothing(rt, driver):
+    x = Inputs(rt)
+    warm(fwd(x))
+    warm(bwd(x))
+    driver.take()
+    rt.reset()
+    aliased = FakeGpuArray(x.q.shape)
+    with pytest.raises(FmhaValueError, match="output out overlaps q"):
+        fmha_rt.mha_fwd(aliased, x.k, x.v, out=aliased, lse=x.lse)
+    with pytest.raises(FmhaValueError, match="output out overlaps lse"):
+        fmha_rt.mha_fwd(x.q, x.k, x.v, out=x.out, lse=x.out.view(x.lse.shape, None, dtype="float32"))
+    base = FakeGpuArray((B * S * H * D + 64,))
+    misaligned = base.view(x.q.shape, None, offset=4)  # 8 bytes in: same shape and strides as q
+    with pytest.raises(FmhaValueError, match="is not 16-byte aligned"):
+        fmha_rt.mha_fwd(misaligned, x.k, x.v, out=x.out, lse=x.lse)
+    with pytest.raises(FmhaValueError, match="output dq overlaps k"):
+        fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.k, dk=x.dk, dv=x.dv,
+                        workspace_alloc=lambda n, z: x.workspace)
+    with pytest.raises(FmhaValueError, match="output workspace overlaps dv"):
+        fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
+                        workspace_alloc=lambda n, z: x.dv.view((n,), None, dtype="uint8"))
+    with pytest.raises(FmhaValueError, match="bytes, .* are needed"):
+        fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
+                        workspace_alloc=lambda n, z: rt.workspace(8))
+    assert hits() == 6
+    assert driver.take() == [] and rt.memsets == []
+    for array in (x.out, x.lse, x.dq, x.dk, x.dv, aliased):
+        assert array.untouched()
+
+
+def test_a_hit_goes_through_the_executor_seam_with_launches_that_read_like_planned_ones(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(fwd(x, causal=True))
+    seen = []
+    monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream, **_: seen.append(launches))
+    fwd(x, causal=True)()
+    (bound,), = seen
+    assert isinstance(bound, plan_cache.BoundLaunch) and bound.variant == "fmha_fwd_fp16_d64_nobias_nodrop"
+    assert bound.args["window_right"] == 0 and bound.args["Q"].address == x.q.ptr
+    entry = registry_module.registry().entry("sm_90", bound.variant)
+    assert entry.packer.pack({**executor._SCRATCH, **bound.args}) == bytes(bound.packed)
+
+
+def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog):
+    x = Inputs(rt)
+    monkeypatch.setenv("FMHA_RT_LOG_CONFIG", "1")
+    with caplog.at_level(logging.INFO, logger="fmha_rt"):
+        with monkeypatch.context() as m:
+            m.setattr(api, "_request", lambda *_: None)
+            fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True,
+                            stream=0x1234, workspace_alloc=lambda n, z: x.workspace)
+        planned = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        for _ in range(3):  # a miss, a miss that records, a hit
+            fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True,
+                            stream=0x1234, workspace_alloc=lambda n, z: x.workspace)
+            assert [r.getMessage() for r in caplog.records] == planned
+            caplog.clear()
+    assert hits() == 1
+    assert len(planned) == 3 and all("stream: 0x1234" in message for message in planned)
+    assert f"Q: Pointer(0x{x.q.ptr:x})" in planned[1]
+    info, launched = fmha_rt.last_launch_info(), driver.take()
+    assert len(launched) == 12 and info["kernels"] == [key for key, *_ in launched[-3:]] and info["device"] == 0
+    assert all(stream == 0x1234 for *_, stream in launched)
+
+
+# ------------------------------------------------------------------------------------ threads and bound
+
+def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver):
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        inputs = [Inputs(rt) for _ in range(16)]
+        warm(fwd(inputs[0]))
+        warm(bwd(inputs[0], deterministic=True))
+        driver.take()
+        expected, errors = {}, []
+        start = threading.Barrier(16)
+
+        def work(x):
+            expected[threading.get_ident()] = x
+            start.wait()
+            try:
+                for _ in range(20):
+                    fwd(x)()
+                    bwd(x, deterministic=True)()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(x,)) for x in inputs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(driver.launches) == 16 * 20 * 4
+    for key, _, packed, _, thread in driver.launches:
+        x, args = expected[thread], unpack(key, packed)
+        for name, array in (("Q", x.q), ("dO", x.dout), ("dK", x.dk), ("dQ", x.dq), ("Out", x.out)):
+            if name in args:
+                assert args[name] == array.ptr, (key, name)
+    assert hits() == 16 * 20 * 2
+    for plan in api.PLANS._plans.values():
+        for template in plan.launches:
+            assert len(template.pool._free) <= 16
+
+
+def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
+    monkeypatch.setattr(api, "PLANS", plan_cache.PlanCache(capacity=4))
+    x = Inputs(rt)
+    scales = [0.1, 0.2, 0.3, 0.4, 0.5]
+    for scale in scales[:4]:
+        warm(fwd(x, softmax_scale=scale))
+    fwd(x, softmax_scale=0.1)()  # now the most recent; 0.2 is the least recent
+    warm(fwd(x, softmax_scale=0.5))  # evicts 0.2
+    assert fmha_rt.plan_cache_info()["entries"] == 4
+    before = hits()
+    for scale in (0.1, 0.3, 0.4, 0.5):
+        fwd(x, softmax_scale=scale)()
+    assert hits() == before + 4
+    fwd(x, softmax_scale=0.2)()  # seen before, so recorded again (evicting 0.1)
+    assert hits() == before + 4 and fmha_rt.plan_cache_info()["entries"] == 4
+
+
+def test_signatures_seen_once_are_not_recorded_and_evict_nothing(monkeypatch, rt, driver):
+    monkeypatch.setattr(api, "PLANS", plan_cache.PlanCache(capacity=2))
+    x = Inputs(rt)
+    warm(fwd(x, causal=True))
+    warm(fwd(x))
+    for i in range(12):  # one-off signatures, as varlen batches of changing lengths give
+        fwd(x, softmax_scale=0.01 * (i + 1))()
+    fwd(x, causal=True)()
+    fwd(x)()
+    info = fmha_rt.plan_cache_info()
+    assert info["hits"] == 2 and info["entries"] == 2
+    assert len(api.PLANS._seen) <= 4 * 2
+
+
+def test_clear_plan_cache(rt, driver):
+    x = Inputs(rt)
+    warm(fwd(x))
+    fwd(x)()
+    assert fmha_rt.plan_cache_info()["entries"] == 1 and hits() == 1
+    fmha_rt.clear_plan_cache()
+    assert fmha_rt.plan_cache_info() == {"entries": 0, "capacity": plan_cache.DEFAULT_CAPACITY, "hits": 0, "misses": 0}
+    fwd(x)()
+    fwd(x)()
+    assert hits() == 0 and fmha_rt.plan_cache_info()["entries"] == 1, "the signature is new again"
+
+
+def test_the_cache_keeps_no_array_alive(rt, driver):
+    x = Inputs(rt, bias=(1, H, S, S))
+    warm(fwd(x))
+    warm(bwd(x))
+    refs = [weakref.ref(a) for a in (x.q, x.k, x.v, x.out, x.lse, x.dout, x.dq, x.dk, x.dv, x.bias, x.workspace)]
+    del x
+    gc.collect()
+    assert fmha_rt.plan_cache_info()["entries"] == 2
+    assert all(ref() is None for ref in refs)
+
+
+def test_a_plan_of_another_runtime_is_not_used(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(fwd(x))
+    StandInRuntime(monkeypatch)  # tests swap the runtime; a process never does
+    fwd(x)()
+    assert hits() == 0
+
+
+def test_launch_pool_hands_each_call_its_own_buffer():
+    """Two configurations when two launches overlap in time, one again when they do not."""
+    entry = registry_module.registry().entry("sm_90", "fmha_bwd_dbias_fp16")
+    pool = launch.LaunchPool(0, entry, (1, 1, 1), entry.param_bytes)
+    seen = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(launch, "kernel_handle", lambda device, e: ffi.NULL)
+
+        def nested(config, stream):
+            seen.append(bytes(ffi.buffer(config.args, config.args_size))[:1])
+            if len(seen) == 1:
+                pool(b"\x02" * entry.param_bytes, stream)  # re-entered while the first holds its buffer
+            return 0
+
+        m.setattr(launch, "_launch", nested)
+        pool(b"\x01" * entry.param_bytes, 0)
+        assert seen == [b"\x01", b"\x02"] and len(pool._free) == 2
+        pool(b"\x03" * entry.param_bytes, 0)
+        assert seen[-1] == b"\x03" and len(pool._free) == 2

@@ -1,0 +1,215 @@
+"""fmha_rt.jax on the GPU: values and gradients under jit against the float64 reference, one compile for
+repeated calls, vmap, varlen, a bitwise-repeatable training loop, and the handler's own errors.
+
+Inputs are fresh random draws; errors are relative, ||got - ref|| / ||ref|| < 1e-2. XLA allocates the
+outputs (they cannot be poisoned beforehand), so every output is also checked for NaN.
+"""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to the other tests
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+
+from fmha_rt import launch_program, reference
+from fmha_rt.problem import AttentionProblem
+
+fj = pytest.importorskip("fmha_rt.jax")
+
+TOL = 1e-2
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jax_gpu():
+    try:
+        jax.devices("gpu")
+    except RuntimeError as exc:
+        pytest.fail(f"a GPU is present but jax has no GPU platform: {exc}")
+
+
+def rand(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def inputs(seed, b, sq, sk, hq, hk, d, dv, dtype):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return (rand(keys[0], (b, sq, hq, d), dtype), rand(keys[1], (b, sk, hk, d), dtype),
+            rand(keys[2], (b, sk, hk, dv), dtype), rand(keys[3], (b, sq, hq, dv), dtype))
+
+
+def f64(x):
+    return np.asarray(x.astype(jnp.float32), dtype=np.float64)
+
+
+def assert_close(name, got, want, tol=TOL):
+    got = f64(got)
+    assert not np.isnan(got).any(), f"{name}: NaN in output"
+    err = reference.rel_err(got, want)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+
+
+def ref_options(kw):
+    window = (-1, 0) if kw.get("causal") else kw.get("window", (-1, -1))
+    if kw.get("causal") and "window" in kw:
+        window = (kw["window"][0], 0)
+    return {"softmax_scale": kw.get("softmax_scale"), "window": window,
+            "bottom_right": kw.get("causal_alignment") == "bottom_right"}
+
+
+# name, B, Sq, Sk, Hq, Hk, D, Dv, options
+CASES = [
+    ("mha_d64", 2, 256, 256, 4, 4, 64, 64, {}),
+    ("mha_d64_causal", 2, 256, 256, 4, 4, 64, 64, {"causal": True}),
+    ("gqa_causal_sq_lt_sk_br", 2, 130, 300, 8, 2, 64, 64, {"causal": True, "causal_alignment": "bottom_right"}),
+    ("gqa_causal_top_left", 1, 300, 130, 4, 2, 128, 128, {"causal": True}),
+    ("mqa_window", 1, 100, 257, 4, 1, 64, 64, {"window": (16, 16)}),
+    ("d128_causal_scale", 2, 512, 512, 4, 2, 128, 128, {"causal": True, "softmax_scale": 0.1}),
+    ("d192_dv128", 1, 256, 256, 2, 2, 192, 128, {}),
+    ("d256_gqa", 1, 160, 160, 4, 2, 256, 256, {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_values_and_gradients_match_the_reference(case, dtype):
+    _, b, sq, sk, hq, hk, d, dv, kw = case
+    q, k, v, dout = inputs(CASES.index(case), b, sq, sk, hq, hk, d, dv, DTYPES[dtype])
+
+    @jax.jit
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(lambda q, k, v: fj.flash_attention(q, k, v, **kw), q, k, v)
+        return (out, *vjp(dout))
+
+    out, dq, dk, dv_ = run(q, k, v, dout)
+    opts = ref_options(kw)
+    want_out, _ = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **opts)
+    want = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **opts)
+    assert out.dtype == q.dtype and out.shape == (b, sq, hq, dv)
+    assert_close("out", out, want_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv_), want[:3]):
+        assert got.shape == ref.shape
+        assert_close(name, got, ref)
+
+
+def test_jit_compiles_once_and_reruns():
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, dout):
+        traces.append(1)
+        out, vjp = jax.vjp(lambda q, k, v: fj.flash_attention(q, k, v, causal=True), q, k, v)
+        return (out, *vjp(dout))
+
+    for seed in range(3):
+        q, k, v, dout = inputs(seed, 2, 256, 256, 8, 2, 64, 64, jnp.bfloat16)
+        out, dq, dk, dv = step(q, k, v, dout)
+        want_out, _ = reference.mha_fwd_ref(f64(q), f64(k), f64(v), window=(-1, 0))
+        assert_close("out", out, want_out)
+        want = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), window=(-1, 0))
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want[:3]):
+            assert_close(name, got, ref)
+    assert len(traces) == 1
+
+
+def test_vmap_equals_separate_calls():
+    """The mapped axis is folded into the batch: each (batch, head) is computed exactly as alone."""
+    stacked = [jnp.stack(xs) for xs in zip(*(inputs(s, 2, 192, 160, 4, 2, 64, 64, jnp.bfloat16) for s in range(3)))]
+    qs, ks, vs, douts = stacked
+
+    def fwd_bwd(q, k, v, dout):
+        out, vjp = jax.vjp(lambda q, k, v: fj.flash_attention(q, k, v, causal=True), q, k, v)
+        return (out, *vjp(dout))
+
+    batched = jax.jit(jax.vmap(fwd_bwd))(qs, ks, vs, douts)
+    single = jax.jit(fwd_bwd)
+    for i in range(3):
+        for got, want in zip(batched, single(qs[i], ks[i], vs[i], douts[i])):
+            np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+    out_only_q = jax.jit(jax.vmap(fj.flash_attention, in_axes=(0, None, None)))(qs, ks[0], vs[0])
+    np.testing.assert_array_equal(np.asarray(out_only_q[2]), np.asarray(jax.jit(fj.flash_attention)(qs[2], ks[0], vs[0])))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_varlen_values_and_gradients(dtype):
+    lengths_q, lengths_k = [100, 0, 257, 64], [90, 17, 257, 128]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    hq, hk, d = 4, 2, 64
+    q, k, v = (rand(keys[0], (cu_q[-1], hq, d), DTYPES[dtype]), rand(keys[1], (cu_k[-1], hk, d), DTYPES[dtype]),
+               rand(keys[2], (cu_k[-1], hk, d), DTYPES[dtype]))
+    dout = rand(keys[3], (cu_q[-1], hq, d), DTYPES[dtype])
+    kw = {"causal": True, "causal_alignment": "bottom_right"}
+
+    @jax.jit
+    def run(q, k, v, dout, cu_q, cu_k):
+        f = lambda q, k, v: fj.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(dout))
+
+    out, dq, dk, dv = run(q, k, v, dout, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    opts = ref_options(kw)
+    want_out, _ = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cu_q, cu_k, **opts)
+    want = reference.mha_varlen_bwd_ref(f64(dout), f64(q), f64(k), f64(v), cu_q, cu_k, **opts)
+    assert_close("out", out, want_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want[:3]):
+        assert_close(name, got, ref)
+
+
+def _train(steps=5, seed=0):
+    """A small attention layer (qkv projection, attention, output projection) trained by SGD; returns
+    the loss of every step and the final parameters."""
+    b, s, h, d = 2, 256, 4, 64
+    width = h * d
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    params = {"qkv": jax.random.normal(keys[0], (width, 3 * width), jnp.float32) / np.sqrt(width),
+              "out": jax.random.normal(keys[1], (width, width), jnp.float32) / np.sqrt(width)}
+    x = jax.random.normal(keys[2], (b, s, width), jnp.float32)
+    target = jax.random.normal(keys[3], (b, s, width), jnp.float32)
+
+    def loss(params):
+        qkv = (x @ params["qkv"]).astype(jnp.bfloat16).reshape(b, s, 3, h, d)
+        att = fj.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True, deterministic=True)
+        y = att.reshape(b, s, width).astype(jnp.float32) @ params["out"]
+        return jnp.mean((y - target) ** 2)
+
+    @jax.jit
+    def step(params):
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, params, grads)
+
+    losses = []
+    for _ in range(steps):
+        value, params = step(params)
+        losses.append(float(value))
+    return losses, params
+
+
+def test_deterministic_training_repeats_bitwise():
+    first, params_a = _train()
+    second, params_b = _train()
+    assert all(np.isfinite(first)) and first[-1] < first[0]
+    assert first == second
+    for name in params_a:
+        np.testing.assert_array_equal(np.asarray(params_a[name]), np.asarray(params_b[name]))
+
+
+def test_handler_errors_name_the_call_kernel_and_device():
+    p = AttentionProblem(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_k=2, head_dim_qk=64, head_dim_v=64,
+                         dtype="bf16")
+    fj.register_targets()
+    program = launch_program.forward(p, fj._gpu_arch())
+    launch = program.launches[0]
+    unknown = launch.__class__("fmha_no_such_kernel", launch.grid, launch.block, launch.shared, launch.template,
+                               launch.patches)
+    program = program.__class__(program.label, program.buffers, program.operands, (), (unknown,))
+    operands = [jnp.zeros(b.shape, b.dtype) for b in program.buffers[:program.operands]]
+    results = [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in program.results]
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(jax.ffi.ffi_call("fmha_rt_fwd", results)(*operands, program=program.encode()))
+    message = str(info.value)
+    assert program.label in message and "fmha_no_such_kernel" in message and "device 0" in message
+    assert "never registered" in message
