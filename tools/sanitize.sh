@@ -41,6 +41,8 @@ for tool in "${tools[@]}"; do
     status=$?
     errors=$(grep -Eo 'ERROR SUMMARY: [0-9]+' "$log" | tail -n 1 | grep -Eo '[0-9]+$')
     hazards=$(grep -Eo 'RACECHECK SUMMARY: .*' "$log" | tail -n 1)
+    # racecheck prints no ERROR SUMMARY: its count is the "(N errors, M warnings)" of its own summary
+    [ -z "$errors" ] && [ -n "$hazards" ] && errors=$(grep -Eo '\([0-9]+ errors' <<<"$hazards" | grep -Eo '[0-9]+')
     sweep=$(grep -E '^sweep: ' "$log" | tail -n 1)
     [ "$status" -eq 124 ] && sweep="timed out after ${SANITIZE_TIMEOUT:-1800} s"
     printf '%-9s errors: %-4s exit: %-3s %4ss  %s%s  (log: %s)\n' "$tool" "${errors:-?}" "$status" \
