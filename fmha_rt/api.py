@@ -86,6 +86,25 @@ def _same_device(args) -> int:
     return device
 
 
+def batch_dims(q_shape, k_shape, v_shape):
+    """(B, Sq, Sk, Hq, Hk, Dqk, Dv) of batch-mode q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv]."""
+    (batch, sq, hq, dqk), (bk, sk, hk, dk), v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    if bk != batch or v_shape[:3] != (bk, sk, hk) or dk != dqk:
+        raise FmhaValueError(f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {v_shape} disagree: expected "
+                             f"k [{batch}, Sk, Hk, {dqk}] and v [{batch}, Sk, Hk, Dv]")
+    return batch, sq, sk, hq, hk, dqk, v_shape[3]
+
+
+def check_sizes(sq, sk, hq, hk, dqk, dv):
+    """Sequence lengths within int32, query heads a multiple of the kv heads, head dims supported."""
+    for name, value in (("query sequence length", sq), ("key sequence length", sk)):
+        if value >= INT32_LIMIT:
+            raise FmhaValueError(f"{name} {value} must be below 2^31")
+    if hk == 0 or hq % hk:
+        raise FmhaValueError(f"q has {hq} heads, k/v have {hk}: the query heads must be a multiple of the kv heads")
+    _check_head_dims(dqk, dv)
+
+
 def _check_head_dims(dqk, dv):
     for name, d in (("head_dim (q/k)", dqk), ("head_dim (v)", dv)):
         if not 1 <= d <= 256:
@@ -242,18 +261,9 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                 _put(tensors, name, arg)
                 inputs.append(arg)
     else:
-        (batch, sq, hq, dqk), (bk, sk, hk, dk_), vshape = qa.shape, ka.shape, va.shape
-        dv = vshape[3]
-        if bk != batch or vshape[:3] != (bk, sk, hk) or dk_ != dqk:
-            raise FmhaValueError(f"q {tuple(qa.shape)}, k {tuple(ka.shape)}, v {tuple(vshape)} disagree: expected "
-                                 f"k [{batch}, Sk, Hk, {dqk}] and v [{batch}, Sk, Hk, Dv]")
+        batch, sq, sk, hq, hk, dqk, dv = batch_dims(qa.shape, ka.shape, va.shape)
         tq = tk = None
-    for name, value in (("query sequence length", sq), ("key sequence length", sk)):
-        if value >= INT32_LIMIT:
-            raise FmhaValueError(f"{name} {value} must be below 2^31")
-    if hk == 0 or hq % hk:
-        raise FmhaValueError(f"q has {hq} heads, k/v have {hk}: the query heads must be a multiple of the kv heads")
-    _check_head_dims(dqk, dv)
+    check_sizes(sq, sk, hq, hk, dqk, dv)
     bias_shape = alibi = None
     if bias is not None:
         if alibi_slopes is not None:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from . import backend, launch_program
-from .api import INT32_LIMIT, MaskSpec, _check_head_dims, resolve_mask
+from .api import INT32_LIMIT, MaskSpec, batch_dims, check_sizes, resolve_mask
 from .arrays import ATTN_DTYPES
 from .backend import ffi, lib
 from .errors import (
@@ -170,12 +170,7 @@ def _rank(rank, **arrays) -> None:
 
 
 def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, **varlen) -> AttentionProblem:
-    for name, value in (("query sequence length", sq), ("key sequence length", sk)):
-        if value >= INT32_LIMIT:
-            raise FmhaValueError(f"{name} {value} must be below 2^31")
-    if hk == 0 or hq % hk:
-        raise FmhaValueError(f"q has {hq} heads, k/v have {hk}: the query heads must be a multiple of the kv heads")
-    _check_head_dims(dqk, dv)
+    check_sizes(sq, sk, hq, hk, dqk, dv)
     if dqk % 8 or dv % 8:  # the launch programs carry no head-padding copies
         raise FmhaNotImplementedError(f"fmha_rt.jax: head dims must be multiples of 8, got {dqk} and {dv} (pad "
                                       "the last dim with zeros to the next multiple of 8)")
@@ -189,11 +184,8 @@ def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, **varlen) ->
 def _batch_problem(q, k, v, opts: _Options) -> AttentionProblem:
     _rank(4, q=q, k=k, v=v)
     dtype = _dtype(q, k, v)
-    (b, sq, hq, dqk), (bk, sk, hk, dk), vshape = q.shape, k.shape, v.shape
-    if bk != b or vshape[:3] != (bk, sk, hk) or dk != dqk:
-        raise FmhaValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(vshape)} disagree: expected "
-                             f"k [{b}, Sk, Hk, {dqk}] and v [{b}, Sk, Hk, Dv]")
-    return _problem(dtype, b, sq, sk, hq, hk, dqk, vshape[3], opts)
+    b, sq, sk, hq, hk, dqk, dv = batch_dims(q.shape, k.shape, v.shape)
+    return _problem(dtype, b, sq, sk, hq, hk, dqk, dv, opts)
 
 
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: _Options) -> AttentionProblem:
