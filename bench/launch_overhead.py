@@ -58,12 +58,14 @@ def main():
         for _ in range(args.repeats):
             results["packed"].append(per_call_us(prepared, args.launches))
             backend.synchronize(0)
-            results["pack_and_launch"].append(per_call_us(lambda: launch.launch(0, entry, (1, 1, 1), kernel_args, 0), args.launches))
+            results["pack_and_launch"].append(
+                per_call_us(lambda: launch.launch(0, entry, (1, 1, 1), kernel_args, 0), args.launches))
             backend.synchronize(0)
             floor = subprocess.run([str(exe), str(cubin), entry.symbol, str(args.launches)], check=True,
                                    capture_output=True, text=True)
             results["c_floor"].append(float(floor.stdout))
-            results["torch_sdpa_tiny"].append(per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), args.launches // 4))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            results["torch_sdpa_tiny"].append(per_call_us(lambda: sdpa(q, q, q), args.launches // 4))
             torch.cuda.synchronize()
     median = {k: sorted(v)[len(v) // 2] for k, v in results.items()}
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -14,5 +14,5 @@ from .executor import last_launch_info
 from .packing import Pointer
 
 __all__ = ["mha_fwd", "mha_bwd", "mha_varlen_fwd", "mha_varlen_bwd", "mha_dropout_mask", "BwdLauncher",
-           "bwd_workspace_bytes", "last_launch_info", "clear_plan_cache", "plan_cache_info", "Pointer", "FmhaError", "FmhaValueError", "FmhaTypeError",
-           "FmhaRuntimeError", "FmhaNotImplementedError", "DriverError"]
+           "bwd_workspace_bytes", "last_launch_info", "clear_plan_cache", "plan_cache_info", "Pointer",
+           "FmhaError", "FmhaValueError", "FmhaTypeError", "FmhaRuntimeError", "FmhaNotImplementedError", "DriverError"]

@@ -111,9 +111,11 @@ def _cases():
          FmhaNotImplementedError, "together"),
         ("alibi wrong shape", lambda: call_fwd(alibi_slopes=FakeGpuArray((3,), "float32")), FmhaValueError, "alibi_slopes"),
         ("alibi fp16", lambda: call_fwd(alibi_slopes=FakeGpuArray((4,), "float16")), FmhaTypeError, "alibi_slopes"),
-        ("out wrong shape", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray((2, 64, 4, 32))), FmhaValueError, "out must have shape"),
+        ("out wrong shape", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray((2, 64, 4, 32))), FmhaValueError,
+         "out must have shape"),
         ("out wrong dtype", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray(out.shape, "bfloat16")), FmhaTypeError, "out"),
-        ("out read-only", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray(out.shape, read_only=True)), FmhaValueError, "read-only"),
+        ("out read-only", lambda: fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray(out.shape, read_only=True)), FmhaValueError,
+         "read-only"),
         ("out overlaps itself", lambda: fmha_rt.mha_fwd(q, k, v, out=out.view((2, 64, 4, 64), (0, 256, 64, 1))),
          FmhaValueError, "share memory"),
         ("out aliases q", lambda: fmha_rt.mha_fwd(q, k, v, out=q), FmhaValueError, "overlaps q"),
@@ -210,7 +212,7 @@ def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):
     fmha_rt.mha_fwd(q, k, v, out=FakeGpuArray((2, 64, 8, 64)), lse=FakeGpuArray((2, 8, 64), "float32"), causal=True)
     (device, arch, launches), = seen
     assert (device, arch) == (0, "sm_90")
-    assert [l.variant for l in launches] == ["fmha_fwd_fp16_d64_nobias_nodrop"]
+    assert [launch.variant for launch in launches] == ["fmha_fwd_fp16_d64_nobias_nodrop"]
     assert launches[0].args["kv_group_size"] == 4 and launches[0].args["window_right"] == 0
 
 
