@@ -149,6 +149,7 @@ def header(args):
         "versions": versions,
         "fmha_rt": machine._fmha_rt_version(),
         "fmha_rt_commit": machine._git_commit(),
+        "fmha_rt_sources_sha256": machine.sources_digest(),
         "settings": {"repeats": args.repeats, "warmup_ms": args.warmup_ms, "dtype": "bf16",
                      "tokens": grid.TOTAL_TOKENS, "model_width": grid.MODEL_WIDTH,
                      "timing": f"median over groups of {GROUP} back-to-back calls of wall clock per call"},

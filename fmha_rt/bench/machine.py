@@ -5,6 +5,7 @@ cannot read is null, never an exception, since a benchmark must not fail for wan
 """
 
 import datetime
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -35,6 +36,7 @@ def header(device_index, discovered, settings):
         "triton": _distribution_version("triton"),
         "fmha_rt": _fmha_rt_version(),
         "fmha_rt_commit": _git_commit(),
+        "fmha_rt_sources_sha256": sources_digest(),
         "impls": {name: found.fields() for name, found in discovered.items()},
         "settings": settings,
     }
@@ -83,6 +85,33 @@ def _fmha_rt_version():
     import fmha_rt
 
     return _distribution_version("fmha_rt") or getattr(fmha_rt, "__version__", None)
+
+
+def sources_digest(root=None, package=None):
+    """sha256 over what decides fmha_rt's behaviour: the package's Python and C sources, the C header,
+    the kernel sources and the code-object manifest (which holds every object's own sha256). Unlike the
+    git commit it needs no repository, so a copied tree still says exactly what was measured."""
+    import fmha_rt
+
+    package = package or os.path.dirname(os.path.abspath(fmha_rt.__file__))
+    root = root or os.path.dirname(package)
+    paths = []
+    for folder, suffixes in ((package, (".py", ".c")), (os.path.join(root, "include"), (".h",)),
+                             (os.path.join(root, "kernels"), (".py",))):
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(suffixes)]
+    for candidate in (os.path.join(package, "hsa", "manifest.json"), os.path.join(root, "hsa", "manifest.json")):
+        if os.path.isfile(candidate):
+            paths.append(candidate)
+            break
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            data = f.read()
+        digest.update(f"{os.path.relpath(path, root)}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
 
 
 def _git_commit():

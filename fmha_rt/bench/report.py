@@ -158,6 +158,8 @@ def _machine_section(h):
         clock_text = f"SM {clocks['sm']} MHz (max {clocks.get('max_sm')}), memory {clocks.get('mem')} MHz"
     l2 = f", L2 {h['l2_bytes'] / MIB:.0f} MiB" if h.get("l2_bytes") else ""
     commit = f" ({h['fmha_rt_commit']})" if h.get("fmha_rt_commit") else ""
+    if h.get("fmha_rt_sources_sha256"):
+        commit += f", sources sha256 {h['fmha_rt_sources_sha256'][:16]}"
 
     def text(*keys):
         return " / ".join(_cell(h.get(key)) for key in keys)

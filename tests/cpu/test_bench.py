@@ -598,3 +598,25 @@ def test_saved_record_has_one_row_a_line(fixture_doc, tmp_path):
     row_lines = [line for line in lines if line.startswith('  {"impl": ')]
     assert len(row_lines) == len(fixture_doc["rows"]) + len(fixture_doc["host_overhead"]) + \
         sum(1 for r in fixture_doc["cold_start"])
+
+
+def test_sources_digest_names_exactly_the_sources_measured(tmp_path):
+    """The digest is reproducible, and changes with any package, header, kernel or manifest byte, but not
+    with other files (results, caches)."""
+    from fmha_rt.bench import machine
+
+    for rel, text in (("pkg/api.py", "x = 1\n"), ("pkg/shim.c", "int f;\n"), ("include/fmha_rt.h", "/* */\n"),
+                      ("kernels/portable/fmha_fwd.py", "# k\n"), ("hsa/manifest.json", "{}\n"),
+                      ("bench/results/r.json", "{}\n"), ("pkg/__pycache__/api.pyc", "junk")):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    digest = lambda: machine.sources_digest(root=str(tmp_path), package=str(tmp_path / "pkg"))
+    first = digest()
+    assert digest() == first and len(first) == 64
+    for rel in ("bench/results/r.json", "pkg/__pycache__/api.pyc"):
+        (tmp_path / rel).write_text("changed")
+        assert digest() == first, rel
+    for rel in ("pkg/api.py", "pkg/shim.c", "include/fmha_rt.h", "kernels/portable/fmha_fwd.py", "hsa/manifest.json"):
+        before = digest()
+        (tmp_path / rel).write_text("changed\n")
+        assert digest() != before, rel
