@@ -17,6 +17,7 @@ import numpy as np
 from . import backend, executor, head_padding, plan_cache, portable_plan
 from .arrays import (ATTN_DTYPES, Arg, acquire_workspace, allocate_like, check_overlap, check_shape, finish_outputs,
                      framework, gpu_array, signatures)
+from .buffers import DeviceBuffer
 from .errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
 from .packing import Pointer
 from .problem import AttentionProblem
@@ -187,8 +188,6 @@ class HostSeqlens:
         return np.ascontiguousarray(a, dtype=np.int32)
 
     def upload(self, name, device, stream) -> Arg:
-        from .buffers import DeviceBuffer
-
         host = self.arrays[name]
         buf = DeviceBuffer(device, host.shape, "int32", stream)
         backend.copy_to_device(device, buf.ptr, host, stream)
@@ -364,8 +363,6 @@ def _forward(call: _Call, out, lse, record):
     p = call.problem
     arrays, outputs = _outputs(call, [("out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype),
                                       ("lse", lse, _lse_shape(p), "float32")], call.inputs)
-    from .buffers import DeviceBuffer
-
     # Head dims that are not multiples of 8 run on zero-padded copies in a scratch buffer of this call
     # (its pointers are new on every call, so such calls are never cached).
     padding = head_padding.for_forward(p, call.arch, call.tensors,
