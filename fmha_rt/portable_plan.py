@@ -84,7 +84,7 @@ SIGNATURES = {
         stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
         lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
-        {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr"""),
+        {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr, FLAT_LOOP constexpr"""),
     "fmha_bwd_dq": _signature(f"""
         Q *T, K *T, V *T, dO *T, Lse *fp32, Delta *fp32, dQ *T, Bias *T, Alibi *fp32, PhiloxSeedOffset *i64,
         {_VARLEN_PTRS}, {_strides("q", "k", "v", "do", "dq")},
@@ -135,8 +135,8 @@ TILES = {
     # (bench/results/h200_tile_search_v2_s4k.json, NOTES.md).
     "sm_90": {
         "fwd": _tiles(Tile(128, 64, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 2)),
-        "bwd_dkdv": _tiles(Tile(32, 128, 4, 3), Tile(32, 64, 4, 3), Tile(32, 64, 8, 2)),
-        "bwd_dq": _tiles(Tile(64, 64, 4, 3), Tile(64, 32, 4, 3), Tile(128, 32, 8, 1)),
+        "bwd_dkdv": _tiles(Tile(32, 128, 4, 3), Tile(32, 64, 4, 3), Tile(64, 64, 8, 1)),
+        "bwd_dq": _tiles(Tile(64, 64, 4, 3), Tile(128, 64, 8, 3), Tile(128, 64, 8, 1)),
     },
     # gfx942/gfx950 (not measured on hardware): tiles that fit 64 KiB of LDS and compile without
     # scratch spills in every feature variant (16-row dkdv steps at 128 and 256 wide).
@@ -152,6 +152,12 @@ TILES = {
     },
 }
 TILES["gfx950"] = TILES["gfx942"]
+# Head-dim pairs whose dK/dV kernel runs its (query head, query block) steps as one flat loop with a
+# runtime mask branch instead of the nest of a loop per head, mask-free and masked blocks. H200, bf16,
+# S=4k: the flat loop runs 256-wide dK/dV at 204 TFLOP/s against the nest's best 149 (the nest spills
+# its 256-wide fp32 accumulators), and loses where the nest fits the registers: 226 vs 285 at 64 wide,
+# 295 vs 318 at 128 wide (nest: bench/results/h200_tile_search_v2_s4k.json, flat: ..._v3.json).
+DKDV_FLAT_LOOP = {"sm_90": ((256, 256), (256, 128)), INTERPRET_ARCH: ((256, 256), (256, 128))}
 # Memory-bound helper passes: one configuration everywhere.
 ROWS_TILE = Tile(64, 0, 4, 1)  # preprocess, dq_convert
 DBIAS_TILE = Tile(32, 64, 4, 1)
@@ -265,7 +271,8 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     for strategy in BUILT_DQ_STRATEGIES[arch]:
         constexprs, traits = tiled("bwd_main", tile)
         out.append(_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy), "fmha_bwd_dkdv", dtype, tile,
-                            dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC, **features),
+                            dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC,
+                                 FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()), **features),
                             dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC)))
     tile = tile_for(arch, "bwd_dq", pair, bias_kind, dropout)
     constexprs, traits = tiled("bwd_dq", tile)

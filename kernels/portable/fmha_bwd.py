@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels.portable.fmha_common import (KIND_ALIBI, KIND_TENSOR, LOG2E, dropout_draws, dropout_row_counters,
                                           key_blocks, masked_block, philox_seed_offset, query_blocks, scores,
-                                          sequence_extent, window_sides)
+                                          sequence_extent, visible, window_sides)
 
 
 @triton.jit
@@ -69,8 +69,8 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
                       Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                       stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2,
                       slope_log2, seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale,
-                      write_dbias,
-                      MASKED: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                      write_dbias, needs_mask,
+                      BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                       DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
     """Adds one query block's share to dK, dV of the program's key block (scores transposed:
     keys are rows, queries columns)."""
@@ -86,7 +86,9 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
 
     sT, scale = scores(tl.dot(k, qT), rows[None, :], keys[:, None], q_ok[None, :], off, left, right, sk,
                        Bias_rows + m0_64 * stride_bias_s, stride_bias_s, offs_m[None, :], slope_log2, scale_log2,
-                       MASKED, BIAS_KIND)
+                       False, BIAS_KIND)
+    if needs_mask:  # a constexpr in the nested loops, a runtime branch in the flat one
+        sT = tl.where(visible(rows[None, :], keys[:, None], off, left, right, sk), sT, float("-inf"))
     pT = tl.exp2(sT * scale - lse2[None, :])
     if DROPOUT:
         counters = dropout_row_counters(philox_off, dropout_bh, seqlen_q, seqlen_k, rows)
@@ -110,6 +112,34 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
 
 
 @triton.jit
+def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta,
+                     DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                     lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                     stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                     drop_threshold, drop_scale, write_dbias, needs_mask,
+                     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_dkdv_query_block for query head h: the head's row pointers, then the block."""
+    h64 = h.to(tl.int64)
+    slope_log2 = 0.0
+    if BIAS_KIND == KIND_ALIBI:
+        slope_log2 = tl.load(Alibi + b64 * alibi_stride_b + h) * LOG2E
+    return _dkdv_query_block(
+        dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right,
+        Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
+        dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h,
+        Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0,
+        Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
+        DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h,
+        Bias + b64 * stride_bias_b + h64 * stride_bias_h, dS + b64 * stride_ds_b + h64 * stride_ds_h,
+        offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+        stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
+        seed, philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
+        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+
+
+@triton.jit
 def fmha_bwd_dkdv(
     Q, K, V, dO, Lse, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
@@ -128,7 +158,7 @@ def fmha_bwd_dkdv(
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
 ):
     n_block = tl.program_id(0)
     hk = tl.program_id(1)
@@ -161,35 +191,44 @@ def fmha_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
     q_row0 = q_start.to(tl.int64)
-    for g in range(0, kv_group_size):
-        h = hk * kv_group_size + g
-        h64 = h.to(tl.int64)
-        Q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h
-        dO_rows = dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h
-        Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
-        Delta_rows = Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0
-        DqAcc_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h
-        Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h
-        dS_rows = dS + b64 * stride_ds_b + h64 * stride_ds_h
-        slope_log2 = 0.0
-        if BIAS_KIND == KIND_ALIBI:
-            slope_log2 = tl.load(Alibi + b64 * alibi_stride_b + h) * LOG2E
-        dropout_bh = b * num_heads_q + h
-        for blk in range(full_lo, full_hi):
-            dk, dv = _dkdv_query_block(
-                dk, dv, k, v, n0, keys, blk * BLOCK_M, sq, sk, off, left, right, Q_rows, dO_rows, Lse_rows,
-                Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
-                stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
-                seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-                False, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
-        for t in range(0, (full_lo - lo) + (hi - full_hi)):
-            blk = masked_block(t, lo, full_lo, full_hi)
-            dk, dv = _dkdv_query_block(
-                dk, dv, k, v, n0, keys, blk * BLOCK_M, sq, sk, off, left, right, Q_rows, dO_rows, Lse_rows,
-                Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
-                stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
-                seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-                True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+    if FLAT_LOOP:
+        # One loop over (query head of the group, query block), the mask a runtime branch: the nest
+        # below keeps three loops' state live and spills dK/dV where they fill the registers (256 wide).
+        blocks_per_head = hi - lo
+        for t in range(0, kv_group_size * blocks_per_head):
+            g = t // blocks_per_head
+            blk = lo + (t - g * blocks_per_head)
+            dk, dv = _dkdv_head_block(
+                dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off, left,
+                right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
+                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+    else:
+        # Per head: the mask-free blocks, then the masked ones, each loop body compiled for its case.
+        for g in range(0, kv_group_size):
+            for blk in range(full_lo, full_hi):
+                dk, dv = _dkdv_head_block(
+                    dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off,
+                    left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
+                    dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                    stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                    drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+            for t in range(0, (full_lo - lo) + (hi - full_hi)):
+                dk, dv = _dkdv_head_block(
+                    dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, hk * kv_group_size + g,
+                    b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m,
+                    offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s,
+                    stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h,
+                    stride_ds_s, lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b,
+                    stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
+                    seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, True, BIAS_KIND, DROPOUT,
+                    DQ_ATOMIC, BLOCK_N)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
              + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),
@@ -203,19 +242,16 @@ def fmha_bwd_dkdv(
 def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n, offs_dqk, offs_dv,
                   dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2, Bias_rows,
                   stride_bias_s, q_local, slope_log2, seed, row_counters, drop_threshold, drop_scale,
-                  MASKED: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  needs_mask, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
     keys = n0 + offs_n
     K_blk = K_rows + tl.cast(n0, tl.int64) * stride_k_s + offs_n[None, :] * stride_k_s + offs_dqk[:, None]
     V_blk = V_rows + tl.cast(n0, tl.int64) * stride_v_s + offs_n[None, :] * stride_v_s + offs_dv[:, None]
-    if MASKED:
-        kT = tl.load(K_blk, mask=(keys < sk)[None, :] & dqk_ok[:, None], other=0.0)
-        vT = tl.load(V_blk, mask=(keys < sk)[None, :] & dv_ok[:, None], other=0.0)
-    else:
-        kT = tl.load(K_blk, mask=dqk_ok[:, None], other=0.0)
-        vT = tl.load(V_blk, mask=dv_ok[:, None], other=0.0)
+    kT = tl.load(K_blk, mask=(keys < sk)[None, :] & dqk_ok[:, None], other=0.0)
+    vT = tl.load(V_blk, mask=(keys < sk)[None, :] & dv_ok[:, None], other=0.0)
     s, scale = scores(tl.dot(q, kT), rows[:, None], keys[None, :], q_ok[:, None], off, left, right, sk, Bias_rows,
-                      stride_bias_s, q_local[:, None], slope_log2, scale_log2, MASKED, BIAS_KIND)
+                      stride_bias_s, q_local[:, None], slope_log2, scale_log2, False, BIAS_KIND)
+    if needs_mask:  # a runtime branch, as in the dK/dV kernel
+        s = tl.where(visible(rows[:, None], keys[None, :], off, left, right, sk), s, float("-inf"))
     p = tl.exp2(s * scale - lse2[:, None])
     dp = tl.dot(do, vT)
     if DROPOUT:
@@ -284,17 +320,11 @@ def fmha_bwd_dq(
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
-    for blk in range(full_lo, full_hi):
+    for blk in range(lo, hi):
         dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
                            offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
                            Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
-                           drop_scale, False, BIAS_KIND, DROPOUT, BLOCK_N)
-    for t in range(0, (full_lo - lo) + (hi - full_hi)):
-        blk = masked_block(t, lo, full_lo, full_hi)
-        dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
-                           offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
-                           Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
-                           drop_scale, True, BIAS_KIND, DROPOUT, BLOCK_N)
+                           drop_scale, (blk < full_lo) | (blk >= full_hi), BIAS_KIND, DROPOUT, BLOCK_N)
     tl.store(dQ + b64 * stride_dq_b + q_row0 * stride_dq_s + h64 * stride_dq_h
              + offs_m[:, None] * stride_dq_s + offs_dqk[None, :], (dq * softmax_scale).to(dQ.dtype.element_ty),
              mask=q_ok[:, None] & dqk_ok[None, :])

@@ -80,6 +80,7 @@ MASK_CASES = {
     "mqa_d8_causal_bottomright_sq_gt_sk": (1, 56, 40, 3, 1, 8, 8, (-1, 0), True, pp.DQ_ATOMIC),
     "d128_causal_bottomright_sq_lt_sk": (1, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_DETERMINISTIC),
     "d192_v128_sliding_window": (1, 45, 45, 2, 1, 192, 128, (7, 3), False, pp.DQ_DETERMINISTIC),
+    "gqa_d256_causal_flat_dkdv_loop": (1, 40, 48, 4, 2, 256, 256, (-1, 0), False, pp.DQ_DETERMINISTIC),
     "d32_left_window_bottomright": (1, 50, 40, 2, 2, 32, 32, (16, -1), True, pp.DQ_ATOMIC),
     "d16_narrow_window_rows_masked": (1, 40, 20, 2, 2, 16, 16, (2, 1), False, pp.DQ_ATOMIC),
     # Head dims that are not multiples of 8 run on zero-padded copies (plan_head_padding).
