@@ -433,13 +433,14 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
 def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, workspace_alloc=None, cacheable=True):
     """Run a call from the plan cache when its signature is there, else through slow(handle, imported,
     record) -> (outputs, CallPlan or None), keeping the plan it recorded."""
-    handle = stream_handle(opts["stream"], backend=backend.runtime().backend)
+    runtime = backend.runtime()
+    handle = stream_handle(opts["stream"], backend=runtime.backend)
     request = _request(function, arrays, opts, scalars, handle) if cacheable else None
     imported = {}
     if request is not None:
         key, addresses, imported = request
         try:
-            plan = PLANS.get(key, backend.runtime(), registry)
+            plan = PLANS.get(key, runtime, registry)
         except TypeError:  # an unhashable option value
             plan = request = None
         if plan is not None:

@@ -171,17 +171,25 @@ def check_overlap(outputs, inputs) -> None:
                 [(a.name, *a.span()) for a in inputs if a is not None])
 
 
+def overlap_pairs(outputs, inputs) -> list:
+    """The pairs check_spans compares, in its order: (output, other) for every output that spans bytes
+    and every input, then every later output (each an item of `outputs` or `inputs`)."""
+    pairs = []
+    for i, output in enumerate(outputs):
+        if output[2] > output[1]:
+            pairs += [(output, other) for other in (*inputs, *outputs[i + 1:])]
+    return pairs
+
+
 def check_spans(outputs, inputs) -> None:
     """check_overlap on (name, first byte, end byte) triples."""
-    for i, (name, lo, hi) in enumerate(outputs):
-        if hi <= lo:
-            continue
-        for other, olo, ohi in inputs:
-            if olo < hi and lo < ohi:
-                raise FmhaValueError(f"output {name} overlaps {other} in memory; give outputs their own buffers")
-        for other, olo, ohi in outputs[i + 1:]:
-            if olo < hi and lo < ohi:
-                raise FmhaValueError(f"output {name} overlaps {other} in memory; give outputs their own buffers")
+    for (name, lo, hi), (other, olo, ohi) in overlap_pairs(outputs, inputs):
+        if olo < hi and lo < ohi:
+            raise overlap_error(name, other)
+
+
+def overlap_error(output: str, other: str) -> FmhaValueError:
+    return FmhaValueError(f"output {output} overlaps {other} in memory; give outputs their own buffers")
 
 
 def check_shape(arg: Arg, expected, what: str = "") -> None:
@@ -256,9 +264,12 @@ def acquire_workspace(device: int, stream: int, nbytes: int, zero_init: bool, wo
     return got, arg
 
 
+JAX_KINDS = ("jax", "jaxlib")  # framework() kinds whose outputs finish_outputs converts
+
+
 def finish_outputs(template, arrays, stream: int):
     """Hand outputs back: our own buffers become the caller's array kind where that kind is JAX."""
-    if framework(template) not in ("jax", "jaxlib"):
+    if framework(template) not in JAX_KINDS:
         return arrays
     import jax.dlpack
 

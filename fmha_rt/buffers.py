@@ -23,7 +23,8 @@ class DeviceBuffer(DLPackExporter):
             self.strides = contiguous_strides(stored)
         self.nbytes = math.prod(stored) * ITEMSIZE[dtype]
         self.device_ordinal, self.stream = device, stream
-        self.device = (backend.runtime().backend if backend.runtime().backend == "cuda" else "rocm", device)
+        kind = backend.runtime().backend
+        self.device = (kind if kind == "cuda" else "rocm", device)
         self.ptr = backend.mem_alloc(device, self.nbytes, stream)
 
     @property

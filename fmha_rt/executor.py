@@ -1,17 +1,16 @@
 """Running a plan's launches on the GPU: look each variant up, check and pack every launch first (so
 that a bad argument raises before anything is written), then launch them in order on one stream.
 
-`run` takes planned launches (portable_plan.Launch: a variant, a grid, arguments by name) or the bound
-launches of a cached plan (plan_cache.BoundLaunch: packed already, with this call's pointers written
-in), whose only per-call check is the alignment of those pointers."""
+`run` takes planned launches (portable_plan.Launch: a variant, a grid, arguments by name) or the
+launches of a cached plan bound to one call (plan_cache.BoundLaunches: packed already, with this call's
+pointers written in and checked for alignment when they were bound)."""
 from __future__ import annotations
 
 import threading
 
 from .errors import FmhaValueError
-from .launch import PreparedLaunch, log_config_enabled, log_launch
+from .launch import PooledLaunches, PreparedLaunch, log_config_enabled, log_launch
 from .packing import NULL, pointer_value
-from .portable_plan import Launch
 from .registry import ALIGNED_STRIDE_PREFIX, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
 
 _SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
@@ -45,39 +44,56 @@ def check_pointer(entry, name: str, address: int, align: int | None = None) -> N
                              f"pass arrays whose data starts on a {align}-byte boundary")
 
 
-def prepare(device: int, arch: str, launches, stream: int = 0) -> list:
-    """Check and pack every launch (bound launches: check their pointers); log them when asked."""
+class Prepared(list):
+    """Planned launches checked and packed (a PreparedLaunch each), launched in order by `launch`."""
+
+    def launch(self, stream: int) -> None:
+        for p in self:
+            p(stream)
+
+    @property
+    def keys(self) -> list[str]:
+        return [p.entry.key for p in self]
+
+
+def prepare(device: int, arch: str, launches, stream: int = 0) -> Prepared:
+    """Check and pack every planned launch; log them when asked."""
     reg = None
     logging = log_config_enabled()
-    prepared = []
+    prepared = Prepared()
     for launch in launches:
-        if isinstance(launch, Launch):
-            reg = reg or registry()
-            entry = reg.entry(arch, launch.variant)
-            args = {**_SCRATCH, **launch.args}
-            check_alignment(entry, args)
-            prepared.append(PreparedLaunch(device, entry, launch.grid, entry.packer.pack(args)))
-        else:
-            launch.check_alignment()
-            prepared.append(launch)
+        reg = reg or registry()
+        entry = reg.entry(arch, launch.variant)
+        args = {**_SCRATCH, **launch.args}
+        check_alignment(entry, args)
+        prepared.append(PreparedLaunch(device, entry, launch.grid, entry.packer.pack(args)))
         if logging:
-            log_launch(device, prepared[-1].entry, launch.grid, {**_SCRATCH, **launch.args}, stream)
+            log_launch(device, entry, launch.grid, args, stream)
     return prepared
 
 
 def run(device: int, arch: str, launches, stream: int, before_launch=None) -> list[str]:
     """Launch every kernel of `launches` on `stream`; returns their variant keys. `before_launch` runs
     once every launch is checked and packed, right before the first (e.g. zeroing a workspace)."""
-    prepared = prepare(device, arch, launches, stream)
+    if isinstance(launches, PooledLaunches):  # a cached plan's: checked and packed when bound
+        if log_config_enabled():
+            for launch in launches:
+                log_launch(device, launch.entry, launch.grid, {**_SCRATCH, **launch.args}, stream)
+        ready = launches
+    else:
+        ready = prepare(device, arch, launches, stream)
     if before_launch is not None:
         before_launch()
-    for p in prepared:
-        p(stream)
-    keys = [p.entry.key for p in prepared]
-    _local.last = {"family": "portable", "kernels": keys, "kernel": keys[-1] if keys else None, "device": device}
-    return keys
+    ready.launch(stream)
+    keys = ready.keys
+    _local.last = (keys, device)  # made into last_launch_info's dict when asked, not on every call
+    return list(keys)
 
 
 def last_launch_info() -> dict:
     """Family and kernels of the most recent call on this thread."""
-    return dict(getattr(_local, "last", {}) or {})
+    last = getattr(_local, "last", None)
+    if last is None:
+        return {}
+    keys, device = last
+    return {"family": "portable", "kernels": list(keys), "kernel": keys[-1] if keys else None, "device": device}

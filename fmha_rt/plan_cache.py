@@ -10,8 +10,11 @@ the outputs to allocate and the workspace layout. The recording call launches th
 with its own values written in (so what later calls launch is what it launched, byte for byte), and
 the plan is kept once they are launched. A later call of that signature skips validation, planning
 and packing: `replay` reads its pointers, checks what depends on them (no output overlapping an
-input, alignment, the workspace), allocates what is missing, writes its values into a copy of each
-launch's bytes and hands those launches to executor.run.
+input, alignment, the workspace), allocates what is missing, writes its values into a slot of the
+plan's launch pool (whose buffer holds the bytes that never change already) and hands those
+launches to executor.run. Whatever follows from the signature alone is worked out once, when the
+plan is recorded: the pairs of arrays to compare and the distances between their addresses at which
+they would overlap, the pointers to check grouped by alignment, where each per-call value goes.
 
 Anything record cannot trace to a per-call value (a pointer that is not one of the call's arrays or
 workspace regions, say) leaves the call uncached: a cached launch never carries a stale value.
@@ -20,13 +23,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import operator
 import struct
 import threading
 
 from . import backend, executor
-from .arrays import acquire_workspace, allocate, check_spans, finish_outputs
+from .arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
 from .errors import FmhaError
-from .launch import LaunchPool
+from .launch import LaunchPool, PooledLaunches
 from .packing import NULL, SLOT_TYPES, Pointer
 from .registry import SCRATCH_POINTERS
 
@@ -41,21 +46,32 @@ def philox_values(seed: int, offset: int) -> dict:
     return {"philox_seed": seed % 2**63, "philox_offset": offset}
 
 
+def region_value(region: str) -> str:
+    """The value name of a workspace region's address (the workspace's base plus the region's offset)."""
+    return f"{WORKSPACE}.{region}"
+
+
+def _getter(names) -> callable:
+    """values -> (values[name] for name in names), as a tuple even for one name (itemgetter's is bare)."""
+    get = operator.itemgetter(*names)
+    return get if len(names) > 1 else lambda values: (get(values),)
+
+
 class LaunchTemplate:
     """One launch of a cached plan: its packed bytes as the first call packed them, and the runs of
     consecutive argument slots whose values change per call, each written with one struct call."""
 
-    __slots__ = ("args", "entry", "grid", "packed", "pointers", "pool", "runs", "sources", "variant")
+    __slots__ = ("args", "entry", "grid", "packed", "pointers", "runs", "sources", "variant")
 
-    def __init__(self, device: int, entry, launch, sources: dict):
-        """`sources`: {slot name: (value name, byte offset added to it)} for every per-call slot."""
+    def __init__(self, entry, launch, sources: dict):
+        """`sources`: {slot name: value name} for every per-call slot."""
         self.entry, self.variant, self.grid = entry, launch.variant, tuple(int(g) for g in launch.grid)
         self.args = dict(launch.args)
         args = {**_SCRATCH, **launch.args}
         executor.check_alignment(entry, args)  # what stays constant must pass as it would on every call
         self.packed = entry.packer.pack(args)
         self.sources = sources
-        self.runs = []
+        self.runs = []  # (struct layout, byte offset, value names)
         run = []
         for slot in entry.packer.slots:
             if slot.name not in sources:
@@ -66,29 +82,27 @@ class LaunchTemplate:
             run.append(slot)
         if run:
             self.runs.append(self._run(run))
-        self.pointers = tuple((slot.name, *sources[slot.name], executor.pointer_alignment(entry, slot.name))
+        self.pointers = tuple((slot.name, sources[slot.name], executor.pointer_alignment(entry, slot.name))
                               for slot in entry.packer.slots if slot.type == "ptr" and slot.name in sources)
-        self.pool = LaunchPool(device, entry, self.grid, len(self.packed))
 
     def _run(self, slots):
         layout = struct.Struct("<" + "".join(SLOT_TYPES[s.type][0] for s in slots))
         return layout, slots[0].offset, tuple(self.sources[s.name] for s in slots)
 
-    def bind(self, values: dict) -> BoundLaunch:
-        packed = bytearray(self.packed)
-        for layout, at, sources in self.runs:
-            layout.pack_into(packed, at, *[values[name] + offset for name, offset in sources])
-        return BoundLaunch(self, packed, values)
+    def check_pointers(self, values: dict) -> None:
+        """Raise for the first pointer of this launch that `values` misalign, as the executor would."""
+        for slot, name, align in self.pointers:
+            executor.check_pointer(self.entry, slot, values[name], align)
 
 
 class BoundLaunch:
-    """A cached launch with one call's values written in. It reads like a planned launch (variant,
-    grid, args) for whoever inspects launches (logging, tests), and launches its packed bytes."""
+    """One launch of a BoundLaunches, read like a planned launch (variant, grid, args) by whoever
+    inspects launches (logging, tests)."""
 
-    __slots__ = ("packed", "template", "values")
+    __slots__ = ("bound", "index", "template")
 
-    def __init__(self, template: LaunchTemplate, packed: bytearray, values: dict):
-        self.template, self.packed, self.values = template, packed, values
+    def __init__(self, bound: BoundLaunches, index: int):
+        self.bound, self.index, self.template = bound, index, bound.plan.launches[index]
 
     @property
     def entry(self):
@@ -103,22 +117,46 @@ class BoundLaunch:
         return self.template.grid
 
     @property
+    def packed(self) -> bytes:
+        """The argument bytes it launches (until it is launched: then its slot is reused)."""
+        start = self.bound.pool.offsets[self.index]
+        return bytes(self.bound.slot[0][start:start + len(self.template.packed)])
+
+    @property
     def args(self) -> dict:
         """Arguments by name, as the planner would give them for this call."""
         args = dict(self.template.args)
-        for slot, (name, offset) in self.template.sources.items():
-            value = self.values[name] + offset
+        for slot, name in self.template.sources.items():
+            value = self.bound.values[name]
             args[slot] = Pointer(value) if isinstance(args[slot], Pointer) else value
         return args
 
-    def check_alignment(self) -> None:
-        for slot, name, offset, align in self.template.pointers:
-            address = self.values[name] + offset
-            if address % align:
-                executor.check_pointer(self.entry, slot, address, align)
 
-    def __call__(self, stream: int) -> None:
-        self.template.pool(self.packed, stream)
+class BoundLaunches(PooledLaunches):
+    """A cached plan's launches with one call's values written into a slot of the plan's pool: a
+    sequence of BoundLaunch, which executor.run launches together."""
+
+    __slots__ = ("plan", "values")
+
+    def __init__(self, plan: CallPlan, values: dict):
+        slot = plan.pool.take()
+        view = slot[0]
+        for layout, at, get in plan.writes:
+            layout.pack_into(view, at, *get(values))
+        super().__init__(plan.pool, slot)
+        self.plan, self.values = plan, values
+
+    @property
+    def keys(self) -> tuple:
+        return self.plan.keys
+
+    def __len__(self) -> int:
+        return len(self.plan.launches)
+
+    def __getitem__(self, index: int) -> BoundLaunch:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return BoundLaunch(self, index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,22 +179,63 @@ class CallPlan:
     arch: str
     kind: str  # arrays.framework(q): what outputs are allocated as
     launches: tuple  # LaunchTemplate
-    inputs: tuple  # (name, first byte, end byte) relative to each input's address, in check order
+    keys: tuple  # their variant keys
+    pool: LaunchPool  # launch configurations of all of them together
+    writes: tuple  # (struct layout, byte offset in a pool slot, values -> the values it packs) per run
+    alignment: tuple  # (alignment, values -> the per-call pointers that must have it)
     outputs: tuple  # OutputSpec, in return order
-    given: tuple  # (name, first byte, end byte) of the outputs the caller passes, relative to their addresses
+    output_names: tuple  # the names of `outputs`
+    allocated: tuple  # (index, OutputSpec) of the outputs to allocate
+    # (output, other, low, high) for every pair that check_spans would compare among the given outputs
+    # and the inputs, in its order: they overlap when low < address(other) - address(output) < high
+    overlaps: tuple
+    spans: tuple  # (name, first byte, end byte) of the inputs, then the outputs, relative to their addresses
     workspace_bytes: int
     workspace_zero_init: bool
+    regions: tuple  # (value name, offset) of every workspace region
     zeroed: tuple  # (offset, nbytes) of the workspace regions that must start at zero
     philox_by_value: bool
 
-    def bind(self, values: dict) -> list:
-        """The launches with `values` (every array's address by name, philox values) written in."""
-        return [t.bind(values) for t in self.launches]
+    def bind(self, values: dict) -> BoundLaunches:
+        """The launches with `values` (every array's and workspace region's address by name, philox
+        values) written in, once every pointer they get is checked for alignment."""
+        for align, get in self.alignment:
+            # alignments are powers of two: the bits below one are clear in each address if in their OR
+            if functools.reduce(operator.or_, get(values)) % align:
+                for template in self.launches:  # the error the executor gives for the first in launch order
+                    template.check_pointers(values)
+        return BoundLaunches(self, values)
 
 
 def _relative_span(arg):
     lo, hi = arg.span()
-    return lo - arg.pointer.address, hi - arg.pointer.address
+    return arg.name, lo - arg.pointer.address, hi - arg.pointer.address
+
+
+def _overlap_bounds(pairs) -> tuple:
+    """(output, other, low, high) of check_spans' pairs of relative spans: with d the other's address
+    less the output's, other + olo < output + hi and output + lo < other + ohi read lo - ohi < d < hi - olo."""
+    return tuple((name, other, lo - ohi, hi - olo) for (name, lo, hi), (other, olo, ohi) in pairs)
+
+
+def _pool_layout(device, templates) -> tuple:
+    """(pool, writes) for `templates`: one slot for all of them, and each run at its place in the slot."""
+    pool = LaunchPool(device, [(t.entry, t.grid, t.packed) for t in templates])
+    writes = tuple((layout, start + at, _getter(names))
+                   for t, start in zip(templates, pool.offsets) for layout, at, names in t.runs)
+    return pool, writes
+
+
+def _alignment(templates) -> tuple:
+    """(alignment, getter) per alignment, each pointer under the strictest of its uses (a power of two)."""
+    strictest = {}
+    for t in templates:
+        for _, name, align in t.pointers:
+            strictest[name] = max(align, strictest.get(name, 1))
+    groups = {}
+    for name, align in strictest.items():
+        groups.setdefault(align, []).append(name)
+    return tuple((align, _getter(names)) for align, names in groups.items())
 
 
 def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, outputs, workspace=None,
@@ -170,10 +249,11 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
     workspace layout (portable_plan.Workspace), whose regions the call put into `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     values = {WORKSPACE: 0, **{arg.name: arg.pointer.address for arg in arrays}}
-    traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in tensors -> their source
+    traced = {id(arg.pointer): arg.name for arg in arrays}  # Pointer objects in tensors -> their value name
     regions = layout.regions if layout is not None else ()
     for region in regions:
-        traced[id(tensors[region.name])] = (WORKSPACE, region.offset)
+        traced[id(tensors[region.name])] = region_value(region.name)
+        values[region_value(region.name)] = values[WORKSPACE] + region.offset
     by_value = "philox_seed" in tensors
     philox = philox_values(tensors["philox_seed"], tensors["philox_offset"]) if by_value else {}
     values.update(philox)
@@ -188,61 +268,64 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
                 if name in philox:
                     if value != philox[name]:
                         return None
-                    sources[name] = (name, 0)
+                    sources[name] = name
                 continue
             source = traced.get(id(value))  # anything else is an address
             if source is None:
                 return None  # an address this call cannot trace to its arrays: plan every time
             sources[name] = source
         try:
-            templates.append(LaunchTemplate(device, entry, launch, sources))
+            templates.append(LaunchTemplate(entry, launch, sources))
         except FmhaError:
             return None
+    specs = tuple(OutputSpec(a.name, given, tuple(shape), dtype, pitch, _relative_span(a)[1:])
+                  for a, given, shape, dtype, pitch in outputs)
+    input_spans = [_relative_span(a) for a in inputs]
+    given_spans = [(o.name, *o.span) for o in specs if o.given]
+    pool, writes = _pool_layout(device, templates)
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
-        inputs=tuple((a.name, *_relative_span(a)) for a in inputs),
-        outputs=tuple(OutputSpec(a.name, given, tuple(shape), dtype, pitch, _relative_span(a))
-                      for a, given, shape, dtype, pitch in outputs),
-        given=tuple((a.name, *_relative_span(a)) for a, given, *_ in outputs if given),
+        keys=tuple(t.entry.key for t in templates), pool=pool, writes=writes, alignment=_alignment(templates),
+        outputs=specs, output_names=tuple(o.name for o in specs),
+        allocated=tuple((i, o) for i, o in enumerate(specs) if not o.given),
+        overlaps=_overlap_bounds(overlap_pairs(given_spans, input_spans)),
+        spans=(*input_spans, *((o.name, *o.span) for o in specs)),
         workspace_bytes=layout.total_bytes if layout is not None else 0,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False,
+        regions=tuple((region_value(r.name), r.offset) for r in regions),
         zeroed=tuple((r.offset, r.nbytes) for r in regions if r.zero_init), philox_by_value=by_value), values
 
 
-def _spans(values, relative):
-    return [(name, values[name] + lo, values[name] + hi) for name, lo, hi in relative]
-
-
 def replay(plan: CallPlan, template, given: dict, values: dict, stream: int, workspace_alloc):
-    """Run a call of `plan`'s signature: `given` maps output names to the arrays the caller passed,
-    `values` (extended here) holds every array's data address by name and the per-call philox values.
-    Returns the outputs, finished as the slow path finishes them."""
-    if plan.given:
-        check_spans(_spans(values, plan.given), _spans(values, plan.inputs))
-    arrays = []
-    for o in plan.outputs:
-        if o.given:
-            arrays.append(given[o.name])
-        else:
-            array, values[o.name] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
-            arrays.append(array)
-    keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
-                                       workspace_alloc)
-    before_launch = None
-    values[WORKSPACE] = 0  # no workspace (nothing to hold): its regions are empty and point at 0, as planned
-    if ws is not None:
-        check_spans([(ws.name, *ws.span())],
-                    _spans(values, plan.inputs) + [(o.name, values[o.name] + o.span[0], values[o.name] + o.span[1])
-                                                   for o in plan.outputs])
-        base = values[WORKSPACE] = ws.pointer.address
-
-        def before_launch():
-            for offset, nbytes in plan.zeroed:
-                backend.memset(plan.device, base + offset, 0, nbytes, stream)
-
+    """Run a call of `plan`'s signature: `given` maps output names to the arrays the caller passed
+    (None for those to allocate), `values` (extended here) holds every array's data address by name
+    and the per-call philox values. Returns the outputs, finished as the slow path finishes them."""
+    for output, other, low, high in plan.overlaps:
+        if low < values[other] - values[output] < high:
+            raise overlap_error(output, other)
+    arrays = [given[name] for name in plan.output_names]
+    for i, o in plan.allocated:
+        arrays[i], values[o.name] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
+    keep_alive = before_launch = None
+    base = 0  # no workspace (nothing to hold): its regions are empty and point at 0, as planned
+    if plan.workspace_bytes:
+        keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
+                                           workspace_alloc)
+        if workspace_alloc is not None:  # memory we allocated ourselves overlaps no live array
+            check_spans([(ws.name, *ws.span())], [(name, values[name] + lo, values[name] + hi)
+                                                  for name, lo, hi in plan.spans])
+        base = ws.pointer.address
+        if plan.zeroed:
+            def before_launch():
+                for offset, nbytes in plan.zeroed:
+                    backend.memset(plan.device, base + offset, 0, nbytes, stream)
+    values[WORKSPACE] = base
+    for name, offset in plan.regions:
+        values[name] = base + offset
     executor.run(plan.device, plan.arch, plan.bind(values), stream, before_launch=before_launch)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
-    return finish_outputs(template, tuple(arrays), stream)
+    arrays = tuple(arrays)
+    return finish_outputs(template, arrays, stream) if plan.kind in JAX_KINDS else arrays
 
 
 class PlanCache:

@@ -430,9 +430,18 @@ def test_a_hit_goes_through_the_executor_seam_with_launches_that_read_like_plann
     assert entry.packer.pack({**executor._SCRATCH, **bound.args}) == bytes(bound.packed)
 
 
-def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog):
+@pytest.fixture
+def log_config(monkeypatch):
+    """FMHA_RT_LOG_CONFIG=1 for one test (the runtime reads it once: refresh, and again once unset)."""
+    with monkeypatch.context() as m:
+        m.setenv("FMHA_RT_LOG_CONFIG", "1")
+        assert launch.refresh_log_config()
+        yield
+    launch.refresh_log_config()
+
+
+def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog, log_config):
     x = Inputs(rt)
-    monkeypatch.setenv("FMHA_RT_LOG_CONFIG", "1")
     with caplog.at_level(logging.INFO, logger="fmha_rt"):
         with monkeypatch.context() as m:
             m.setattr(api, "_request", lambda *_: None)
@@ -492,8 +501,7 @@ def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver)
                 assert args[name] == array.ptr, (key, name)
     assert hits() == 16 * 20 * 2
     for plan in api.PLANS._plans.values():
-        for template in plan.launches:
-            assert len(template.pool._free) <= 16
+        assert len(plan.pool._free) <= 16
 
 
 def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
@@ -559,21 +567,31 @@ def test_a_plan_of_another_runtime_is_not_used(monkeypatch, rt, driver):
 
 
 def test_launch_pool_hands_each_call_its_own_buffer():
-    """Two configurations when two launches overlap in time, one again when they do not."""
+    """Two configurations when two launches overlap in time, one again when they do not; each starts as
+    the constant bytes and launches what its call wrote into it."""
     entry = registry_module.registry().entry("sm_90", "fmha_bwd_dbias_fp16")
-    pool = launch.LaunchPool(0, entry, (1, 1, 1), entry.param_bytes)
+    pool = launch.LaunchPool(0, [(entry, (1, 1, 1), b"\x07" * entry.param_bytes)])
     seen = []
+
+    def call(first_byte, stream):
+        slot = pool.take()
+        assert bytes(slot[0])[1:] == b"\x07" * (entry.param_bytes - 1)
+        slot[0][:1] = bytes([first_byte])
+        pool.launch(slot, stream)
+
     with pytest.MonkeyPatch.context() as m:
         m.setattr(launch, "kernel_handle", lambda device, e: ffi.NULL)
 
         def nested(config, stream):
-            seen.append(bytes(ffi.buffer(config.args, config.args_size))[:1])
+            args = bytes(ffi.buffer(config.args, config.args_size))
+            assert len(args) == entry.param_bytes
+            seen.append(args[:1])
             if len(seen) == 1:
-                pool(b"\x02" * entry.param_bytes, stream)  # re-entered while the first holds its buffer
+                call(2, stream)  # re-entered while the first holds its buffer
             return 0
 
         m.setattr(launch, "_launch", nested)
-        pool(b"\x01" * entry.param_bytes, 0)
+        call(1, 0)
         assert seen == [b"\x01", b"\x02"] and len(pool._free) == 2
-        pool(b"\x03" * entry.param_bytes, 0)
+        call(3, 0)
         assert seen[-1] == b"\x03" and len(pool._free) == 2

@@ -46,9 +46,14 @@ def test_current_device_is_restored_after_calls():
 
 
 def test_log_config_prints_every_argument(monkeypatch, caplog):
-    monkeypatch.setenv("FMHA_RT_LOG_CONFIG", "1")
-    with caplog.at_level(logging.INFO, logger="fmha_rt"):
-        selftest.run_axpy(0, 4096, 1.5)
+    try:
+        with monkeypatch.context() as m:
+            m.setenv("FMHA_RT_LOG_CONFIG", "1")
+            assert launch.refresh_log_config()  # the runtime reads it once
+            with caplog.at_level(logging.INFO, logger="fmha_rt"):
+                selftest.run_axpy(0, 4096, 1.5)
+    finally:
+        launch.refresh_log_config()  # as the environment is again
     text = caplog.text
     for line in ("kernel: selftest_axpy_f32", "device: 0", "grid: (4, 1, 1)", "block: (128, 1, 1)",
                  "alpha: 1.5", "n: 4096", "global_scratch: Pointer(0x0)"):
