@@ -64,10 +64,17 @@ def load(path):
 
 def merge(docs):
     """One document from several runs (e.g. a sweep split over several sessions): the first run's
-    header, every row, and a later run's row replacing an earlier one at the same (point, impl)."""
+    header, every row, and a later run's row replacing an earlier one at the same (point, impl). An
+    implementation found in any run counts as found (a peer installed for a later run only)."""
     merged = new_document(dict(docs[0]["header"]))
     if len(docs) > 1:
         merged["header"]["merged_from"] = [doc["header"].get("date") for doc in docs]
+        impls = dict(merged["header"].get("impls", {}))
+        for doc in docs[1:]:
+            for name, info in doc["header"].get("impls", {}).items():
+                if info.get("status") == "found" or name not in impls:
+                    impls[name] = info
+        merged["header"]["impls"] = impls
     sections = {"rows": lambda r: (point_key(r), r["impl"]),
                 "host_overhead": lambda r: (r["impl"], r.get("kind", "dense"), r["pass"]),
                 "cold_start": lambda r: r["impl"]}

@@ -620,3 +620,12 @@ def test_sources_digest_names_exactly_the_sources_measured(tmp_path):
         before = digest()
         (tmp_path / rel).write_text("changed\n")
         assert digest() != before, rel
+
+
+def test_merge_counts_a_peer_found_in_any_run_as_found(fixture_doc):
+    first = json.loads(json.dumps(fixture_doc))
+    second = json.loads(json.dumps(fixture_doc))
+    first["header"]["impls"]["late_peer"] = {"status": "not found", "version": None, "reason": "ModuleNotFoundError"}
+    second["header"]["impls"]["late_peer"] = {"status": "found", "version": "1.0", "reason": None}
+    assert report.merge([first, second])["header"]["impls"]["late_peer"]["status"] == "found"
+    assert report.merge([second, first])["header"]["impls"]["late_peer"]["status"] == "found"
