@@ -19,6 +19,7 @@ from .arrays import (ATTN_DTYPES, Arg, acquire_workspace, allocate_like, check_o
                      framework, gpu_array, signatures)
 from .buffers import DeviceBuffer
 from .errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
+from .launch import Ready
 from .packing import Pointer
 from .problem import AttentionProblem
 from .registry import registry
@@ -355,7 +356,7 @@ def _recorded(record: bool, call: _Call, launches, inputs, outputs, workspace=No
     if recorded is None:
         return None, launches
     plan, values = recorded
-    return plan, plan.bind(values)
+    return plan, plan_cache.BoundLaunches(plan, values)
 
 
 def _forward(call: _Call, out, lse, record):
@@ -380,6 +381,8 @@ _COMMON = dict(softmax_scale=None, causal=False, window=(-1, -1), mask_type=None
 
 
 def _options(given: dict) -> dict:
+    if not given:
+        return _COMMON  # never written to: every call merges into a dict of its own
     if not _COMMON.keys() >= given.keys():
         unknown = set(given) - set(_COMMON)
         raise FmhaTypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
@@ -404,6 +407,15 @@ def plan_cache_info() -> dict:
     return PLANS.info()
 
 
+def _option_values(opts: dict) -> tuple:
+    window = opts["window"]
+    return (opts["softmax_scale"], opts["causal"], window[0], window[1], opts["mask_type"], opts["causal_alignment"],
+            opts["dropout_p"])
+
+
+_DEFAULT_OPTIONS_KEY = (type(_COMMON["window"]), None, _option_values(_COMMON), tuple(map(type, _option_values(_COMMON))))
+
+
 def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: int):
     """(key, addresses, imported Args) of a call for the plan cache, or None when the call cannot be
     keyed (then it is validated and planned every time, which raises any error precisely).
@@ -413,19 +425,25 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
     and, when dropout is off, seed and offset (none of them reach validation or the plan); with
     dropout on, a seed by value and the offset are per-call values (replay validates them again)."""
     try:
-        window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
-        if type(window) not in (tuple, list) or len(window) != 2:
+        if opts is _COMMON:  # no option given: the options' part of the key is always the same
+            window_type, seed_kind, values, types = _DEFAULT_OPTIONS_KEY
+        else:
+            window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
+            if type(window) not in (tuple, list) or len(window) != 2:
+                return None
+            window_type = type(window)
+            values = _option_values(opts)
+            types = tuple(map(type, values))
+            if not _KEY_TYPES.issuperset(types):
+                return None
+            seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
+            if seed_kind == "array":
+                arrays = {**arrays, "seed": seed}
+        scalar_types = tuple(map(type, scalars))
+        if not _KEY_TYPES.issuperset(scalar_types):
             return None
-        values = (opts["softmax_scale"], opts["causal"], window[0], window[1], opts["mask_type"],
-                  opts["causal_alignment"], dropout_p, *scalars)
-        types = tuple(map(type, values))
-        if not _KEY_TYPES.issuperset(types):
-            return None
-        seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
-        if seed_kind == "array":
-            arrays = {**arrays, "seed": seed}
         descriptions, addresses, imported = signatures(arrays, handle)
-        return (function, type(window), seed_kind, values, types, *descriptions), addresses, imported
+        return (function, window_type, seed_kind, values, types, scalars, scalar_types, *descriptions), addresses, imported
     except Exception:  # noqa: BLE001 - a value no signature describes: the slow path says what is wrong
         return None
 
@@ -547,7 +565,9 @@ class BwdLauncher:
                 if region.zero_init:
                     backend.memset(device, tensors[region.name].address, 0, region.nbytes, stream)
 
-        return executor.run(device, self.arch, launches, stream, before_launch=zero_regions)
+        # a cached plan's launches zero the regions themselves, after their own checks
+        ready = isinstance(launches, Ready)
+        return executor.run(device, self.arch, launches, stream, before_launch=None if ready else zero_regions)
 
 
 def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, record):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from .errors import FmhaValueError
-from .launch import PooledLaunches, PreparedLaunch, log_config_enabled, log_launch
+from .launch import PreparedLaunch, Ready, log_config_enabled, log_launch
 from .packing import NULL, pointer_value
 from .registry import ALIGNED_STRIDE_PREFIX, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
 
@@ -44,7 +44,7 @@ def check_pointer(entry, name: str, address: int, align: int | None = None) -> N
                              f"pass arrays whose data starts on a {align}-byte boundary")
 
 
-class Prepared(list):
+class Prepared(list, Ready):
     """Planned launches checked and packed (a PreparedLaunch each), launched in order by `launch`."""
 
     def launch(self, stream: int) -> None:
@@ -75,7 +75,7 @@ def prepare(device: int, arch: str, launches, stream: int = 0) -> Prepared:
 def run(device: int, arch: str, launches, stream: int, before_launch=None) -> list[str]:
     """Launch every kernel of `launches` on `stream`; returns their variant keys. `before_launch` runs
     once every launch is checked and packed, right before the first (e.g. zeroing a workspace)."""
-    if isinstance(launches, PooledLaunches):  # a cached plan's: checked and packed when bound
+    if isinstance(launches, Ready):  # a cached plan's: checked and packed in C as they launch
         if log_config_enabled():
             for launch in launches:
                 log_launch(device, launch.entry, launch.grid, {**_SCRATCH, **launch.args}, stream)

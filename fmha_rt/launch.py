@@ -72,71 +72,20 @@ class PreparedLaunch:
 _launch = lib.fmha_launch_prepared
 
 
-ARGS_ALIGN = 16  # where each launch's arguments start in a LaunchPool slot's buffer
+class Ready:
+    """Launches checked and packed: `launch(stream)` launches them in order, `keys` names their kernels.
+    executor.run launches these as they are and plans anything else first."""
+
+    __slots__ = ()
 
 
-class LaunchPool:
-    """Launch configurations for the launches of a cached plan (kernels and grids on one device) whose
-    packed arguments change from call to call. A slot holds one configuration per launch and all
-    their arguments in one C buffer, which starts as their `packed` bytes (those that never change
-    stay as they are); a call takes a slot (`take`), writes its own values through the slot's
-    writable view (each launch's bytes start at `offsets`) and launches the configurations in order
-    (`launch`), which puts the slot back. The driver copies the arguments when a launch is queued, so
-    a slot is free again as soon as the launch calls return, and concurrent calls never share one
-    (list.pop and list.append are atomic). A slot taken and never launched (its call failed in
-    between) is dropped. The pool holds at most as many slots as calls ever ran at once."""
-
-    __slots__ = ("_free", "device", "kernels", "offsets", "packed")
-
-    def __init__(self, device: int, kernels):
-        """`kernels`: (entry, grid, packed bytes) of each launch, in launch order."""
-        self.device = device
-        self.kernels = tuple((entry, tuple(int(g) for g in grid), len(packed)) for entry, grid, packed in kernels)
-        image, offsets = bytearray(), []
-        for _, _, packed in kernels:
-            image += bytes(-len(image) % ARGS_ALIGN)
-            offsets.append(len(image))
-            image += packed
-        self.offsets, self.packed, self._free = tuple(offsets), bytes(image), []
-
-    def _new(self) -> tuple:
-        buffer = ffi.new("char[]", len(self.packed))
-        view = ffi.buffer(buffer)
-        view[:] = self.packed
-        configs = tuple(ffi.new("fmha_launch_config *", {
-            "kernel": kernel_handle(self.device, entry), "grid": grid, "block": (entry.threads, 1, 1),
-            "dynamic_shared_bytes": entry.shared, "args": buffer + offset, "args_size": size})
-            for (entry, grid, size), offset in zip(self.kernels, self.offsets))
-        return view, configs, buffer  # the configurations point into `buffer`: the slot keeps it alive
-
-    def take(self) -> tuple:
-        """A slot of this call's own: (writable view of its argument bytes, configurations, buffer)."""
-        try:
-            return self._free.pop()
-        except IndexError:
-            return self._new()
-
-    def launch(self, slot: tuple, stream: int) -> None:
-        """Launch the slot's configurations in order (up to the first that fails) and give it back."""
-        for config, (entry, _, _) in zip(slot[1], self.kernels):
-            status = _launch(config, stream)
-            if status:
-                self._free.append(slot)
-                backend.check(status, "fmha_launch", kernel=entry.key, device=self.device)
-        self._free.append(slot)
+def _native_replay_ops():
+    return ffi.new("fmha_replay_ops *", {"launch": ffi.addressof(lib, "fmha_launch_prepared"),
+                                         "memset_d8": ffi.addressof(lib, "fmha_memset_d8")})
 
 
-class PooledLaunches:
-    """Launches written into a slot of a LaunchPool, checked and packed: `launch` launches them in
-    order and gives the slot back. Subclasses say what the launches are (`keys`, iteration)."""
-
-    __slots__ = ("pool", "slot")
-
-    def __init__(self, pool: LaunchPool, slot: tuple):
-        self.pool, self.slot = pool, slot
-
-    def launch(self, stream: int) -> None:
-        self.pool.launch(self.slot, stream)
+# The driver calls of a cached plan's replay (replay.c): the shim's own (a stand-in runtime swaps them).
+REPLAY_OPS = _native_replay_ops()
 
 
 def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -> None:

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import operator
 import struct
 import threading
 
 from . import backend, executor
+from . import launch as launch_module
 from .arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
-from .errors import FmhaError
-from .launch import LaunchPool, PooledLaunches
-from .packing import NULL, SLOT_TYPES, Pointer
+from .backend import ffi, lib
+from .errors import FmhaError, FmhaRuntimeError, FmhaValueError
+from .launch import Ready
+from .packing import NULL, Pointer
 from .registry import SCRATCH_POINTERS
 
 DEFAULT_CAPACITY = 256
@@ -46,11 +47,6 @@ def philox_values(seed: int, offset: int) -> dict:
     return {"philox_seed": seed % 2**63, "philox_offset": offset}
 
 
-def region_value(region: str) -> str:
-    """The value name of a workspace region's address (the workspace's base plus the region's offset)."""
-    return f"{WORKSPACE}.{region}"
-
-
 def _getter(names) -> callable:
     """values -> (values[name] for name in names), as a tuple even for one name (itemgetter's is bare)."""
     get = operator.itemgetter(*names)
@@ -58,51 +54,41 @@ def _getter(names) -> callable:
 
 
 class LaunchTemplate:
-    """One launch of a cached plan: its packed bytes as the first call packed them, and the runs of
-    consecutive argument slots whose values change per call, each written with one struct call."""
+    """One launch of a cached plan: its packed bytes as the first call packed them, and the per-call
+    argument slots, each as (byte offset, value name, addend, alignment): the slot gets the value plus
+    the addend (a workspace region is the workspace's address plus the region's offset)."""
 
-    __slots__ = ("args", "entry", "grid", "packed", "pointers", "runs", "sources", "variant")
+    __slots__ = ("args", "entry", "grid", "packed", "patches", "variant")
 
     def __init__(self, entry, launch, sources: dict):
-        """`sources`: {slot name: value name} for every per-call slot."""
+        """`sources`: {slot name: (value name, addend)} for every per-call slot."""
         self.entry, self.variant, self.grid = entry, launch.variant, tuple(int(g) for g in launch.grid)
         self.args = dict(launch.args)
         args = {**_SCRATCH, **launch.args}
         executor.check_alignment(entry, args)  # what stays constant must pass as it would on every call
         self.packed = entry.packer.pack(args)
-        self.sources = sources
-        self.runs = []  # (struct layout, byte offset, value names)
-        run = []
+        self.patches = []
         for slot in entry.packer.slots:
             if slot.name not in sources:
                 continue
-            if run and slot.offset != run[-1].offset + run[-1].size:
-                self.runs.append(self._run(run))
-                run = []
-            run.append(slot)
-        if run:
-            self.runs.append(self._run(run))
-        self.pointers = tuple((slot.name, sources[slot.name], executor.pointer_alignment(entry, slot.name))
-                              for slot in entry.packer.slots if slot.type == "ptr" and slot.name in sources)
+            if slot.size != PATCH_BYTES:
+                raise FmhaValueError(f"{entry.key}: per-call argument {slot.name} is {slot.size} bytes wide")
+            value, addend = sources[slot.name]
+            align = executor.pointer_alignment(entry, slot.name) if slot.type == "ptr" else 1
+            self.patches.append((slot.offset, slot.name, value, addend, align))
 
-    def _run(self, slots):
-        layout = struct.Struct("<" + "".join(SLOT_TYPES[s.type][0] for s in slots))
-        return layout, slots[0].offset, tuple(self.sources[s.name] for s in slots)
 
-    def check_pointers(self, values: dict) -> None:
-        """Raise for the first pointer of this launch that `values` misalign, as the executor would."""
-        for slot, name, align in self.pointers:
-            executor.check_pointer(self.entry, slot, values[name], align)
+PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
 
 
 class BoundLaunch:
     """One launch of a BoundLaunches, read like a planned launch (variant, grid, args) by whoever
     inspects launches (logging, tests)."""
 
-    __slots__ = ("bound", "index", "template")
+    __slots__ = ("bound", "template")
 
-    def __init__(self, bound: BoundLaunches, index: int):
-        self.bound, self.index, self.template = bound, index, bound.plan.launches[index]
+    def __init__(self, bound: BoundLaunches, template: LaunchTemplate):
+        self.bound, self.template = bound, template
 
     @property
     def entry(self):
@@ -118,32 +104,31 @@ class BoundLaunch:
 
     @property
     def packed(self) -> bytes:
-        """The argument bytes it launches (until it is launched: then its slot is reused)."""
-        start = self.bound.pool.offsets[self.index]
-        return bytes(self.bound.slot[0][start:start + len(self.template.packed)])
+        """The argument bytes it launches."""
+        packed = bytearray(self.template.packed)
+        values = self.bound.values
+        for offset, _, value, addend, _ in self.template.patches:
+            struct.pack_into("<Q", packed, offset, (values[value] + addend) % 2**64)
+        return bytes(packed)
 
     @property
     def args(self) -> dict:
         """Arguments by name, as the planner would give them for this call."""
         args = dict(self.template.args)
-        for slot, name in self.template.sources.items():
-            value = self.bound.values[name]
-            args[slot] = Pointer(value) if isinstance(args[slot], Pointer) else value
+        values = self.bound.values
+        for _, slot, value, addend, _ in self.template.patches:
+            address = values[value] + addend
+            args[slot] = Pointer(address) if isinstance(args[slot], Pointer) else address
         return args
 
 
-class BoundLaunches(PooledLaunches):
-    """A cached plan's launches with one call's values written into a slot of the plan's pool: a
-    sequence of BoundLaunch, which executor.run launches together."""
+class BoundLaunches(Ready):
+    """A cached plan's launches with one call's values: a sequence of BoundLaunch, which executor.run
+    launches together through one C call (replay.c) that checks the values, writes them in and launches."""
 
     __slots__ = ("plan", "values")
 
     def __init__(self, plan: CallPlan, values: dict):
-        slot = plan.pool.take()
-        view = slot[0]
-        for layout, at, get in plan.writes:
-            layout.pack_into(view, at, *get(values))
-        super().__init__(plan.pool, slot)
         self.plan, self.values = plan, values
 
     @property
@@ -154,9 +139,38 @@ class BoundLaunches(PooledLaunches):
         return len(self.plan.launches)
 
     def __getitem__(self, index: int) -> BoundLaunch:
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        return BoundLaunch(self, index)
+        return BoundLaunch(self, self.plan.launches[index])
+
+    def launch(self, stream: int) -> None:
+        plan = self.plan
+        failed = ffi.new("size_t *")
+        status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, plan.ordered(self.values), stream, failed)
+        if status:
+            plan.raise_for(status, failed[0], self.values)
+
+
+class ReplayProgram:
+    """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
+
+    def __init__(self, device: int, templates, names: tuple, overlaps, fills):
+        index = {name: i for i, name in enumerate(names)}
+        self.templates = [ffi.new("char[]", t.packed) for t in templates]
+        self.launches = ffi.new("fmha_launch_config[]", [{
+            "kernel": launch_module.kernel_handle(device, t.entry), "grid": t.grid, "block": (t.entry.threads, 1, 1),
+            "dynamic_shared_bytes": t.entry.shared, "args": args, "args_size": len(t.packed)}
+            for t, args in zip(templates, self.templates)] or 1)
+        self.patches = ffi.new("fmha_replay_patch[]", [
+            {"launch": i, "arg_offset": offset, "value": index[value], "align": align, "addend": addend}
+            for i, t in enumerate(templates) for offset, _, value, addend, align in t.patches] or 1)
+        self.overlaps = ffi.new("fmha_replay_overlap[]", [
+            {"output": index[output], "other": index[other], "low": low, "high": high}
+            for output, other, low, high in overlaps] or 1)
+        self.fills = ffi.new("fmha_replay_fill[]", [
+            {"value": index[WORKSPACE], "offset": offset, "nbytes": nbytes} for offset, nbytes in fills] or 1)
+        self.plan = ffi.new("fmha_replay_plan *", {
+            "device": device, "launch_count": len(templates), "launches": self.launches,
+            "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
+            "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +194,6 @@ class CallPlan:
     kind: str  # arrays.framework(q): what outputs are allocated as
     launches: tuple  # LaunchTemplate
     keys: tuple  # their variant keys
-    pool: LaunchPool  # launch configurations of all of them together
-    writes: tuple  # (struct layout, byte offset in a pool slot, values -> the values it packs) per run
-    alignment: tuple  # (alignment, values -> the per-call pointers that must have it)
     outputs: tuple  # OutputSpec, in return order
     output_names: tuple  # the names of `outputs`
     allocated: tuple  # (index, OutputSpec) of the outputs to allocate
@@ -192,19 +203,32 @@ class CallPlan:
     spans: tuple  # (name, first byte, end byte) of the inputs, then the outputs, relative to their addresses
     workspace_bytes: int
     workspace_zero_init: bool
-    regions: tuple  # (value name, offset) of every workspace region
     zeroed: tuple  # (offset, nbytes) of the workspace regions that must start at zero
     philox_by_value: bool
+    ordered: callable  # values -> the tuple of values the C program indexes
+    replay_program: ReplayProgram
 
-    def bind(self, values: dict) -> BoundLaunches:
-        """The launches with `values` (every array's and workspace region's address by name, philox
-        values) written in, once every pointer they get is checked for alignment."""
-        for align, get in self.alignment:
-            # alignments are powers of two: the bits below one are clear in each address if in their OR
-            if functools.reduce(operator.or_, get(values)) % align:
-                for template in self.launches:  # the error the executor gives for the first in launch order
-                    template.check_pointers(values)
-        return BoundLaunches(self, values)
+    @property
+    def program(self):
+        return self.replay_program.plan
+
+    def raise_for(self, status: int, failed: int, values: dict):
+        """Raise what the replay refused or what failed, as an uncached call would report it."""
+        if status == lib.FMHA_ERR_OVERLAP:
+            output, other, _, _ = self.overlaps[failed]
+            raise overlap_error(output, other)
+        if status == lib.FMHA_ERR_MISALIGNED:
+            for template in self.launches:
+                for _, slot, value, addend, align in template.patches:
+                    if failed == 0:
+                        executor.check_pointer(template.entry, slot, values[value] + addend, align)
+                    failed -= 1
+        if failed < len(self.zeroed):
+            backend.check(status, "fmha_memset_d8", device=self.device)
+        failed -= len(self.zeroed)
+        backend.check(status, "fmha_launch", kernel=self.keys[failed] if failed < len(self.keys) else None,
+                      device=self.device)
+        raise FmhaRuntimeError(f"fmha_replay returned {status}")  # pragma: no cover - check raised
 
 
 def _relative_span(arg):
@@ -218,24 +242,13 @@ def _overlap_bounds(pairs) -> tuple:
     return tuple((name, other, lo - ohi, hi - olo) for (name, lo, hi), (other, olo, ohi) in pairs)
 
 
-def _pool_layout(device, templates) -> tuple:
-    """(pool, writes) for `templates`: one slot for all of them, and each run at its place in the slot."""
-    pool = LaunchPool(device, [(t.entry, t.grid, t.packed) for t in templates])
-    writes = tuple((layout, start + at, _getter(names))
-                   for t, start in zip(templates, pool.offsets) for layout, at, names in t.runs)
-    return pool, writes
-
-
-def _alignment(templates) -> tuple:
-    """(alignment, getter) per alignment, each pointer under the strictest of its uses (a power of two)."""
-    strictest = {}
-    for t in templates:
-        for _, name, align in t.pointers:
-            strictest[name] = max(align, strictest.get(name, 1))
-    groups = {}
-    for name, align in strictest.items():
-        groups.setdefault(align, []).append(name)
-    return tuple((align, _getter(names)) for align, names in groups.items())
+def _value_names(templates, overlaps, zeroed) -> tuple:
+    """Every value the C program reads, in the order it indexes them."""
+    names = dict.fromkeys(value for t in templates for _, _, value, _, _ in t.patches)
+    names.update(dict.fromkeys(name for output, other, _, _ in overlaps for name in (output, other)))
+    if zeroed:
+        names[WORKSPACE] = None
+    return tuple(names)
 
 
 def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, outputs, workspace=None,
@@ -249,11 +262,10 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
     workspace layout (portable_plan.Workspace), whose regions the call put into `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     values = {WORKSPACE: 0, **{arg.name: arg.pointer.address for arg in arrays}}
-    traced = {id(arg.pointer): arg.name for arg in arrays}  # Pointer objects in tensors -> their value name
+    traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in tensors -> their source
     regions = layout.regions if layout is not None else ()
     for region in regions:
-        traced[id(tensors[region.name])] = region_value(region.name)
-        values[region_value(region.name)] = values[WORKSPACE] + region.offset
+        traced[id(tensors[region.name])] = (WORKSPACE, region.offset)
     by_value = "philox_seed" in tensors
     philox = philox_values(tensors["philox_seed"], tensors["philox_offset"]) if by_value else {}
     values.update(philox)
@@ -268,7 +280,7 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
                 if name in philox:
                     if value != philox[name]:
                         return None
-                    sources[name] = name
+                    sources[name] = (name, 0)
                 continue
             source = traced.get(id(value))  # anything else is an address
             if source is None:
@@ -278,51 +290,45 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
             templates.append(LaunchTemplate(entry, launch, sources))
         except FmhaError:
             return None
+        if len(templates[-1].packed) > lib.FMHA_REPLAY_MAX_ARGS:
+            return None
     specs = tuple(OutputSpec(a.name, given, tuple(shape), dtype, pitch, _relative_span(a)[1:])
                   for a, given, shape, dtype, pitch in outputs)
     input_spans = [_relative_span(a) for a in inputs]
     given_spans = [(o.name, *o.span) for o in specs if o.given]
-    pool, writes = _pool_layout(device, templates)
+    overlaps = _overlap_bounds(overlap_pairs(given_spans, input_spans))
+    if any(not -2**63 <= bound < 2**63 for *_, low, high in overlaps for bound in (low, high)):
+        return None
+    zeroed = tuple((r.offset, r.nbytes) for r in regions if r.zero_init)
+    names = _value_names(templates, overlaps, zeroed)
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
-        keys=tuple(t.entry.key for t in templates), pool=pool, writes=writes, alignment=_alignment(templates),
-        outputs=specs, output_names=tuple(o.name for o in specs),
-        allocated=tuple((i, o) for i, o in enumerate(specs) if not o.given),
-        overlaps=_overlap_bounds(overlap_pairs(given_spans, input_spans)),
+        keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=tuple(o.name for o in specs),
+        allocated=tuple((i, o) for i, o in enumerate(specs) if not o.given), overlaps=overlaps,
         spans=(*input_spans, *((o.name, *o.span) for o in specs)),
         workspace_bytes=layout.total_bytes if layout is not None else 0,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False,
-        regions=tuple((region_value(r.name), r.offset) for r in regions),
-        zeroed=tuple((r.offset, r.nbytes) for r in regions if r.zero_init), philox_by_value=by_value), values
+        zeroed=zeroed, philox_by_value=by_value, ordered=_getter(names) if names else lambda values: (),
+        replay_program=ReplayProgram(device, templates, names, overlaps, zeroed)), values
 
 
 def replay(plan: CallPlan, template, given: dict, values: dict, stream: int, workspace_alloc):
     """Run a call of `plan`'s signature: `given` maps output names to the arrays the caller passed
     (None for those to allocate), `values` (extended here) holds every array's data address by name
     and the per-call philox values. Returns the outputs, finished as the slow path finishes them."""
-    for output, other, low, high in plan.overlaps:
-        if low < values[other] - values[output] < high:
-            raise overlap_error(output, other)
     arrays = [given[name] for name in plan.output_names]
     for i, o in plan.allocated:
         arrays[i], values[o.name] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
-    keep_alive = before_launch = None
-    base = 0  # no workspace (nothing to hold): its regions are empty and point at 0, as planned
+    keep_alive = None
+    values[WORKSPACE] = 0  # no workspace (nothing to hold): its regions are empty and point at 0, as planned
     if plan.workspace_bytes:
         keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
                                            workspace_alloc)
         if workspace_alloc is not None:  # memory we allocated ourselves overlaps no live array
             check_spans([(ws.name, *ws.span())], [(name, values[name] + lo, values[name] + hi)
                                                   for name, lo, hi in plan.spans])
-        base = ws.pointer.address
-        if plan.zeroed:
-            def before_launch():
-                for offset, nbytes in plan.zeroed:
-                    backend.memset(plan.device, base + offset, 0, nbytes, stream)
-    values[WORKSPACE] = base
-    for name, offset in plan.regions:
-        values[name] = base + offset
-    executor.run(plan.device, plan.arch, plan.bind(values), stream, before_launch=before_launch)
+        values[WORKSPACE] = ws.pointer.address
+    executor.run(plan.device, plan.arch, BoundLaunches(plan, values), stream)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
     arrays = tuple(arrays)
     return finish_outputs(template, arrays, stream) if plan.kind in JAX_KINDS else arrays

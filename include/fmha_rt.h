@@ -104,6 +104,60 @@ int fmha_memcpy_htod(int device, uint64_t dst, const void *src, size_t bytes, ui
 int fmha_memcpy_dtoh(int device, void *dst, uint64_t src, size_t bytes, uint64_t stream);
 int fmha_stream_synchronize(int device, uint64_t stream);
 
+/* ---- replaying a cached call (fmha_rt/replay.c) ----
+   A cached plan's launches with one call's values written in, checked and launched in one call. The
+   call's values (array addresses, the workspace base, per-call scalars) come as one uint64 array;
+   a patch writes value + addend into an 8-byte argument slot of one launch's template, after
+   checking its alignment. Everything is checked before anything is written: the overlap bounds
+   first (an output whose address less another array's lies strictly between low and high overlaps
+   it), then every patch; only then are the zero fills set and the kernels launched, in order. */
+#define FMHA_ERR_OVERLAP 7    /* *failed: the index of the overlap bound that matched */
+#define FMHA_ERR_MISALIGNED 8 /* *failed: the index of the patch whose address is misaligned */
+
+typedef struct fmha_replay_patch {
+    uint32_t launch;     /* patches come sorted by launch */
+    uint32_t arg_offset; /* byte offset of the 8-byte slot in the launch's arguments */
+    uint32_t value;      /* index into the call's values */
+    uint32_t align;      /* the address must be a multiple of this (1: any) */
+    uint64_t addend;     /* added to the value (a workspace region's offset) */
+} fmha_replay_patch;
+
+typedef struct fmha_replay_overlap {
+    uint32_t output, other; /* value indices */
+    int64_t low, high;
+} fmha_replay_overlap;
+
+typedef struct fmha_replay_fill {
+    uint32_t value; /* the base (the workspace's value index) */
+    uint64_t offset, nbytes;
+} fmha_replay_fill;
+
+/* The driver calls a replay makes: the shim's own, or stand-ins where there is no GPU. */
+typedef struct fmha_replay_ops {
+    int (*launch)(const fmha_launch_config *config, uint64_t stream);
+    int (*memset_d8)(int device, uint64_t ptr, unsigned char value, size_t bytes, uint64_t stream);
+} fmha_replay_ops;
+
+#define FMHA_REPLAY_MAX_ARGS 4096 /* bytes of one launch's arguments */
+
+typedef struct fmha_replay_plan {
+    int device;
+    size_t launch_count;
+    const fmha_launch_config *launches; /* their args: the template bytes */
+    size_t patch_count;
+    const fmha_replay_patch *patches;
+    size_t overlap_count;
+    const fmha_replay_overlap *overlaps;
+    size_t fill_count;
+    const fmha_replay_fill *fills;
+} fmha_replay_plan;
+
+/* Run `plan` with `values` on `stream`. Returns FMHA_OK; FMHA_ERR_OVERLAP or FMHA_ERR_MISALIGNED with
+   *failed naming the check (nothing was written); or what a fill or launch returned, with *failed
+   the index of that fill, or fill_count plus the index of that launch. */
+int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, const uint64_t *values, uint64_t stream,
+                size_t *failed);
+
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);
 

@@ -176,13 +176,25 @@ def gpu_problem(device_index):
     return None
 
 
+def recorded_command(argv) -> list:
+    """The command as the record keeps it: the --out folder by its last component only, since where a run
+    wrote its files says nothing about the results and may name a private path."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            argv[i + 1] = os.path.basename(os.path.normpath(argv[i + 1]))
+        elif arg.startswith("--out="):
+            argv[i] = "--out=" + os.path.basename(os.path.normpath(arg[len("--out="):]))
+    return ["bench", *argv]
+
+
 def _run(argv, args, points, discovered, adapters):
     settings = settings_for(args)
     device = timing.CudaDevice(args.device)
     out_dir = args.out or DEFAULT_OUT
     json_path = os.path.join(out_dir, RECORD_NAME)
     doc = report.new_document(machine.header(args.device, discovered,
-                                             {**settings.fields(), "device": args.device, "command": ["bench", *argv]}))
+                                             {**settings.fields(), "device": args.device, "command": recorded_command(argv)}))
     pairs = [] if args.overhead_only else sweep.planned_pairs(points, adapters)
     print(f"{len(points)} points, {len(pairs)} measurements; results go to {json_path}", file=sys.stderr)
 

@@ -8,7 +8,8 @@ import contextlib
 import ctypes
 import math
 
-from fmha_rt import backend
+from fmha_rt import backend, launch
+from fmha_rt.backend import ffi
 from fmha_rt.dlpack import DLPackExporter
 from fmha_rt.errors import DriverError
 
@@ -90,6 +91,27 @@ class StandInRuntime:
         monkeypatch.setattr(backend, "memset", self.memset)
         monkeypatch.setattr(backend, "device_scope", self.device_scope)
         monkeypatch.setattr(backend, "copy_to_device", self.copy_to_device)
+        self.callback_errors = []  # exceptions raised inside the replay's calls back into Python
+        monkeypatch.setattr(launch, "REPLAY_OPS", self._replay_ops())
+
+    def _replay_ops(self):
+        """The cached plans' C replay calls back into Python for its launches and memsets: launches go
+        to launch._launch (which tests replace to record them), memsets to this stand-in."""
+        def failed(exc_type, exc, tb):
+            self.callback_errors.append(exc)
+            return 1  # FMHA_ERR_DRIVER: the call fails as a driver failure would
+
+        @ffi.callback("int(fmha_launch_config *, uint64_t)", onerror=failed)
+        def replay_launch(config, stream):
+            return launch._launch(config, stream)
+
+        @ffi.callback("int(int, uint64_t, unsigned char, size_t, uint64_t)", onerror=failed)
+        def replay_memset(device, ptr, value, nbytes, stream):
+            backend.memset(device, ptr, value, nbytes, stream)
+            return 0
+
+        self._callbacks = (replay_launch, replay_memset)  # alive as long as the ops point at them
+        return ffi.new("fmha_replay_ops *", {"launch": replay_launch, "memset_d8": replay_memset})
 
     @contextlib.contextmanager
     def device_scope(self, ordinal):

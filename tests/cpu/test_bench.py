@@ -629,3 +629,12 @@ def test_merge_counts_a_peer_found_in_any_run_as_found(fixture_doc):
     second["header"]["impls"]["late_peer"] = {"status": "found", "version": "1.0", "reason": None}
     assert report.merge([first, second])["header"]["impls"]["late_peer"]["status"] == "found"
     assert report.merge([second, first])["header"]["impls"]["late_peer"]["status"] == "found"
+
+
+def test_the_recorded_command_names_the_output_folder_only():
+    from fmha_rt.bench.cli import recorded_command
+
+    argv = ["--hdim", "128", "--out", "/some/private/place/run1/", "--repeats", "10"]
+    assert recorded_command(argv) == ["bench", "--hdim", "128", "--out", "run1", "--repeats", "10"]
+    assert recorded_command(["--out=/x/y/merged"]) == ["bench", "--out=merged"]
+    assert recorded_command(["--pass", "fwd"]) == ["bench", "--pass", "fwd"]

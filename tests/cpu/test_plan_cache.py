@@ -20,8 +20,8 @@ import pytest
 import fmha_rt
 from fmha_rt import api, arrays, executor, launch, plan_cache
 from fmha_rt import registry as registry_module
-from fmha_rt.backend import ffi
-from fmha_rt.errors import FmhaTypeError, FmhaValueError
+from fmha_rt.backend import ffi, lib
+from fmha_rt.errors import DriverError, FmhaTypeError, FmhaValueError
 from fmha_rt.packing import Pointer
 
 from fake_gpu import FakeGpuArray, StandInRuntime
@@ -500,8 +500,6 @@ def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver)
             if name in args:
                 assert args[name] == array.ptr, (key, name)
     assert hits() == 16 * 20 * 2
-    for plan in api.PLANS._plans.values():
-        assert len(plan.pool._free) <= 16
 
 
 def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
@@ -566,32 +564,44 @@ def test_a_plan_of_another_runtime_is_not_used(monkeypatch, rt, driver):
     assert hits() == 0
 
 
-def test_launch_pool_hands_each_call_its_own_buffer():
-    """Two configurations when two launches overlap in time, one again when they do not; each starts as
-    the constant bytes and launches what its call wrote into it."""
-    entry = registry_module.registry().entry("sm_90", "fmha_bwd_dbias_fp16")
-    pool = launch.LaunchPool(0, [(entry, (1, 1, 1), b"\x07" * entry.param_bytes)])
-    seen = []
+def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeypatch, rt, driver):
+    """The replay writes each call's values into its own copy of the templates: a cached call made while
+    another is inside its launch (as a launch callback could) launches its own pointers, and the outer
+    call's are intact after it."""
+    outer, inner = Inputs(rt), Inputs(rt)
+    warm(fwd(outer))
+    driver.take()
+    record = driver.launch
 
-    def call(first_byte, stream):
-        slot = pool.take()
-        assert bytes(slot[0])[1:] == b"\x07" * (entry.param_bytes - 1)
-        slot[0][:1] = bytes([first_byte])
-        pool.launch(slot, stream)
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(launch, "kernel_handle", lambda device, e: ffi.NULL)
-
-        def nested(config, stream):
-            args = bytes(ffi.buffer(config.args, config.args_size))
-            assert len(args) == entry.param_bytes
-            seen.append(args[:1])
-            if len(seen) == 1:
-                call(2, stream)  # re-entered while the first holds its buffer
+    def reentering(config, stream):
+        if len(driver.launches) == 0:
+            record(config, stream)
+            fwd(inner)()
             return 0
+        return record(config, stream)
 
-        m.setattr(launch, "_launch", nested)
-        call(1, 0)
-        assert seen == [b"\x01", b"\x02"] and len(pool._free) == 2
-        call(3, 0)
-        assert seen[-1] == b"\x03" and len(pool._free) == 2
+    monkeypatch.setattr(launch, "_launch", reentering)
+    before = bytes(ffi.buffer(api.PLANS._plans[next(iter(api.PLANS._plans))].replay_program.templates[0]))
+    fwd(outer)()
+    (first, second) = [unpack(key, packed) for key, _, packed, _ in driver.take()]
+    assert first["Q"] == outer.q.ptr and second["Q"] == inner.q.ptr and first["Out"] == outer.out.ptr
+    after = bytes(ffi.buffer(api.PLANS._plans[next(iter(api.PLANS._plans))].replay_program.templates[0]))
+    assert before == after, "a replay never writes into the plan's templates"
+
+
+def test_a_failed_launch_on_a_hit_names_the_call_kernel_and_device(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(bwd(x, deterministic=True))
+    keys = [key for key, *_ in driver.take()[-3:]]
+    calls = []
+
+    def fail_second(config, stream):
+        calls.append(config)
+        return lib.FMHA_ERR_DRIVER if len(calls) == 2 else 0
+
+    monkeypatch.setattr(launch, "_launch", fail_second)
+    with pytest.raises(DriverError) as raised:
+        bwd(x, deterministic=True)()
+    assert raised.value.call == "fmha_launch" and raised.value.kernel == keys[1] and raised.value.device == 0
+    assert len(calls) == 2, "nothing is launched after the failed launch"
+    assert hits() == 1

@@ -1,0 +1,189 @@
+"""Host microseconds per cached call of mha_fwd, mha_bwd, mha_varlen_fwd and mha_varlen_bwd on torch
+tensors, whole and piece by piece, on the GPU (--gpu) or on the CPU stand-in.
+
+On the stand-in (the default; NOT A GPU NUMBER) the runtime is tests/cpu/fake_gpu.py's two-device sm_90
+stand-in: torch CPU tensors pose as CUDA tensors, allocations and memsets are host memory, and the
+replay's launches call back into Python and do nothing, so the numbers are fmha_rt's own Python work
+per call without the driver's. Use them to compare versions of the cached path on one machine. With
+--gpu the calls run on GPU 0 with CUDA tensors: what `python -m fmha_rt bench --overhead-only`
+measures, plus where it goes.
+
+    python bench/host_overhead_profile.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--pieces]
+
+Shape as the GPU bench's overhead point: B=1 H=1 S=128 D=64 fp16, varlen as two sequences (48, 80).
+Outputs (out/lse, dq/dk/dv) are given; the backward's workspace comes from fmha_rt's own allocator.
+Each round times N back-to-back calls of every function in turn (so a loaded machine slows all of them
+alike); the minimum over R rounds is printed. --profile NAME prints a cProfile of NAME's cached call;
+--pieces times the parts of a cached call of each function: the key, the lookup, the replay, and the
+C replay alone (checks, zero fills and launches of the bound plan).
+"""
+import argparse
+import contextlib
+import cProfile
+import pathlib
+import pstats
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "cpu")]  # this checkout's fmha_rt, and the stand-in
+
+import fmha_rt
+from fmha_rt import api, arrays, backend, executor, launch, plan_cache
+from fmha_rt import registry as registry_module
+from fmha_rt.backend import ffi
+
+from fake_gpu import StandInRuntime
+
+B, S, H, D = 1, 128, 1, 64
+SEQLENS = (48, 80)
+
+
+@contextlib.contextmanager
+def stand_in():
+    """The fake runtime, torch CPU tensors read as CUDA tensors and a driver launch that does nothing."""
+    with pytest.MonkeyPatch.context() as m:
+        m.delenv("FMHA_RT_LOG_CONFIG", raising=False)
+        registry_module.reset()
+        StandInRuntime(m)
+        as_cuda = arrays.TorchView.__init__
+
+        def cuda_view(self, t):
+            as_cuda(self, t)
+            self.device_type = "cuda"
+
+        m.setattr(arrays.TorchView, "__init__", cuda_view)
+        m.setattr(launch, "kernel_handle", lambda device, entry: ffi.NULL)
+        m.setattr(launch, "_launch", lambda config, stream: 0)
+        fmha_rt.clear_plan_cache()
+        try:
+            yield
+        finally:
+            fmha_rt.clear_plan_cache()
+            registry_module.reset()
+
+
+@contextlib.contextmanager
+def real_gpu():
+    fmha_rt.clear_plan_cache()
+    try:
+        yield
+    finally:
+        fmha_rt.clear_plan_cache()
+
+
+def calls(device: str) -> dict:
+    """name -> (a zero-argument cached call, its api function name, arguments, options)."""
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float16, device=device)
+
+    def empty(*shape):
+        return torch.empty(*shape, device=device)
+
+    q, k, v, dout = (randn(B, S, H, D) for _ in range(4))
+    out, lse = torch.empty_like(q), empty(B, H, S)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    total = sum(SEQLENS)
+    vq, vk, vv, vdout = (randn(total, H, D) for _ in range(4))
+    vout, vlse = torch.empty_like(vq), empty(H, total)
+    vdq, vdk, vdv = torch.empty_like(vq), torch.empty_like(vk), torch.empty_like(vv)
+    cu = torch.tensor([0, SEQLENS[0], total], dtype=torch.int32, device=device)
+    longest = max(SEQLENS)
+    table = {
+        "mha_fwd": lambda: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse),
+        "mha_bwd": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
+        "mha_varlen_fwd": lambda: fmha_rt.mha_varlen_fwd(vq, vk, vv, cu, cu, longest, longest, out=vout, lse=vlse),
+        "mha_varlen_bwd": lambda: fmha_rt.mha_varlen_bwd(vdout, vq, vk, vv, vout, vlse, cu, cu, longest, longest,
+                                                         dq=vdq, dk=vdk, dv=vdv),
+    }
+    for call in table.values():
+        call()
+        call()
+    return table
+
+
+def per_call_us(call, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+class Pieces:
+    """Catches the internals of one cached call (its key request, plan, replay arguments and bound
+    launches) so that each piece can be timed alone."""
+
+    def __init__(self, call):
+        self.seen = {}
+        request, replay, run = api._request, plan_cache.replay, executor.run
+
+        def catch_request(*args):
+            self.seen["request"] = args
+            return request(*args)
+
+        def catch_replay(*args):
+            self.seen["replay"] = (args[0], args[1], args[2], dict(args[3]), *args[4:])
+            return replay(*args)
+
+        def catch_run(device, arch, launches, stream, **kw):
+            self.seen["bound"] = (launches, stream)
+            return run(device, arch, launches, stream, **kw)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(api, "_request", catch_request)
+            m.setattr(plan_cache, "replay", catch_replay)
+            m.setattr(executor, "run", catch_run)
+            call()
+
+    def timings(self, n: int) -> dict:
+        request = self.seen["request"]
+        key = api._request(*request)[0]
+        runtime = backend.runtime()
+        plan, template, given, values, stream, workspace_alloc = self.seen["replay"]
+        bound, bound_stream = self.seen["bound"]
+        return {
+            "key": per_call_us(lambda: api._request(*request), n),
+            "lookup": per_call_us(lambda: api.PLANS.get(key, runtime, registry_module.registry), n),
+            "replay": per_call_us(lambda: plan_cache.replay(plan, template, given, dict(values), stream,
+                                                            workspace_alloc), n),
+            "C replay": per_call_us(lambda: bound.launch(bound_stream), n),
+        }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="run on GPU 0 with CUDA tensors (default: the CPU stand-in)")
+    parser.add_argument("--calls", type=int, default=5000, help="calls per timed loop")
+    parser.add_argument("--rounds", type=int, default=7, help="timed loops per function; the minimum is printed")
+    parser.add_argument("--profile", metavar="NAME", help="print a cProfile of NAME's cached call instead")
+    parser.add_argument("--pieces", action="store_true", help="also time the pieces of each cached call")
+    args = parser.parse_args()
+    with real_gpu() if args.gpu else stand_in():
+        table = calls("cuda" if args.gpu else "cpu")
+        hits = fmha_rt.plan_cache_info()["hits"]
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.runcall(per_call_us, table[args.profile], args.calls)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            return
+        best = dict.fromkeys(table, float("inf"))
+        for _ in range(args.rounds):
+            for name, call in table.items():
+                best[name] = min(best[name], per_call_us(call, args.calls))
+        cached = fmha_rt.plan_cache_info()["hits"] - hits
+        assert cached == args.rounds * args.calls * len(table), "a timed call missed the plan cache"
+        pieces = {name: Pieces(call).timings(args.calls) for name, call in table.items()} if args.pieces else {}
+        if args.gpu:
+            torch.cuda.synchronize()
+    where = "GPU 0" if args.gpu else "CPU stand-in, not a GPU number"
+    print(f"cached call, µs ({where}; min of {args.rounds} rounds of {args.calls} calls)")
+    for name, us in best.items():
+        parts = "".join(f"  {piece} {t:5.2f}" for piece, t in pieces.get(name, {}).items())
+        print(f"  {name:16s} {us:6.2f}{parts}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Cached calls on the GPU: a call that hits the plan cache runs through the shim's C replay, so its
+results must be bitwise those of the same call planned from scratch, for every path the replay has
+(given and allocated outputs, the backward's zeroed workspace, deterministic and atomic dQ, dropout by
+value, varlen), with fresh inputs on every call (the cached launches get this call's pointers) and
+outputs poisoned before each run. Errors a hit must still raise (overlap, alignment) write nothing.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fmha_rt  # noqa: E402
+from fmha_rt import api, reference  # noqa: E402
+from gpu_tensors import f64, nan_like, rand  # noqa: E402
+
+B, S, H, D = 2, 320, 4, 64
+
+
+def inputs(seed, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [rand((B, S, H, D), dtype, gen) for _ in range(4)]  # q, k, v, dout
+
+
+def uncached(monkeypatch, call):
+    with monkeypatch.context() as m:
+        m.setattr(api, "_request", lambda *_: None)
+        return call()
+
+
+def run(q, k, v, dout, opts, bwd_opts, allocate):
+    if allocate:
+        out, lse = fmha_rt.mha_fwd(q, k, v, **opts)
+        grads = fmha_rt.mha_bwd(dout, q, k, v, out, lse, **opts, **bwd_opts)
+    else:
+        out, lse = nan_like(q.shape, q.dtype), nan_like((B, H, S), torch.float32)
+        fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, **opts)
+        grads = tuple(nan_like(t.shape, t.dtype) for t in (q, k, v))
+        fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **opts, **bwd_opts)
+    torch.cuda.synchronize()
+    return (out, lse, *grads)
+
+
+CASES = {
+    "causal det given": ({"causal": True}, {"deterministic": True}, False),
+    "window atomic allocated": ({"window": (64, 16)}, {}, True),
+    "dropout by value": ({"dropout_p": 0.2, "seed": 11, "offset": 4}, {"deterministic": True}, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_hits_are_bitwise_the_uncached_calls(monkeypatch, case):
+    opts, bwd_opts, allocate = CASES[case]
+    fmha_rt.clear_plan_cache()
+    first = inputs(1)
+    run(*first, opts, bwd_opts, allocate)
+    run(*first, opts, bwd_opts, allocate)  # the second sighting records
+    hits = fmha_rt.plan_cache_info()["hits"]
+    for seed in (2, 3, 4):  # fresh inputs: every hit writes its own pointers
+        fresh = inputs(seed)
+        got = run(*fresh, opts, bwd_opts, allocate)
+        want = uncached(monkeypatch, lambda: run(*fresh, opts, bwd_opts, allocate))
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert not torch.isnan(g).any(), f"{name}: unwritten elements on a hit"
+            if bwd_opts.get("deterministic") or name in ("out", "lse"):
+                assert torch.equal(g, w), f"{name}: a hit differs from the uncached call"
+            else:  # atomic dQ adds in any order: equal up to rounding
+                assert reference.rel_err(f64(g), f64(w)) < 1e-3, name
+    assert fmha_rt.plan_cache_info()["hits"] == hits + 6
+
+
+def test_varlen_hits_match_the_reference():
+    fmha_rt.clear_plan_cache()
+    lengths = (100, 257, 31)
+    total = sum(lengths)
+    cu = torch.tensor([0, 100, 357, total], dtype=torch.int32, device="cuda")
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v, dout = (rand((total, H, D), torch.float16, gen) for _ in range(4))
+        out, lse = fmha_rt.mha_varlen_fwd(q, k, v, cu, cu, 257, 257, causal=True)
+        dq, dk, dv = fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, cu, cu, 257, 257, causal=True,
+                                            deterministic=True)
+        start = 0
+        for n in lengths:
+            rows = slice(start, start + n)
+            one = [f64(t[rows]).reshape(1, n, H, D) for t in (q, k, v, dout)]
+            ro, _ = reference.mha_fwd_ref(*one[:3], window=(-1, 0))
+            rdq, rdk, rdv, _ = reference.mha_bwd_ref(one[3], *one[:3], window=(-1, 0))
+            for name, got, want in (("out", out, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+                err = reference.rel_err(f64(got[rows]).reshape(want.shape), want)
+                assert err < 1e-2, f"seed {seed}, sequence of {n}: {name} relative error {err:.2e}"
+            start += n
+    assert fmha_rt.plan_cache_info()["hits"] == 2  # the third round's two calls (the first sees, the second records)
+
+
+def test_refused_hits_write_nothing():
+    fmha_rt.clear_plan_cache()
+    q, k, v, dout = inputs(5)
+    out, lse = nan_like(q.shape, q.dtype), nan_like((B, H, S), torch.float32)
+    for _ in range(2):
+        fmha_rt.mha_fwd(q, k, v, out=out, lse=lse)
+    base = torch.full((q.numel() + 8,), 7.0, device="cuda", dtype=q.dtype)
+    misaligned = base[4:4 + q.numel()].view(q.shape)  # 8 bytes in, q's shape and strides
+    poisoned = nan_like(q.shape, q.dtype)
+    with pytest.raises(fmha_rt.FmhaValueError, match="16-byte aligned"):
+        fmha_rt.mha_fwd(misaligned, k, v, out=poisoned, lse=lse)
+    with pytest.raises(fmha_rt.FmhaValueError, match="output out overlaps q"):
+        fmha_rt.mha_fwd(poisoned, k, v, out=poisoned, lse=lse)
+    torch.cuda.synchronize()
+    assert torch.isnan(poisoned).all(), "a refused hit wrote its output"
+    assert fmha_rt.plan_cache_info()["hits"] == 2
