@@ -413,7 +413,8 @@ def _option_values(opts: dict) -> tuple:
             opts["dropout_p"])
 
 
-_DEFAULT_OPTIONS_KEY = (type(_COMMON["window"]), None, _option_values(_COMMON), tuple(map(type, _option_values(_COMMON))))
+# The options' part of the key of a call that gives no option: a string, whose hash Python keeps.
+_DEFAULT_OPTIONS = "default options"
 
 
 def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: int):
@@ -425,13 +426,12 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
     and, when dropout is off, seed and offset (none of them reach validation or the plan); with
     dropout on, a seed by value and the offset are per-call values (replay validates them again)."""
     try:
-        if opts is _COMMON:  # no option given: the options' part of the key is always the same
-            window_type, seed_kind, values, types = _DEFAULT_OPTIONS_KEY
+        if opts is _COMMON:
+            options = _DEFAULT_OPTIONS
         else:
             window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
             if type(window) not in (tuple, list) or len(window) != 2:
                 return None
-            window_type = type(window)
             values = _option_values(opts)
             types = tuple(map(type, values))
             if not _KEY_TYPES.issuperset(types):
@@ -439,11 +439,12 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
             seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
             if seed_kind == "array":
                 arrays = {**arrays, "seed": seed}
+            options = (type(window), seed_kind, values, types)
         scalar_types = tuple(map(type, scalars))
         if not _KEY_TYPES.issuperset(scalar_types):
             return None
         descriptions, addresses, imported = signatures(arrays, handle)
-        return (function, window_type, seed_kind, values, types, scalars, scalar_types, *descriptions), addresses, imported
+        return (function, options, scalars, scalar_types, *descriptions), addresses, imported
     except Exception:  # noqa: BLE001 - a value no signature describes: the slow path says what is wrong
         return None
 

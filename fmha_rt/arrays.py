@@ -118,7 +118,7 @@ def signatures(objects: dict, stream: int):
         if obj is None:
             descriptions.append(None)
         elif type(obj) in torch_types and not obj.is_neg():  # stride() raises for non-strided layouts
-            descriptions.append((type(obj), obj.shape, obj.stride(), obj.dtype, obj.device))
+            descriptions.append((obj.shape, obj.stride(), obj.dtype, obj.device))  # a Parameter keys as a Tensor
             addresses[name] = obj.data_ptr()
         else:
             arg = imported[name] = Arg(name, obj, stream)

@@ -81,7 +81,9 @@ class Ready:
 
 def _native_replay_ops():
     return ffi.new("fmha_replay_ops *", {"launch": ffi.addressof(lib, "fmha_launch_prepared"),
-                                         "memset_d8": ffi.addressof(lib, "fmha_memset_d8")})
+                                         "memset_d8": ffi.addressof(lib, "fmha_memset_d8"),
+                                         "mem_alloc": ffi.addressof(lib, "fmha_mem_alloc"),
+                                         "mem_free": ffi.addressof(lib, "fmha_mem_free")})
 
 
 # The driver calls of a cached plan's replay (replay.c): the shim's own (a stand-in runtime swaps them).

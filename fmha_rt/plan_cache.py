@@ -126,10 +126,11 @@ class BoundLaunches(Ready):
     """A cached plan's launches with one call's values: a sequence of BoundLaunch, which executor.run
     launches together through one C call (replay.c) that checks the values, writes them in and launches."""
 
-    __slots__ = ("plan", "values")
+    __slots__ = ("allocate", "plan", "values")
 
-    def __init__(self, plan: CallPlan, values: dict):
-        self.plan, self.values = plan, values
+    def __init__(self, plan: CallPlan, values: dict, allocate: bool = False):
+        """`allocate`: the replay allocates the workspace itself (and frees it after the launches)."""
+        self.plan, self.values, self.allocate = plan, values, allocate
 
     @property
     def keys(self) -> tuple:
@@ -144,7 +145,8 @@ class BoundLaunches(Ready):
     def launch(self, stream: int) -> None:
         plan = self.plan
         failed = ffi.new("size_t *")
-        status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, plan.ordered(self.values), stream, failed)
+        status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, plan.ordered(self.values), stream,
+                                 self.allocate, failed)
         if status:
             plan.raise_for(status, failed[0], self.values)
 
@@ -152,7 +154,7 @@ class BoundLaunches(Ready):
 class ReplayProgram:
     """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
 
-    def __init__(self, device: int, templates, names: tuple, overlaps, fills):
+    def __init__(self, device: int, templates, names: tuple, overlaps, fills, workspace_bytes: int):
         index = {name: i for i, name in enumerate(names)}
         self.templates = [ffi.new("char[]", t.packed) for t in templates]
         self.launches = ffi.new("fmha_launch_config[]", [{
@@ -170,7 +172,8 @@ class ReplayProgram:
         self.plan = ffi.new("fmha_replay_plan *", {
             "device": device, "launch_count": len(templates), "launches": self.launches,
             "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
-            "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills})
+            "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
+            "workspace_value": index.get(WORKSPACE, 0), "workspace_bytes": workspace_bytes})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +226,8 @@ class CallPlan:
                     if failed == 0:
                         executor.check_pointer(template.entry, slot, values[value] + addend, align)
                     failed -= 1
+        if failed == lib.FMHA_REPLAY_FAILED_ALLOC:
+            backend.check(status, "fmha_mem_alloc", device=self.device)
         if failed < len(self.zeroed):
             backend.check(status, "fmha_memset_d8", device=self.device)
         failed -= len(self.zeroed)
@@ -242,11 +247,11 @@ def _overlap_bounds(pairs) -> tuple:
     return tuple((name, other, lo - ohi, hi - olo) for (name, lo, hi), (other, olo, ohi) in pairs)
 
 
-def _value_names(templates, overlaps, zeroed) -> tuple:
-    """Every value the C program reads, in the order it indexes them."""
+def _value_names(templates, overlaps, workspace: bool) -> tuple:
+    """Every value the C program reads or (the workspace's) writes, in the order it indexes them."""
     names = dict.fromkeys(value for t in templates for _, _, value, _, _ in t.patches)
     names.update(dict.fromkeys(name for output, other, _, _ in overlaps for name in (output, other)))
-    if zeroed:
+    if workspace:
         names[WORKSPACE] = None
     return tuple(names)
 
@@ -300,16 +305,17 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
     if any(not -2**63 <= bound < 2**63 for *_, low, high in overlaps for bound in (low, high)):
         return None
     zeroed = tuple((r.offset, r.nbytes) for r in regions if r.zero_init)
-    names = _value_names(templates, overlaps, zeroed)
+    workspace_bytes = layout.total_bytes if layout is not None else 0
+    names = _value_names(templates, overlaps, workspace_bytes > 0)
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
         keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=tuple(o.name for o in specs),
         allocated=tuple((i, o) for i, o in enumerate(specs) if not o.given), overlaps=overlaps,
         spans=(*input_spans, *((o.name, *o.span) for o in specs)),
-        workspace_bytes=layout.total_bytes if layout is not None else 0,
+        workspace_bytes=workspace_bytes,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False,
         zeroed=zeroed, philox_by_value=by_value, ordered=_getter(names) if names else lambda values: (),
-        replay_program=ReplayProgram(device, templates, names, overlaps, zeroed)), values
+        replay_program=ReplayProgram(device, templates, names, overlaps, zeroed, workspace_bytes)), values
 
 
 def replay(plan: CallPlan, template, given: dict, values: dict, stream: int, workspace_alloc):
@@ -321,14 +327,17 @@ def replay(plan: CallPlan, template, given: dict, values: dict, stream: int, wor
         arrays[i], values[o.name] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
     keep_alive = None
     values[WORKSPACE] = 0  # no workspace (nothing to hold): its regions are empty and point at 0, as planned
-    if plan.workspace_bytes:
+    # Our own workspace is allocated by the replay in C, unless launches are logged (the log shows
+    # every address, so the workspace must have one before the replay starts).
+    in_replay = plan.workspace_bytes > 0 and workspace_alloc is None and not launch_module.log_config_enabled()
+    if plan.workspace_bytes and not in_replay:
         keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
                                            workspace_alloc)
         if workspace_alloc is not None:  # memory we allocated ourselves overlaps no live array
             check_spans([(ws.name, *ws.span())], [(name, values[name] + lo, values[name] + hi)
                                                   for name, lo, hi in plan.spans])
         values[WORKSPACE] = ws.pointer.address
-    executor.run(plan.device, plan.arch, BoundLaunches(plan, values), stream)
+    executor.run(plan.device, plan.arch, BoundLaunches(plan, values, in_replay), stream)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
     arrays = tuple(arrays)
     return finish_outputs(template, arrays, stream) if plan.kind in JAX_KINDS else arrays

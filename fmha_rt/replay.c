@@ -35,11 +35,8 @@ static int misaligned(const fmha_replay_plan *p, const uint64_t *values, size_t 
     return 0;
 }
 
-int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, const uint64_t *values, uint64_t stream,
-                size_t *failed) {
-    if (p == NULL || ops == NULL || values == NULL || failed == NULL) return FMHA_ERR_BAD_ARGUMENT;
-    if (overlaps(p, values, failed)) return FMHA_ERR_OVERLAP;
-    if (misaligned(p, values, failed)) return FMHA_ERR_MISALIGNED;
+static int fill_and_launch(const fmha_replay_plan *p, const fmha_replay_ops *ops, const uint64_t *values,
+                           uint64_t stream, size_t *failed) {
     for (size_t i = 0; i < p->fill_count; ++i) {
         const fmha_replay_fill *f = &p->fills[i];
         if (f->nbytes == 0) continue; /* an empty region may point anywhere */
@@ -70,4 +67,22 @@ int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, const uin
         }
     }
     return FMHA_OK;
+}
+
+int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, uint64_t *values, uint64_t stream,
+                int allocate_workspace, size_t *failed) {
+    if (p == NULL || ops == NULL || values == NULL || failed == NULL) return FMHA_ERR_BAD_ARGUMENT;
+    if (overlaps(p, values, failed)) return FMHA_ERR_OVERLAP;
+    uint64_t workspace = 0;
+    if (allocate_workspace) {
+        int status = ops->mem_alloc(p->device, p->workspace_bytes, stream, &workspace);
+        if (status != FMHA_OK) {
+            *failed = FMHA_REPLAY_FAILED_ALLOC;
+            return status;
+        }
+        values[p->workspace_value] = workspace;
+    }
+    int status = misaligned(p, values, failed) ? FMHA_ERR_MISALIGNED : fill_and_launch(p, ops, values, stream, failed);
+    if (allocate_workspace) ops->mem_free(p->device, workspace, stream); /* stream-ordered: after the launches */
+    return status;
 }

@@ -110,9 +110,13 @@ int fmha_stream_synchronize(int device, uint64_t stream);
    a patch writes value + addend into an 8-byte argument slot of one launch's template, after
    checking its alignment. Everything is checked before anything is written: the overlap bounds
    first (an output whose address less another array's lies strictly between low and high overlaps
-   it), then every patch; only then are the zero fills set and the kernels launched, in order. */
+   it), then every patch; only then are the zero fills set and the kernels launched, in order. With
+   allocate_workspace the replay allocates the workspace itself (stream-ordered, after the overlap
+   checks: fresh memory overlaps nothing), stores its address at values[workspace_value] and frees it
+   on the stream after the launches, whatever happened. */
 #define FMHA_ERR_OVERLAP 7    /* *failed: the index of the overlap bound that matched */
 #define FMHA_ERR_MISALIGNED 8 /* *failed: the index of the patch whose address is misaligned */
+#define FMHA_REPLAY_FAILED_ALLOC 4294967295 /* *failed when allocating the workspace failed */
 
 typedef struct fmha_replay_patch {
     uint32_t launch;     /* patches come sorted by launch */
@@ -136,6 +140,8 @@ typedef struct fmha_replay_fill {
 typedef struct fmha_replay_ops {
     int (*launch)(const fmha_launch_config *config, uint64_t stream);
     int (*memset_d8)(int device, uint64_t ptr, unsigned char value, size_t bytes, uint64_t stream);
+    int (*mem_alloc)(int device, size_t bytes, uint64_t stream, uint64_t *ptr);
+    int (*mem_free)(int device, uint64_t ptr, uint64_t stream);
 } fmha_replay_ops;
 
 #define FMHA_REPLAY_MAX_ARGS 4096 /* bytes of one launch's arguments */
@@ -150,13 +156,16 @@ typedef struct fmha_replay_plan {
     const fmha_replay_overlap *overlaps;
     size_t fill_count;
     const fmha_replay_fill *fills;
+    uint32_t workspace_value; /* the workspace's value index */
+    uint64_t workspace_bytes;
 } fmha_replay_plan;
 
 /* Run `plan` with `values` on `stream`. Returns FMHA_OK; FMHA_ERR_OVERLAP or FMHA_ERR_MISALIGNED with
-   *failed naming the check (nothing was written); or what a fill or launch returned, with *failed
-   the index of that fill, or fill_count plus the index of that launch. */
-int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, const uint64_t *values, uint64_t stream,
-                size_t *failed);
+   *failed naming the check (nothing was written); or what the workspace allocation, a fill or a launch
+   returned, with *failed FMHA_REPLAY_FAILED_ALLOC, the index of that fill, or fill_count plus the index
+   of that launch. */
+int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64_t *values, uint64_t stream,
+                int allocate_workspace, size_t *failed);
 
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);

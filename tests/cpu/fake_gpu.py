@@ -95,8 +95,8 @@ class StandInRuntime:
         monkeypatch.setattr(launch, "REPLAY_OPS", self._replay_ops())
 
     def _replay_ops(self):
-        """The cached plans' C replay calls back into Python for its launches and memsets: launches go
-        to launch._launch (which tests replace to record them), memsets to this stand-in."""
+        """The cached plans' C replay calls back into Python for its launches, memsets and workspace:
+        launches go to launch._launch (which tests replace to record them), the rest to this stand-in."""
         def failed(exc_type, exc, tb):
             self.callback_errors.append(exc)
             return 1  # FMHA_ERR_DRIVER: the call fails as a driver failure would
@@ -110,8 +110,18 @@ class StandInRuntime:
             backend.memset(device, ptr, value, nbytes, stream)
             return 0
 
-        self._callbacks = (replay_launch, replay_memset)  # alive as long as the ops point at them
-        return ffi.new("fmha_replay_ops *", {"launch": replay_launch, "memset_d8": replay_memset})
+        @ffi.callback("int(int, size_t, uint64_t, uint64_t *)", onerror=failed)
+        def replay_alloc(device, nbytes, stream, ptr):
+            ptr[0] = backend.mem_alloc(device, nbytes, stream)
+            return 0
+
+        @ffi.callback("int(int, uint64_t, uint64_t)", onerror=failed)
+        def replay_free(device, ptr, stream):
+            backend.mem_free(device, ptr, stream)
+            return 0
+
+        self._callbacks = (replay_launch, replay_memset, replay_alloc, replay_free)  # alive while the ops point here
+        return ffi.new("fmha_replay_ops *", dict(zip(("launch", "memset_d8", "mem_alloc", "mem_free"), self._callbacks)))
 
     @contextlib.contextmanager
     def device_scope(self, ordinal):

@@ -605,3 +605,30 @@ def test_a_failed_launch_on_a_hit_names_the_call_kernel_and_device(monkeypatch, 
     assert raised.value.call == "fmha_launch" and raised.value.kernel == keys[1] and raised.value.device == 0
     assert len(calls) == 2, "nothing is launched after the failed launch"
     assert hits() == 1
+
+
+def test_a_hit_allocates_its_workspace_in_the_replay_and_frees_it_after_the_launches(monkeypatch, rt, driver):
+    x = Inputs(rt)
+
+    def call():
+        return fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True)
+
+    warm(call)
+    driver.take()
+    allocated = []
+    alloc = rt.mem_alloc
+
+    def watch(ordinal, nbytes, stream=0):
+        allocated.append(alloc(ordinal, nbytes, stream))
+        return allocated[-1]
+
+    monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch)
+    call()
+    assert hits() == 1 and len(allocated) == 1 and allocated[0] not in rt.allocations, "freed after the launches"
+    launched = {key: unpack(key, packed) for key, _, packed, _ in driver.take()}
+    dkdv = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dkdv_"))
+    assert allocated[0] <= dkdv["Delta"] < allocated[0] + (1 << 20), "the regions point into this call's workspace"
+    rt.limit = 0  # the next allocation fails as the driver fails when out of memory
+    with pytest.raises(DriverError, match="fmha_mem_alloc"):
+        call()
+    assert driver.take() == [] and not rt.problems
