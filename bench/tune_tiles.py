@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -240,7 +241,8 @@ def cmd_time(args):
     if args.out:
         import triton
 
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        args.out.write_text(json.dumps({"date": date, "gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                                         "torch": torch.__version__, "results": results}, indent=1) + "\n")
 
 

@@ -3,8 +3,8 @@
 Passes, in launch order:
 1. fmha_bwd_preprocess: Delta = rowsum(dO * O) in fp32 (one program per query block and head).
 2. fmha_bwd_dkdv: one program per (key block, kv head, batch entry). It loops over the group's query
-   heads and the visible query blocks in a fixed order (mask-free blocks of every head first, then the
-   masked ones), so dK and dV (summed over the group) are deterministic. It also writes dS for the bias gradient and, in the ATOMIC dQ strategy, adds
+   heads and the visible query blocks in a fixed order, so dK and dV (summed over the group) are
+   deterministic. It also writes dS for the bias gradient and, in the ATOMIC dQ strategy, adds
    dS @ K into an fp32 dQ workspace with atomics.
 3. DETERMINISTIC dQ strategy: fmha_bwd_dq, one program per query block looping over its visible key
    blocks in a fixed order; it recomputes P and dP, writes dQ in the output dtype, and needs no
@@ -208,33 +208,27 @@ def fmha_bwd_dkdv(
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
                 BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
     else:
-        # Two flat loops over (query head of the group, query block): first every head's mask-free
-        # blocks, then every head's masked ones, each body compiled for its case. A loop per head around
-        # them would keep both inner loops' invariants live through the outer one: at 128 wide that
-        # spilled 0.4-1 KiB per thread where these two loops spill little or nothing (NOTES.md).
-        n_full = full_hi - full_lo
-        for t in range(0, kv_group_size * n_full):
-            g = t // n_full
-            dk, dv = _dkdv_head_block(
-                dk, dv, k, v, n0, keys, (full_lo + t - g * n_full) * BLOCK_M, hk * kv_group_size + g, b, b64,
-                q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk,
-                offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
-                stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
-                stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
-                drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
-        n_masked = (full_lo - lo) + (hi - full_hi)
-        for t in range(0, kv_group_size * n_masked):
-            g = t // n_masked
-            dk, dv = _dkdv_head_block(
-                dk, dv, k, v, n0, keys, masked_block(t - g * n_masked, lo, full_lo, full_hi) * BLOCK_M,
-                hk * kv_group_size + g, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta, DqAcc, Bias,
-                dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h,
-                stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
-                stride_ds_b, stride_ds_h, stride_ds_s, lse_stride_b, lse_stride_h, delta_stride_b,
-                delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed,
-                philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, True,
-                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+        # Per head: the mask-free blocks, then the masked ones, each loop body compiled for its case.
+        for g in range(0, kv_group_size):
+            for blk in range(full_lo, full_hi):
+                dk, dv = _dkdv_head_block(
+                    dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off,
+                    left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
+                    dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                    stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                    drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+            for t in range(0, (full_lo - lo) + (hi - full_hi)):
+                dk, dv = _dkdv_head_block(
+                    dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, hk * kv_group_size + g,
+                    b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m,
+                    offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s,
+                    stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h,
+                    stride_ds_s, lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b,
+                    stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
+                    seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, True, BIAS_KIND, DROPOUT,
+                    DQ_ATOMIC, BLOCK_N)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
              + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),
