@@ -558,7 +558,8 @@ class BwdLauncher:
 
     def run(self, device: int, tensors: dict, stream: int, launches=None) -> list[str]:
         """Plan (unless `launches` are planned already), check and pack every launch; only then zero the
-        regions that must start at zero (so a refused call writes no memory at all) and launch."""
+        regions that must start at zero (so a refused call writes no memory at all) and launch. Returns
+        the variant keys launched."""
         launches = self.plan(tensors) if launches is None else launches
 
         def zero_regions():
@@ -568,7 +569,7 @@ class BwdLauncher:
 
         # a cached plan's launches zero the regions themselves, after their own checks
         ready = isinstance(launches, Ready)
-        return executor.run(device, self.arch, launches, stream, before_launch=None if ready else zero_regions)
+        return list(executor.run(device, self.arch, launches, stream, before_launch=None if ready else zero_regions))
 
 
 def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, record):

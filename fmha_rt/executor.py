@@ -72,9 +72,10 @@ def prepare(device: int, arch: str, launches, stream: int = 0) -> Prepared:
     return prepared
 
 
-def run(device: int, arch: str, launches, stream: int, before_launch=None) -> list[str]:
-    """Launch every kernel of `launches` on `stream`; returns their variant keys. `before_launch` runs
-    once every launch is checked and packed, right before the first (e.g. zeroing a workspace)."""
+def run(device: int, arch: str, launches, stream: int, before_launch=None):
+    """Launch every kernel of `launches` on `stream`; returns their variant keys (a sequence).
+    `before_launch` runs once every launch is checked and packed, right before the first (e.g. zeroing
+    a workspace)."""
     if isinstance(launches, Ready):  # a cached plan's: checked and packed in C as they launch
         if log_config_enabled():
             for launch in launches:
@@ -87,7 +88,7 @@ def run(device: int, arch: str, launches, stream: int, before_launch=None) -> li
     ready.launch(stream)
     keys = ready.keys
     _local.last = (keys, device)  # made into last_launch_info's dict when asked, not on every call
-    return list(keys)
+    return keys
 
 
 def last_launch_info() -> dict:

@@ -78,6 +78,7 @@ class LaunchTemplate:
             self.patches.append((slot.offset, slot.name, value, addend, align))
 
 
+_thread = threading.local()
 PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
 
 
@@ -144,7 +145,9 @@ class BoundLaunches(Ready):
 
     def launch(self, stream: int) -> None:
         plan = self.plan
-        failed = ffi.new("size_t *")
+        failed = getattr(_thread, "failed", None)
+        if failed is None:
+            failed = _thread.failed = ffi.new("size_t *")  # where a refused replay says what failed
         status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, plan.ordered(self.values), stream,
                                  self.allocate, failed)
         if status:

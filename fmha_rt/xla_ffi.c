@@ -6,7 +6,8 @@
  * regions to zero, and per launch the kernel key, grid, block, shared memory, the packed argument
  * template and the pointer slots to fill with buffer addresses. Everything the handler needs is in
  * the program, the call's buffers and the shim (kernel images registered at trace time, the kernel
- * map, fmha_launch), so it never calls into Python and never takes the GIL.
+ * map, and fmha_replay, which runs the plan-cache hits of the Python API too), so it never calls into
+ * Python and never takes the GIL.
  *
  * Written against XLA's C FFI API (xla/ffi/api/c_api.h from jaxlib) and nothing else of XLA's.
  */
@@ -25,7 +26,7 @@
 #define MAX_BUFFERS 32
 #define MAX_LAUNCHES 16
 #define MAX_PATCHES 128
-#define MAX_TEMPLATE_BYTES 4096 /* the manifest's limit on a kernel's parameter bytes */
+#define MAX_TEMPLATE_BYTES FMHA_REPLAY_MAX_ARGS /* the manifest's limit on a kernel's parameter bytes */
 #define KEY_CHARS 160           /* the shim's kernel key limit */
 #define LABEL_CHARS 256
 #define POINTER_ALIGN 16        /* the build promised the compiler 16-byte aligned pointers */
@@ -53,14 +54,12 @@ typedef struct launch {
     unsigned int grid[3], block[3], shared_bytes;
     const char *template_bytes; /* inside the attribute */
     size_t args_size;
-    size_t args_offset; /* where its patched copy goes in the call's argument space */
     size_t first_patch, patch_count;
 } launch;
 
 typedef struct program {
     char label[LABEL_CHARS];
     size_t operands, results, fill_count, launch_count;
-    size_t args_total; /* bytes of all launches' argument copies, each starting 8-byte aligned */
     int64_t dtype[MAX_BUFFERS];
     uint64_t nbytes[MAX_BUFFERS];
     zero_fill fills[MAX_BUFFERS];
@@ -137,7 +136,6 @@ static const char *decode(const int64_t *words, size_t count, program *p) {
         p->fills[i].nbytes = read_range(&r, 0, INT64_MAX);
     }
     size_t patches = 0;
-    p->args_total = 0;
     for (size_t i = 0; i < p->launch_count && !r.bad; ++i) {
         launch *l = &p->launches[i];
         read_string(&r, l->key, sizeof l->key);
@@ -145,8 +143,6 @@ static const char *decode(const int64_t *words, size_t count, program *p) {
         for (int d = 0; d < 3; ++d) l->block[d] = (unsigned int)read_range(&r, 1, 1024);
         l->shared_bytes = (unsigned int)read_range(&r, 0, UINT32_MAX);
         l->template_bytes = read_bytes(&r, MAX_TEMPLATE_BYTES, &l->args_size);
-        l->args_offset = p->args_total;
-        p->args_total += (l->args_size + 7) / 8 * 8;
         l->first_patch = patches;
         l->patch_count = read_range(&r, 0, MAX_PATCHES - (int64_t)patches);
         for (size_t j = 0; j < l->patch_count && !r.bad; ++j, ++patches) {
@@ -263,9 +259,13 @@ static int call_device(const XLA_FFI_Api *api, const XLA_FFI_CallFrame *frame, i
 
 /* ---- running it ---- */
 
-/* Everything is checked and every argument buffer filled before the first write to device memory,
-   so a refused call leaves the outputs and the workspace untouched. */
-static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, const program *p, char *args) {
+/* The program as a replay (replay.c, the executor of cached calls too): the call's buffer addresses
+   are its values, each patch a buffer plus an offset, each zero fill a region of a buffer. The replay
+   checks every pointer's alignment before the first write to device memory, so a refused call leaves
+   the outputs and the workspace untouched. */
+static const fmha_replay_ops replay_ops = {fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free};
+
+static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, const program *p) {
     XLA_FFI_Error *error = check_buffers(api, frame, p);
     if (error) return error;
     if (fmha_backend() == 0)
@@ -283,49 +283,56 @@ static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, cons
         return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: cannot tell which device XLA runs the call on "
                     "(%s)", p->label, fmha_last_error());
 
+    uint64_t values[MAX_BUFFERS];
+    for (size_t i = 0; i < p->operands + p->results; ++i) values[i] = (uint64_t)(uintptr_t)buffer_at(frame, p, i)->data;
+    fmha_replay_fill fills[MAX_BUFFERS];
     for (size_t i = 0; i < p->fill_count; ++i) {
         const zero_fill *f = &p->fills[i];
         if (f->offset > p->nbytes[f->buffer] || f->nbytes > p->nbytes[f->buffer] - f->offset)
             return fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt %s: a zeroed region [%llu, +%llu) lies "
                         "outside buffer %zu", p->label, (unsigned long long)f->offset,
                         (unsigned long long)f->nbytes, f->buffer);
+        fills[i] = (fmha_replay_fill){(uint32_t)f->buffer, f->offset, f->nbytes};
     }
-    fmha_kernel *kernels[MAX_LAUNCHES];
+    fmha_launch_config launches[MAX_LAUNCHES];
+    fmha_replay_patch patches[MAX_PATCHES];
+    size_t patch_count = 0;
     for (size_t i = 0; i < p->launch_count; ++i) {
         const launch *l = &p->launches[i];
-        char *cursor = args + l->args_offset;
-        if (fmha_image_kernel(device, l->key, &kernels[i]) != FMHA_OK)
+        fmha_kernel *kernel;
+        if (fmha_image_kernel(device, l->key, &kernel) != FMHA_OK)
             return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: kernel '%s' on device %d: %s", p->label,
                         l->key, device, fmha_last_error());
-        memcpy(cursor, l->template_bytes, l->args_size);
-        for (size_t j = l->first_patch; j < l->first_patch + l->patch_count; ++j) {
+        launches[i] = (fmha_launch_config){kernel, {l->grid[0], l->grid[1], l->grid[2]},
+                                           {l->block[0], l->block[1], l->block[2]}, l->shared_bytes,
+                                           (void *)l->template_bytes, l->args_size};
+        for (size_t j = l->first_patch; j < l->first_patch + l->patch_count; ++j, ++patch_count) {
             const patch *pt = &p->patches[j];
-            uint64_t base = (uint64_t)(uintptr_t)buffer_at(frame, p, pt->buffer)->data;
-            uint64_t address = base + pt->offset;
-            if (pt->offset > p->nbytes[pt->buffer] || address % POINTER_ALIGN)
-                return fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt %s: kernel '%s' on device %d: "
-                            "the pointer at argument byte %zu (buffer %zu + %llu = 0x%llx) is outside its buffer or "
-                            "not %d-byte aligned", p->label, l->key, device, pt->arg_offset, pt->buffer,
-                            (unsigned long long)pt->offset, (unsigned long long)address, POINTER_ALIGN);
-            memcpy(cursor + pt->arg_offset, &address, sizeof address);
+            if (pt->offset > p->nbytes[pt->buffer])
+                return fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt %s: kernel '%s': the pointer at "
+                            "argument byte %zu (buffer %zu + %llu) is outside its buffer", p->label, l->key,
+                            pt->arg_offset, pt->buffer, (unsigned long long)pt->offset);
+            patches[patch_count] = (fmha_replay_patch){(uint32_t)i, (uint32_t)pt->arg_offset, (uint32_t)pt->buffer,
+                                                       POINTER_ALIGN, pt->offset};
         }
     }
-
-    for (size_t i = 0; i < p->fill_count; ++i) {
-        const zero_fill *f = &p->fills[i];
-        uint64_t address = (uint64_t)(uintptr_t)buffer_at(frame, p, f->buffer)->data + f->offset;
-        if (f->nbytes && fmha_memset_d8(device, address, 0, f->nbytes, stream) != FMHA_OK)
-            return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: zeroing the workspace on device %d: %s",
-                        p->label, device, fmha_last_error());
+    fmha_replay_plan plan = {device, p->launch_count, launches, patch_count, patches, 0, NULL, p->fill_count, fills,
+                             0, 0};
+    size_t failed = 0;
+    int status = fmha_replay(&plan, &replay_ops, values, stream, 0, &failed);
+    if (status == FMHA_OK) return NULL;
+    if (status == FMHA_ERR_MISALIGNED) {
+        const fmha_replay_patch *pt = &patches[failed];
+        return fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt %s: kernel '%s' on device %d: the pointer at "
+                    "argument byte %u (buffer %u + %llu = 0x%llx) is not %d-byte aligned", p->label,
+                    p->launches[pt->launch].key, device, pt->arg_offset, pt->value, (unsigned long long)pt->addend,
+                    (unsigned long long)(values[pt->value] + pt->addend), POINTER_ALIGN);
     }
-    for (size_t i = 0; i < p->launch_count; ++i) {
-        const launch *l = &p->launches[i];
-        if (fmha_launch(kernels[i], l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1], l->block[2],
-                        l->shared_bytes, stream, args + l->args_offset, l->args_size) != FMHA_OK)
-            return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: kernel '%s' on device %d: %s", p->label,
-                        l->key, device, fmha_last_error());
-    }
-    return NULL;
+    if (failed < p->fill_count)
+        return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: zeroing the workspace on device %d: %s", p->label,
+                    device, fmha_last_error());
+    return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: kernel '%s' on device %d: %s", p->label,
+                p->launches[failed - p->fill_count].key, device, fmha_last_error());
 }
 
 XLA_FFI_Error *fmha_xla_run_program(XLA_FFI_CallFrame *frame) {
@@ -337,7 +344,6 @@ XLA_FFI_Error *fmha_xla_run_program(XLA_FFI_CallFrame *frame) {
         return fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt: the custom call has no int64 array "
                     "attribute '%s' (call it through fmha_rt.jax)", PROGRAM_ATTRIBUTE);
     program *p = malloc(sizeof *p);
-    char *args = NULL;
     XLA_FFI_Error *error = NULL;
     const char *malformed = NULL;
     if (p == NULL)
@@ -345,11 +351,8 @@ XLA_FFI_Error *fmha_xla_run_program(XLA_FFI_CallFrame *frame) {
     else if ((malformed = decode(attribute->data, attribute->size, p)) != NULL)
         error = fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt: the launch program is malformed: %s",
                      malformed);
-    else if ((args = malloc(p->args_total ? p->args_total : 1)) == NULL)
-        error = fail(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "fmha_rt %s: out of host memory", p->label);
     else
-        error = run(api, frame, p, args);
-    free(args);
+        error = run(api, frame, p);
     free(p);
     return error;
 }
