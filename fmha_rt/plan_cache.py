@@ -9,12 +9,14 @@ dropout seed and offset given by value), the byte spans of the arrays relative t
 the outputs to allocate and the workspace layout. The recording call launches the plan's launches
 with its own values written in (so what later calls launch is what it launched, byte for byte), and
 the plan is kept once they are launched. A later call of that signature skips validation, planning
-and packing: `replay` reads its pointers, checks what depends on them (no output overlapping an
-input, alignment, the workspace), allocates what is missing, writes its values into a slot of the
-plan's launch pool (whose buffer holds the bytes that never change already) and hands those
-launches to executor.run. Whatever follows from the signature alone is worked out once, when the
-plan is recorded: the pairs of arrays to compare and the distances between their addresses at which
-they would overlap, the pointers to check grouped by alignment, where each per-call value goes.
+and packing: `replay` reads its pointers, allocates the outputs that are missing (and takes the
+workspace from the caller's workspace_alloc, if given) and hands the plan bound to this call's values
+to executor.run, which launches it with one C call (replay.c): that checks what depends on the
+pointers (no output overlapping an input, alignment), allocates our own workspace, writes the values
+into copies of the templates, zeroes the regions that must start at zero and launches. Whatever
+follows from the signature alone is worked out once, when the plan is recorded (ReplayProgram): the
+pairs of arrays to compare and the distances between their addresses at which they would overlap,
+each per-call slot's byte offset, value, addend and alignment.
 
 Anything record cannot trace to a per-call value (a pointer that is not one of the call's arrays or
 workspace regions, say) leaves the call uncached: a cached launch never carries a stale value.
@@ -350,7 +352,7 @@ class PlanCache:
     """Signature -> CallPlan, least recently used first out. A signature is recorded the second time it
     is seen (`admit`): a call whose shapes never repeat (varlen batches of changing lengths, say) pays
     no recording and pushes out no plan of the calls that do. Safe under concurrent calls: a lock
-    guards both dicts; plans are immutable once recorded (their launch pools are thread-safe)."""
+    guards both dicts; plans are immutable once recorded (a replay writes only to its own stack)."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
