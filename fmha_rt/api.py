@@ -328,6 +328,14 @@ def _outputs(call: _Call, specs, inputs):
     return arrays, records
 
 
+def carve(scratch, buf, tensors: dict) -> None:
+    """Put the regions of `scratch` (portable_plan.Scratch: a forward's padding scratch or a backward's
+    workspace) into the call's tensors, as addresses inside `buf` (None when there are no bytes)."""
+    base = buf.pointer.address if buf is not None else 0
+    for region in scratch.regions:
+        tensors[region.name] = Pointer(base + region.offset)
+
+
 def _with_work(launches):
     """Launches that have blocks to run: a grid with a zero dimension (no keys, say, so dK and dV are
     empty) does nothing, and the drivers refuse it."""
@@ -364,15 +372,17 @@ def _forward(call: _Call, out, lse, record):
     p = call.problem
     arrays, outputs = _outputs(call, [("out", out, _out_shape(p, p.head_dim_v), call.inputs[0].dtype),
                                       ("lse", lse, _lse_shape(p), "float32")], call.inputs)
-    # Head dims that are not multiples of 8 run on zero-padded copies in a scratch buffer of this call
-    # (its pointers are new on every call, so such calls are never cached).
-    padding = head_padding.for_forward(p, call.arch, call.tensors,
-                                       lambda nbytes: DeviceBuffer(call.device, (nbytes,), "uint8", call.stream))
+    # Head dims that are not multiples of 8 run on zero-padded copies in a scratch buffer, carved into
+    # regions as the backward's workspace is (so a cached call has the replay allocate it).
+    scratch = portable_plan.fwd_scratch(p)
+    keep_alive, scratch_arg = acquire_workspace(call.device, call.stream, scratch.total_bytes, False, None)
+    carve(scratch, scratch_arg, call.tensors)
+    padding = head_padding.for_pass(p, call.arch, call.tensors, "fwd")
     attention = portable_plan.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
     plan, launches = _recorded(record, call, _with_work(padding.before + attention + padding.after),
-                               call.inputs, outputs)
+                               call.inputs, outputs, scratch_arg, scratch)
     executor.run(call.device, call.arch, launches, call.stream)
-    del padding  # the scratch is freed stream-ordered, after the launches
+    del keep_alive  # the scratch is freed stream-ordered, after the launches
     return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
 
@@ -545,14 +555,12 @@ class BwdLauncher:
 
     def prepare_workspace(self, buf: Arg, tensors: dict) -> None:
         """Carve the workspace regions out of `buf` into the call's tensors."""
-        base = buf.pointer.address if buf is not None else 0
-        for region in self.workspace.regions:
-            tensors[region.name] = Pointer(base + region.offset)
+        carve(self.workspace, buf, tensors)
 
     def plan(self, tensors: dict) -> list:
         """The launches of this backward on `tensors` (arrays and workspace regions), with the copies
         into and out of zero-padded workspace buffers for head dims that are not multiples of 8."""
-        padding = head_padding.for_backward(self.problem, self.arch, tensors)
+        padding = head_padding.for_pass(self.problem, self.arch, tensors, "bwd")
         attention = portable_plan.plan_bwd(self.problem, self.arch, {**tensors, **padding.substitutes})
         return _with_work(padding.before + attention + padding.after)
 

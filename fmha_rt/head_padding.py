@@ -3,27 +3,26 @@
 The kernels take head dims in units of 8, so such a call runs on zero-padded copies: the inputs are
 widened into scratch buffers before the attention launches and the padded outputs narrowed back into
 the caller's arrays after them. The caller's arrays may have any strides (last dim contiguous) and
-need only be aligned to their element. The forward's buffers live in a scratch allocation of
-`fwd_scratch_bytes(problem)` bytes; the backward's are regions of its workspace (bwd_workspace), which
-BwdLauncher.prepare_workspace has already put into the call's tensors.
+need only be aligned to their element. The forward's buffers are regions of a scratch allocation of
+`fwd_scratch_bytes(problem)` bytes (portable_plan.fwd_scratch), the backward's are regions of its
+workspace (bwd_workspace); either way the API has put the regions into the call's tensors, like
+the backward's other workspace regions, so that cached calls allocate them in the replay.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from . import portable_plan
-from .packing import Pointer, pointer_value
 
 
 @dataclass(frozen=True)
 class HeadPadding:
     """What a call adds around its attention launches: run `before + attention + after`, with the
-    attention planned on `{**tensors, **substitutes}`, and keep `scratch` alive until all are queued."""
+    attention planned on `{**tensors, **substitutes}`."""
 
     before: list = field(default_factory=list)  # widen the inputs into their padded buffers
     after: list = field(default_factory=list)  # narrow the padded outputs into the caller's arrays
     substitutes: dict = field(default_factory=dict)  # padded buffers (and strides) for the caller's arrays
-    scratch: object = None  # the forward's scratch allocation, if any
 
 
 def fwd_scratch_bytes(problem) -> int:
@@ -31,20 +30,7 @@ def fwd_scratch_bytes(problem) -> int:
     return portable_plan.fwd_scratch(problem).total_bytes
 
 
-def for_forward(problem, arch, tensors, alloc) -> HeadPadding:
-    """Padding of a forward. alloc(nbytes) returns device memory (an array, a DeviceBuffer or a
-    Pointer) of at least nbytes, 256-byte aligned, on the call's stream; it is called only when the
-    problem pads, and nothing needs to be zeroed."""
-    scratch = portable_plan.fwd_scratch(problem)
-    if not scratch.regions:
-        return HeadPadding()
-    buffer = alloc(scratch.total_bytes) if scratch.total_bytes else None
-    base = pointer_value("forward scratch", buffer)
-    regions = {r.name: Pointer(base + r.offset) for r in scratch.regions}
-    before, after, substitutes = portable_plan.plan_head_padding(problem, arch, {**tensors, **regions}, "fwd")
-    return HeadPadding(before, after, substitutes, buffer)
-
-
-def for_backward(problem, arch, tensors) -> HeadPadding:
-    """Padding of a backward; its buffers are the '<name>_padded' workspace regions in `tensors`."""
-    return HeadPadding(*portable_plan.plan_head_padding(problem, arch, tensors, "bwd"))
+def for_pass(problem, arch, tensors, pass_name) -> HeadPadding:
+    """Padding of a forward ('fwd') or backward ('bwd'); its buffers are the '<name>_padded' regions
+    of the forward's scratch or the backward's workspace, which the caller has put into `tensors`."""
+    return HeadPadding(*portable_plan.plan_head_padding(problem, arch, tensors, pass_name))

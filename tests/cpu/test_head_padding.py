@@ -227,30 +227,26 @@ def _pointers_with_strides(problem):
     return tensors
 
 
-def test_forward_integration_allocates_the_scratch_and_substitutes_the_buffers():
+def test_forward_integration_substitutes_the_scratch_regions():
     problem = AttentionProblem(2, 64, 80, 4, 2, 5, 5, "bf16", window_left=-1, window_right=0)
     tensors = _pointers_with_strides(problem)
-    asked = []
-
-    def alloc(nbytes):
-        asked.append(nbytes)
-        return Pointer(0xA0000000)
-
-    padding = head_padding.for_forward(problem, "sm_90", tensors, alloc)
-    assert asked == [head_padding.fwd_scratch_bytes(problem)] and padding.scratch.address == 0xA0000000
+    scratch = pp.fwd_scratch(problem)
+    assert scratch.total_bytes == head_padding.fwd_scratch_bytes(problem) > 0 and not scratch.needs_zeroing
+    regions = {r.name: r for r in scratch.regions}
+    tensors.update({name: Pointer(0xA0000000 + r.offset) for name, r in regions.items()})
+    padding = head_padding.for_pass(problem, "sm_90", tensors, "fwd")
     assert [launch.variant for launch in padding.before] == ["fmha_pad_widen_bf16"] * 3
     assert [launch.variant for launch in padding.after] == ["fmha_pad_narrow_bf16"]
-    regions = {r.name: r for r in pp.fwd_scratch(problem).regions}
+    assert padding.substitutes["q"] is tensors["q_padded"] and padding.substitutes["out"] is tensors["out_padded"]
     assert padding.substitutes["q"].address == 0xA0000000 + regions["q_padded"].offset
-    assert padding.substitutes["out"].address == 0xA0000000 + regions["out_padded"].offset
     (fwd,) = pp.plan_fwd(problem, "sm_90", {**tensors, **padding.substitutes})
     assert fwd.args["Q"] is padding.substitutes["q"] and fwd.args["stride_q_s"] == 4 * 8
     assert fwd.args["Lse"] is tensors["lse"]  # lse has no head dim: written in place
     assert padding.after[0].args["UnalignedArray"] is tensors["out"]
-    # Nothing to pad: no allocation, nothing added.
+    # Nothing to pad: no scratch, nothing added.
     plain = AttentionProblem(2, 64, 80, 4, 2, 8, 8, "bf16")
-    assert head_padding.for_forward(plain, "sm_90", tensors, alloc) == head_padding.HeadPadding()
-    assert len(asked) == 1
+    assert pp.fwd_scratch(plain).regions == () and pp.fwd_scratch(plain).total_bytes == 0
+    assert head_padding.for_pass(plain, "sm_90", tensors, "fwd") == head_padding.HeadPadding()
 
 
 def test_backward_integration_uses_the_workspace_regions():
@@ -258,9 +254,8 @@ def test_backward_integration_uses_the_workspace_regions():
     tensors = _pointers_with_strides(problem)
     workspace = pp.bwd_workspace(problem, "sm_90")
     tensors.update({r.name: Pointer(0xB0000000 + r.offset) for r in workspace.regions})
-    padding = head_padding.for_backward(problem, "sm_90", tensors)
+    padding = head_padding.for_pass(problem, "sm_90", tensors, "bwd")
     assert [launch.args["UnalignedArray"] for launch in padding.before] == [tensors[n] for n in ("q", "k", "v", "out", "dout")]
     assert [launch.args["UnalignedArray"] for launch in padding.after] == [tensors[n] for n in ("dq", "dk", "dv")]
     launches = pp.plan_bwd(problem, "sm_90", {**tensors, **padding.substitutes})
     assert all(tensors[n] not in launch.args.values() for launch in launches for n in ("q", "dout", "dq"))
-    assert padding.scratch is None

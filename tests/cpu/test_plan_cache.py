@@ -99,11 +99,11 @@ def warm(call):
 class Inputs:
     """One set of arrays for every case (fresh memory, so each set has its own pointers)."""
 
-    def __init__(self, rt, *, hq=H, hk=H, varlen=False, bias=None, alibi=None, seed_array=False):
+    def __init__(self, rt, *, hq=H, hk=H, d=D, varlen=False, bias=None, alibi=None, seed_array=False):
         lead_q, lead_k = ((3 * S // 2,), (2 * S,)) if varlen else ((B, S), (B, S))
-        self.q = FakeGpuArray((*lead_q, hq, D))
-        self.k, self.v = FakeGpuArray((*lead_k, hk, D)), FakeGpuArray((*lead_k, hk, D))
-        self.out, self.dout = FakeGpuArray((*lead_q, hq, D)), FakeGpuArray((*lead_q, hq, D))
+        self.q = FakeGpuArray((*lead_q, hq, d))
+        self.k, self.v = FakeGpuArray((*lead_k, hk, d)), FakeGpuArray((*lead_k, hk, d))
+        self.out, self.dout = FakeGpuArray((*lead_q, hq, d)), FakeGpuArray((*lead_q, hq, d))
         self.lse = FakeGpuArray((hq, lead_q[0]) if varlen else (B, hq, S), "float32")
         self.dq, self.dk, self.dv = FakeGpuArray(self.q.shape), FakeGpuArray(self.k.shape), FakeGpuArray(self.v.shape)
         self.bias = FakeGpuArray(bias) if bias else None
@@ -160,6 +160,7 @@ CASES = {
     "bwd alibi dropout": (bwd, {"alibi": (H,)}, {"dropout_p": 0.1, "seed": 7, "offset": 3}),
     "varlen fwd": (varlen_fwd, {"hq": 8, "hk": 2, "varlen": True}, {"causal": True}),
     "varlen bwd": (varlen_bwd, {"varlen": True}, {"deterministic": True}),
+    "bwd head dim 60 (padded)": (bwd, {"d": 60}, {"causal": True}),
 }
 
 
@@ -183,8 +184,9 @@ def test_a_hit_launches_what_an_uncached_call_of_its_arrays_launches(monkeypatch
     # ... and the pointers really are the second call's: they differ from the first call's
     first_args = [unpack(k, b) for k, _, b, _ in uncached(monkeypatch, driver, make(first, **options))]
     second_args = [unpack(k, b) for k, _, b, _ in got]
-    attention = next(i for i, args in enumerate(second_args) if "Q" in args)
-    assert second_args[attention]["Q"] == second.q.ptr != first_args[attention]["Q"]
+    # the launch that reads q (the attention, or the copy that widens q when the head dim is padded)
+    reads_q = next(i for i, args in enumerate(second_args) if second.q.ptr in (args.get("Q"), args.get("UnalignedArray")))
+    assert second.q.ptr not in (first_args[reads_q].get("Q"), first_args[reads_q].get("UnalignedArray"))
     assert all(a != b for a, b in zip(first_args, second_args))
 
 
@@ -632,3 +634,32 @@ def test_a_hit_allocates_its_workspace_in_the_replay_and_frees_it_after_the_laun
     with pytest.raises(DriverError, match="fmha_mem_alloc"):
         call()
     assert driver.take() == [] and not rt.problems
+
+
+def test_a_padded_forward_hits_with_its_scratch_allocated_by_the_replay(monkeypatch, rt, driver):
+    """Head dims that are not multiples of 8 run on padded copies in a scratch buffer; a hit has the
+    replay allocate it, and its launches differ from an uncached call's only in the pointers into it."""
+    x, y = Inputs(rt, d=60), Inputs(rt, d=60)
+    warm(fwd(x, causal=True))
+    driver.take()
+    allocated = []
+    alloc = rt.mem_alloc
+
+    def watch(ordinal, nbytes, stream=0):
+        allocated.append((alloc(ordinal, nbytes, stream), nbytes))
+        return allocated[-1][0]
+
+    monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch)
+    fwd(y, causal=True)()
+    assert hits() == 1 and len(allocated) == 1 and allocated[0][0] not in rt.allocations, "freed after the launches"
+    got = driver.take()
+    expected = uncached(monkeypatch, driver, fwd(y, causal=True))
+    assert [(key, grid) for key, grid, *_ in got] == [(key, grid) for key, grid, *_ in expected]
+    assert [key for key, *_ in got] == ["fmha_pad_widen_fp16"] * 3 + ["fmha_fwd_fp16_d64_nobias_nodrop",
+                                                                       "fmha_pad_narrow_fp16"]
+    start, nbytes = allocated[0]
+    for (key, _, packed, _), (_, _, want, _) in zip(got, expected):
+        hit, planned = unpack(key, packed), unpack(key, want)
+        for name in (n for n in hit if hit[n] != planned[n]):
+            assert start <= hit[name] < start + nbytes, (key, name)
+    assert unpack(*got[0][::2])["UnalignedArray"] == y.q.ptr and unpack(*got[-1][::2])["UnalignedArray"] == y.out.ptr
