@@ -63,7 +63,7 @@ def load(path):
 
 
 def merge(docs):
-    """One document from several runs (e.g. a sweep split over several sessions): the first run's
+    """One document from several runs (e.g. a sweep split over several machines or days): the first run's
     header, every row, and a later run's row replacing an earlier one at the same (point, impl). An
     implementation found in any run counts as found (a peer installed for a later run only)."""
     merged = new_document(dict(docs[0]["header"]))
