@@ -663,3 +663,26 @@ def test_a_padded_forward_hits_with_its_scratch_allocated_by_the_replay(monkeypa
         for name in (n for n in hit if hit[n] != planned[n]):
             assert start <= hit[name] < start + nbytes, (key, name)
     assert unpack(*got[0][::2])["UnalignedArray"] == y.q.ptr and unpack(*got[-1][::2])["UnalignedArray"] == y.out.ptr
+
+
+def test_a_logged_hit_logs_the_workspace_its_launches_get(monkeypatch, rt, driver, caplog, log_config):
+    """With launches logged, a hit allocates fmha_rt's own workspace before the replay (so the log can
+    show it): every logged pointer is the one launched."""
+    x = Inputs(rt)
+
+    def call():
+        return fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True)
+
+    warm(call)
+    driver.take()
+    with caplog.at_level(logging.INFO, logger="fmha_rt"):
+        call()
+    assert hits() == 1
+    launched = driver.take()
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == len(launched) == 3
+    for message, (key, _, packed, _) in zip(logged, launched):
+        assert f"kernel: {key}" in message
+        for name, value in unpack(key, packed).items():
+            if name in ("Delta", "dQ", "dK", "Q"):
+                assert f"{name}: Pointer(0x{value:x})" in message, (key, name)
