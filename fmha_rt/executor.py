@@ -44,7 +44,7 @@ def check_pointer(entry, name: str, address: int, align: int | None = None) -> N
                              f"pass arrays whose data starts on a {align}-byte boundary")
 
 
-class Prepared(list, Ready):
+class Prepared(list):
     """Planned launches checked and packed (a PreparedLaunch each), launched in order by `launch`."""
 
     def launch(self, stream: int) -> None:

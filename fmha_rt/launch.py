@@ -73,21 +73,15 @@ _launch = lib.fmha_launch_prepared
 
 
 class Ready:
-    """Launches checked and packed: `launch(stream)` launches them in order, `keys` names their kernels.
-    executor.run launches these as they are and plans anything else first."""
+    """A cached plan's launches bound to one call (plan_cache.BoundLaunches): `launch(stream)` checks and
+    launches them in order, `keys` names their kernels. executor.run launches these as they are and
+    plans anything else first."""
 
     __slots__ = ()
 
 
-def _native_replay_ops():
-    return ffi.new("fmha_replay_ops *", {"launch": ffi.addressof(lib, "fmha_launch_prepared"),
-                                         "memset_d8": ffi.addressof(lib, "fmha_memset_d8"),
-                                         "mem_alloc": ffi.addressof(lib, "fmha_mem_alloc"),
-                                         "mem_free": ffi.addressof(lib, "fmha_mem_free")})
-
-
 # The driver calls of a cached plan's replay (replay.c): the shim's own (a stand-in runtime swaps them).
-REPLAY_OPS = _native_replay_ops()
+REPLAY_OPS = lib.fmha_replay_native_ops()
 
 
 def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -> None:

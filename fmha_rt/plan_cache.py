@@ -41,6 +41,8 @@ from .registry import SCRATCH_POINTERS
 DEFAULT_CAPACITY = 256
 _SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 WORKSPACE = "workspace"  # the value name of the workspace's base address
+PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
+_thread = threading.local()  # per thread: where a refused replay says what failed
 
 
 def philox_values(seed: int, offset: int) -> dict:
@@ -78,10 +80,6 @@ class LaunchTemplate:
             value, addend = sources[slot.name]
             align = executor.pointer_alignment(entry, slot.name) if slot.type == "ptr" else 1
             self.patches.append((slot.offset, slot.name, value, addend, align))
-
-
-_thread = threading.local()
-PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
 
 
 class BoundLaunch:
@@ -149,7 +147,7 @@ class BoundLaunches(Ready):
         plan = self.plan
         failed = getattr(_thread, "failed", None)
         if failed is None:
-            failed = _thread.failed = ffi.new("size_t *")  # where a refused replay says what failed
+            failed = _thread.failed = ffi.new("size_t *")
         status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, plan.ordered(self.values), stream,
                                  self.allocate, failed)
         if status:
@@ -225,12 +223,9 @@ class CallPlan:
         if status == lib.FMHA_ERR_OVERLAP:
             output, other, _, _ = self.overlaps[failed]
             raise overlap_error(output, other)
-        if status == lib.FMHA_ERR_MISALIGNED:
-            for template in self.launches:
-                for _, slot, value, addend, align in template.patches:
-                    if failed == 0:
-                        executor.check_pointer(template.entry, slot, values[value] + addend, align)
-                    failed -= 1
+        if status == lib.FMHA_ERR_MISALIGNED:  # patches are numbered in launch order, as the C program has them
+            entry, (_, slot, value, addend, align) = [(t.entry, p) for t in self.launches for p in t.patches][failed]
+            executor.check_pointer(entry, slot, values[value] + addend, align)
         if failed == lib.FMHA_REPLAY_FAILED_ALLOC:
             backend.check(status, "fmha_mem_alloc", device=self.device)
         if failed < len(self.zeroed):

@@ -86,3 +86,8 @@ int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, uint64_t 
     if (allocate_workspace) ops->mem_free(p->device, workspace, stream); /* stream-ordered: after the launches */
     return status;
 }
+
+const fmha_replay_ops *fmha_replay_native_ops(void) {
+    static const fmha_replay_ops native = {fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free};
+    return &native;
+}

@@ -263,8 +263,6 @@ static int call_device(const XLA_FFI_Api *api, const XLA_FFI_CallFrame *frame, i
    are its values, each patch a buffer plus an offset, each zero fill a region of a buffer. The replay
    checks every pointer's alignment before the first write to device memory, so a refused call leaves
    the outputs and the workspace untouched. */
-static const fmha_replay_ops replay_ops = {fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free};
-
 static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, const program *p) {
     XLA_FFI_Error *error = check_buffers(api, frame, p);
     if (error) return error;
@@ -319,7 +317,7 @@ static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, cons
     fmha_replay_plan plan = {device, p->launch_count, launches, patch_count, patches, 0, NULL, p->fill_count, fills,
                              0, 0};
     size_t failed = 0;
-    int status = fmha_replay(&plan, &replay_ops, values, stream, 0, &failed);
+    int status = fmha_replay(&plan, fmha_replay_native_ops(), values, stream, 0, &failed);
     if (status == FMHA_OK) return NULL;
     if (status == FMHA_ERR_MISALIGNED) {
         const fmha_replay_patch *pt = &patches[failed];

@@ -166,6 +166,8 @@ typedef struct fmha_replay_plan {
    of that launch. */
 int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64_t *values, uint64_t stream,
                 int allocate_workspace, size_t *failed);
+/* The shim's own driver calls (fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free). */
+const fmha_replay_ops *fmha_replay_native_ops(void);
 
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);
