@@ -354,17 +354,18 @@ def _kv_shape(p: AttentionProblem, head_dim):
     return (p.total_k, p.heads_k, head_dim) if p.varlen else (p.batch, p.seqlen_k, p.heads_k, head_dim)
 
 
-def _recorded(record: bool, call: _Call, launches, inputs, outputs, workspace=None, layout=None):
-    """(CallPlan or None, the launches to run): when `record` asks and the call can be cached, the
-    plan's launches bound to this call's values, so that the recording call runs what later calls will."""
+def _recorded(record, call: _Call, launches, inputs, outputs, workspace=None, layout=None):
+    """(CallPlan or None, the launches to run): when `record` (the call's array names in key order, or
+    None) asks and the call can be cached, the plan's launches bound to this call's values, so that the
+    recording call runs what later calls will."""
     recorded = plan_cache.record(
         runtime=backend.runtime(), registry=registry(), device=call.device, arch=call.arch,
-        kind=framework(call.template), launches=launches, tensors=call.tensors, inputs=inputs, outputs=outputs,
-        workspace=workspace, layout=layout) if record else None
+        kind=framework(call.template), names=record, launches=launches, tensors=call.tensors, inputs=inputs,
+        outputs=outputs, workspace=workspace, layout=layout) if record is not None else None
     if recorded is None:
         return None, launches
     plan, values = recorded
-    return plan, plan_cache.BoundLaunches(plan, values)
+    return plan, plan_cache.BoundLaunches(plan, values.array)
 
 
 def _forward(call: _Call, out, lse, record):
@@ -428,8 +429,10 @@ _DEFAULT_OPTIONS = "default options"
 
 
 def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: int):
-    """(key, addresses, imported Args) of a call for the plan cache, or None when the call cannot be
-    keyed (then it is validated and planned every time, which raises any error precisely).
+    """(key, value array, array names, imported Args) of a call for the plan cache, or None when the
+    call cannot be keyed (then it is validated and planned every time, which raises any error
+    precisely). The value array (plan_cache.value_array) holds the arrays' addresses in the order of
+    the names, which are the key's.
 
     The key holds the function, every array's description (arrays.signatures: not its address) and every
     option that decides validation or the plan, each with its type. Left out are the stream, return_lse
@@ -442,19 +445,20 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
             window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
             if type(window) not in (tuple, list) or len(window) != 2:
                 return None
-            values = _option_values(opts)
-            types = tuple(map(type, values))
+            option_values = _option_values(opts)
+            types = tuple(map(type, option_values))
             if not _KEY_TYPES.issuperset(types):
                 return None
             seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
             if seed_kind == "array":
                 arrays = {**arrays, "seed": seed}
-            options = (type(window), seed_kind, values, types)
+            options = (type(window), seed_kind, option_values, types)
         scalar_types = tuple(map(type, scalars))
         if not _KEY_TYPES.issuperset(scalar_types):
             return None
-        descriptions, addresses, imported = signatures(arrays, handle)
-        return (function, options, scalars, scalar_types, *descriptions), addresses, imported
+        values = plan_cache.value_array(len(arrays))
+        descriptions, imported = signatures(arrays, handle, values)
+        return (function, options, scalars, scalar_types, descriptions), values, tuple(arrays), imported
     except Exception:  # noqa: BLE001 - a value no signature describes: the slow path says what is wrong
         return None
 
@@ -467,7 +471,7 @@ def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, wor
     request = _request(function, arrays, opts, scalars, handle) if cacheable else None
     imported = {}
     if request is not None:
-        key, addresses, imported = request
+        key, values, names, imported = request
         try:
             plan = PLANS.get(key, runtime, registry)
         except TypeError:  # an unhashable option value
@@ -475,9 +479,11 @@ def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, wor
         if plan is not None:
             if plan.philox_by_value:
                 drop, _ = _dropout(opts["dropout_p"], opts["seed"], opts["offset"], handle)
-                addresses.update(plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]))
-            return plan_cache.replay(plan, arrays["q"], arrays, addresses, handle, workspace_alloc)
-    outputs, plan = slow(handle, imported, request is not None and PLANS.admit(request[0]))
+                by_name = plan_cache.CallValues(values, plan.index)
+                for name, value in plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]).items():
+                    by_name[name] = value
+            return plan_cache.replay(plan, arrays["q"], arrays, values, handle, workspace_alloc)
+    outputs, plan = slow(handle, imported, names if request is not None and PLANS.admit(key) else None)
     if plan is not None:
         PLANS.put(request[0], plan)
     return outputs

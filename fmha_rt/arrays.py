@@ -3,6 +3,7 @@ outputs as the same kind of array as the inputs (torch in, torch out; cupy in, c
 from __future__ import annotations
 
 import sys
+import threading
 
 from . import backend
 from .buffers import DeviceBuffer
@@ -105,27 +106,65 @@ def _gpu_device_of(obj):
     return int(device_id) if int(device_type) in _GPU_DLPACK_DEVICES else None
 
 
-def signatures(objects: dict, stream: int):
-    """What the plan cache keys a call's arrays by: (descriptions, addresses, imported) for `objects`
-    (argument name -> array or None). A description holds everything of an array that the checks and
-    the plan read (its kind, shape, strides, dtype and device), never its address; None stands for a
-    missing array. A plain torch tensor is described from its attributes (~0.5 µs); anything else is
-    imported as gpu_array would import it, and `imported` keeps that Arg by name so that a call which
-    goes on to validate need not import it twice. Raises whatever an import raises."""
+class _Describer:
+    """The shim's describer of plain torch tensors (describe.c), with this thread's word buffer."""
+
+    def __init__(self, torch):
+        self.ffi, self.lib = backend.ffi, backend.lib
+        self.handle = self.ffi.new("fmha_describer *")
+        self.usable = self.lib.fmha_describer_init(self.handle, id(torch.Tensor), id(torch.nn.Parameter)) == 0
+        self.local = threading.local()
+
+    def __call__(self, objects: tuple, values) -> bytes | None:
+        """The words describing `objects` as bytes, their addresses written to values[0:len(objects)],
+        or None when one of them is not a plain torch tensor (or None)."""
+        words = getattr(self.local, "words", None)
+        if words is None:
+            words = self.local.words = self.ffi.new("int64_t[]", _DESCRIBE_WORDS)
+            self.local.chars = self.ffi.cast("char *", words)
+        n = self.lib.fmha_describe(self.handle, id(objects), words, _DESCRIBE_WORDS, values, len(objects))
+        return self.ffi.unpack(self.local.chars, 8 * n) if n else None
+
+
+_DESCRIBE_ARRAYS = 16  # more arrays than any call has
+_DESCRIBE_WORDS = _DESCRIBE_ARRAYS * 18  # FMHA_DESCRIBE_WORDS_PER_ARRAY each
+_DESCRIBER: list = []  # [_Describer] once torch is imported and the shim has its exchange API
+
+
+def _describer():
+    if not _DESCRIBER and _torch_tensor_types():
+        describer = _Describer(sys.modules["torch"])
+        _DESCRIBER.append(describer if describer.usable else None)
+    return _DESCRIBER[0] if _DESCRIBER else None
+
+
+def signatures(objects: dict, stream: int, values):
+    """What the plan cache keys a call's arrays by: (descriptions, imported) for `objects` (argument
+    name -> array or None), every array's data address written to `values` at its position in
+    `objects` (0 for None). A description holds everything of an array that the checks and the plan
+    read (its kind, shape, strides, dtype and device), never its address. When every array is a plain
+    torch tensor (or None) the shim describes them all in one call (describe.c, DLPack's C exchange
+    API), as one bytes object. Otherwise a torch tensor is described from its attributes (~0.5 µs) and
+    anything else is imported as gpu_array would import it, and `imported` keeps that Arg by name so
+    that a call which goes on to validate need not import it twice. Raises whatever an import raises."""
+    describer = _DESCRIBER[0] if _DESCRIBER else _describer()
+    if describer is not None and (words := describer(tuple(objects.values()), values)) is not None:
+        return (words,), {}
     torch_types = _TORCH_TENSOR_TYPES or _torch_tensor_types()
-    descriptions, addresses, imported = [], {}, {}
-    for name, obj in objects.items():
+    descriptions, imported = [], {}
+    for i, (name, obj) in enumerate(objects.items()):
         if obj is None:
             descriptions.append(None)
+            values[i] = 0
         elif type(obj) in torch_types and not obj.is_neg():  # stride() raises for non-strided layouts
             descriptions.append((obj.shape, obj.stride(), obj.dtype, obj.device))  # a Parameter keys as a Tensor
-            addresses[name] = obj.data_ptr()
+            values[i] = obj.data_ptr()
         else:
             arg = imported[name] = Arg(name, obj, stream)
             v = arg.view
             descriptions.append((type(obj), v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.read_only))
-            addresses[name] = v.data_ptr
-    return descriptions, addresses, imported
+            values[i] = v.data_ptr
+    return tuple(descriptions), imported
 
 
 def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False, arg=None) -> Arg:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 import struct
 import threading
 
@@ -41,6 +40,8 @@ from .registry import SCRATCH_POINTERS
 DEFAULT_CAPACITY = 256
 _SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 WORKSPACE = "workspace"  # the value name of the workspace's base address
+# The per-call values that are not a call's array addresses, after those in every call's value array.
+EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
 PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
 _thread = threading.local()  # per thread: where a refused replay says what failed
 
@@ -51,10 +52,25 @@ def philox_values(seed: int, offset: int) -> dict:
     return {"philox_seed": seed % 2**63, "philox_offset": offset}
 
 
-def _getter(names) -> callable:
-    """values -> (values[name] for name in names), as a tuple even for one name (itemgetter's is bare)."""
-    get = operator.itemgetter(*names)
-    return get if len(names) > 1 else lambda values: (get(values),)
+def value_array(count: int):
+    """A zeroed uint64 array for one call's values: `count` array addresses, then EXTRA_VALUES."""
+    return ffi.new("uint64_t[]", count + len(EXTRA_VALUES))
+
+
+class CallValues:
+    """One call's value array (what the C replay reads) addressed by value name, for those who read or
+    write single values (recording, logging, error reports)."""
+
+    __slots__ = ("array", "index")
+
+    def __init__(self, array, index: dict):
+        self.array, self.index = array, index
+
+    def __getitem__(self, name: str) -> int:
+        return self.array[self.index[name]]
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self.array[self.index[name]] = value % 2**64
 
 
 class LaunchTemplate:
@@ -127,11 +143,16 @@ class BoundLaunches(Ready):
     """A cached plan's launches with one call's values: a sequence of BoundLaunch, which executor.run
     launches together through one C call (replay.c) that checks the values, writes them in and launches."""
 
-    __slots__ = ("allocate", "plan", "values")
+    __slots__ = ("allocate", "array", "plan")
 
-    def __init__(self, plan: CallPlan, values: dict, allocate: bool = False):
-        """`allocate`: the replay allocates the workspace itself (and frees it after the launches)."""
-        self.plan, self.values, self.allocate = plan, values, allocate
+    def __init__(self, plan: CallPlan, array, allocate: bool = False):
+        """`array`: the call's value array; `allocate`: the replay allocates the workspace itself (and
+        frees it after the launches)."""
+        self.plan, self.array, self.allocate = plan, array, allocate
+
+    @property
+    def values(self) -> CallValues:
+        return CallValues(self.array, self.plan.index)
 
     @property
     def keys(self) -> tuple:
@@ -148,8 +169,7 @@ class BoundLaunches(Ready):
         failed = getattr(_thread, "failed", None)
         if failed is None:
             failed = _thread.failed = ffi.new("size_t *")
-        status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, plan.ordered(self.values), stream,
-                                 self.allocate, failed)
+        status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, self.array, stream, self.allocate, failed)
         if status:
             plan.raise_for(status, failed[0], self.values)
 
@@ -157,8 +177,7 @@ class BoundLaunches(Ready):
 class ReplayProgram:
     """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
 
-    def __init__(self, device: int, templates, names: tuple, overlaps, fills, workspace_bytes: int):
-        index = {name: i for i, name in enumerate(names)}
+    def __init__(self, device: int, templates, index: dict, overlaps, fills, workspace_bytes: int):
         self.templates = [ffi.new("char[]", t.packed) for t in templates]
         self.launches = ffi.new("fmha_launch_config[]", [{
             "kernel": launch_module.kernel_handle(device, t.entry), "grid": t.grid, "block": (t.entry.threads, 1, 1),
@@ -176,7 +195,7 @@ class ReplayProgram:
             "device": device, "launch_count": len(templates), "launches": self.launches,
             "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
             "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
-            "workspace_value": index.get(WORKSPACE, 0), "workspace_bytes": workspace_bytes})
+            "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,23 +221,24 @@ class CallPlan:
     keys: tuple  # their variant keys
     outputs: tuple  # OutputSpec, in return order
     output_names: tuple  # the names of `outputs`
-    allocated: tuple  # (index, OutputSpec) of the outputs to allocate
+    index: dict  # value name -> its position in a call's value array
+    allocated: tuple  # (index, OutputSpec, value position) of the outputs to allocate
     # (output, other, low, high) for every pair that check_spans would compare among the given outputs
     # and the inputs, in its order: they overlap when low < address(other) - address(output) < high
     overlaps: tuple
-    spans: tuple  # (name, first byte, end byte) of the inputs, then the outputs, relative to their addresses
+    spans: tuple  # (name, value position, first byte, end byte) of the inputs, then the outputs, relative
+    # to their addresses
     workspace_bytes: int
     workspace_zero_init: bool
     zeroed: tuple  # (offset, nbytes) of the workspace regions that must start at zero
     philox_by_value: bool
-    ordered: callable  # values -> the tuple of values the C program indexes
     replay_program: ReplayProgram
 
     @property
     def program(self):
         return self.replay_program.plan
 
-    def raise_for(self, status: int, failed: int, values: dict):
+    def raise_for(self, status: int, failed: int, values: CallValues):
         """Raise what the replay refused or what failed, as an uncached call would report it."""
         if status == lib.FMHA_ERR_OVERLAP:
             output, other, _, _ = self.overlaps[failed]
@@ -247,33 +267,32 @@ def _overlap_bounds(pairs) -> tuple:
     return tuple((name, other, lo - ohi, hi - olo) for (name, lo, hi), (other, olo, ohi) in pairs)
 
 
-def _value_names(templates, overlaps, workspace: bool) -> tuple:
-    """Every value the C program reads or (the workspace's) writes, in the order it indexes them."""
-    names = dict.fromkeys(value for t in templates for _, _, value, _, _ in t.patches)
-    names.update(dict.fromkeys(name for output, other, _, _ in overlaps for name in (output, other)))
-    if workspace:
-        names[WORKSPACE] = None
-    return tuple(names)
-
-
-def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, outputs, workspace=None,
-           layout=None) -> tuple[CallPlan, dict] | None:
+def record(*, runtime, registry, device, arch, kind, names, launches, tensors, inputs, outputs, workspace=None,
+           layout=None) -> tuple[CallPlan, CallValues] | None:
     """(CallPlan, this call's values) of a call about to launch `launches`, or None when it cannot be
     cached (a pointer it cannot trace, a value that does not pack or is misaligned: the executor then
     gets the planned launches and reports what is wrong).
 
-    inputs: the Args the kernels read, in the order the call checked overlaps against them; outputs:
-    (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and layout the backward's
-    workspace layout (portable_plan.Workspace), whose regions the call put into `tensors`."""
+    names: the call's array names in the order the key describes them (their addresses lead every
+    call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
+    against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
+    layout the backward's workspace layout (portable_plan.Workspace), whose regions the call put into
+    `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
-    values = {WORKSPACE: 0, **{arg.name: arg.pointer.address for arg in arrays}}
+    index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
+    if any(arg.name not in index for arg in arrays):
+        return None  # an array the key does not describe: plan every time
+    values = CallValues(value_array(len(names)), index)
+    for arg in arrays:
+        values[arg.name] = arg.pointer.address
     traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in tensors -> their source
     regions = layout.regions if layout is not None else ()
     for region in regions:
         traced[id(tensors[region.name])] = (WORKSPACE, region.offset)
     by_value = "philox_seed" in tensors
     philox = philox_values(tensors["philox_seed"], tensors["philox_offset"]) if by_value else {}
-    values.update(philox)
+    for name, value in philox.items():
+        values[name] = value
     templates = []
     for launch in launches:
         entry = registry.entry(arch, launch.variant)
@@ -306,27 +325,28 @@ def record(*, runtime, registry, device, arch, kind, launches, tensors, inputs, 
         return None
     zeroed = tuple((r.offset, r.nbytes) for r in regions if r.zero_init)
     workspace_bytes = layout.total_bytes if layout is not None else 0
-    names = _value_names(templates, overlaps, workspace_bytes > 0)
+    spans = (*input_spans, *((o.name, *o.span) for o in specs))
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
         keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=tuple(o.name for o in specs),
-        allocated=tuple((i, o) for i, o in enumerate(specs) if not o.given), overlaps=overlaps,
-        spans=(*input_spans, *((o.name, *o.span) for o in specs)),
+        index=index, allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
+        overlaps=overlaps, spans=tuple((name, index[name], lo, hi) for name, lo, hi in spans),
         workspace_bytes=workspace_bytes,
-        workspace_zero_init=layout.needs_zeroing if layout is not None else False,
-        zeroed=zeroed, philox_by_value=by_value, ordered=_getter(names) if names else lambda values: (),
-        replay_program=ReplayProgram(device, templates, names, overlaps, zeroed, workspace_bytes)), values
+        workspace_zero_init=layout.needs_zeroing if layout is not None else False, zeroed=zeroed,
+        philox_by_value=by_value,
+        replay_program=ReplayProgram(device, templates, index, overlaps, zeroed, workspace_bytes)), values
 
 
-def replay(plan: CallPlan, template, given: dict, values: dict, stream: int, workspace_alloc):
+def replay(plan: CallPlan, template, given: dict, values, stream: int, workspace_alloc):
     """Run a call of `plan`'s signature: `given` maps output names to the arrays the caller passed
-    (None for those to allocate), `values` (extended here) holds every array's data address by name
-    and the per-call philox values. Returns the outputs, finished as the slow path finishes them."""
+    (None for those to allocate), `values` is the call's value array (value_array: every array's data
+    address in key order, the per-call philox values; completed here). Returns the outputs, finished as
+    the slow path finishes them."""
     arrays = [given[name] for name in plan.output_names]
-    for i, o in plan.allocated:
-        arrays[i], values[o.name] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
+    for i, o, position in plan.allocated:
+        arrays[i], values[position] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
     keep_alive = None
-    values[WORKSPACE] = 0  # no workspace (nothing to hold): its regions are empty and point at 0, as planned
+    # Without a workspace (nothing to hold) its value stays 0: its regions are empty and point at 0, as planned.
     # Our own workspace is allocated by the replay in C, unless launches are logged (the log shows
     # every address, so the workspace must have one before the replay starts).
     in_replay = plan.workspace_bytes > 0 and workspace_alloc is None and not launch_module.log_config_enabled()
@@ -334,9 +354,9 @@ def replay(plan: CallPlan, template, given: dict, values: dict, stream: int, wor
         keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
                                            workspace_alloc)
         if workspace_alloc is not None:  # memory we allocated ourselves overlaps no live array
-            check_spans([(ws.name, *ws.span())], [(name, values[name] + lo, values[name] + hi)
-                                                  for name, lo, hi in plan.spans])
-        values[WORKSPACE] = ws.pointer.address
+            check_spans([(ws.name, *ws.span())], [(name, values[position] + lo, values[position] + hi)
+                                                  for name, position, lo, hi in plan.spans])
+        values[plan.index[WORKSPACE]] = ws.pointer.address
     executor.run(plan.device, plan.arch, BoundLaunches(plan, values, in_replay), stream)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
     arrays = tuple(arrays)

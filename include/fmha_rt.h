@@ -169,6 +169,30 @@ int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64
 /* The shim's own driver calls (fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free). */
 const fmha_replay_ops *fmha_replay_native_ops(void);
 
+/* ---- describing a call's torch tensors for the plan cache (fmha_rt/describe.c) ----
+   One call reads every tensor of a call through the framework's DLPack C exchange API
+   (`type(tensor).__dlpack_c_exchange_api__`, DLPack >= 1.3) instead of Python attribute reads.
+   Python objects travel as their addresses (CPython's id()); the describer holds the accepted types
+   and the framework's export function, set once by fmha_describer_init. */
+#define FMHA_DESCRIBE_MAX_NDIM 8
+#define FMHA_DESCRIBE_WORDS_PER_ARRAY 18 /* 2 + 2 * FMHA_DESCRIBE_MAX_NDIM */
+typedef struct fmha_describer {
+    uintptr_t types[2];      /* the accepted Python types (torch.Tensor, torch.nn.Parameter); 0: none */
+    uintptr_t export_fn;     /* the framework's DLPackDLTensorFromPyObjectNoSync */
+    uintptr_t is_neg_name;   /* the interned method name that says a tensor holds negated values */
+} fmha_describer;
+/* Fill `d` from the two types (0 for an unused second one). FMHA_ERR_NO_SYMBOL when the first type
+   has no usable exchange API (older frameworks): callers describe tensors another way. */
+int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t second_type);
+/* Describe the tuple at `objects` (each item an accepted tensor or None) into `words`: per item its
+   dtype, rank and device, its shape and strides (never its address), so equal words mean equal
+   signatures. Writes the items' data addresses (0 for None) to `addresses`. Returns the number of
+   words written, or 0 when an item is not a plain accepted tensor (another type, rank above
+   FMHA_DESCRIBE_MAX_NDIM, a negated view, a failed export: the caller describes the call another
+   way; no Python error is left set). `words` holds FMHA_DESCRIBE_WORDS_PER_ARRAY per item. */
+size_t fmha_describe(const fmha_describer *d, uintptr_t objects, int64_t *words, size_t word_capacity,
+                     uint64_t *addresses, size_t address_capacity);
+
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);
 
