@@ -146,7 +146,7 @@ class Pieces:
         bound, bound_stream = self.seen["bound"]
         return {
             "key": per_call_us(lambda: api._request(*request), n),
-            "lookup": per_call_us(lambda: api.PLANS.get(key, runtime, registry_module.registry), n),
+            "lookup": per_call_us(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
             "replay": per_call_us(lambda: plan_cache.replay(plan, template, given, values, stream, workspace_alloc), n),
             "C replay": per_call_us(lambda: bound.launch(bound_stream), n),
         }

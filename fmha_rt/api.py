@@ -429,10 +429,10 @@ _DEFAULT_OPTIONS = "default options"
 
 
 def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: int):
-    """(key, value array, array names, imported Args) of a call for the plan cache, or None when the
-    call cannot be keyed (then it is validated and planned every time, which raises any error
-    precisely). The value array (plan_cache.value_array) holds the arrays' addresses in the order of
-    the names, which are the key's.
+    """(key, value array, described arrays, imported Args) of a call for the plan cache, or None when
+    the call cannot be keyed (then it is validated and planned every time, which raises any error
+    precisely). The value array (plan_cache.value_array) holds the addresses of the described arrays
+    (`arrays`, with a seed array when one is given) in their order, which is the key's.
 
     The key holds the function, every array's description (arrays.signatures: not its address) and every
     option that decides validation or the plan, each with its type. Left out are the stream, return_lse
@@ -453,12 +453,12 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
             if seed_kind == "array":
                 arrays = {**arrays, "seed": seed}
             options = (type(window), seed_kind, option_values, types)
-        scalar_types = tuple(map(type, scalars))
-        if not _KEY_TYPES.issuperset(scalar_types):
+        scalar_types = tuple(map(type, scalars)) if scalars else ()
+        if scalars and not _KEY_TYPES.issuperset(scalar_types):
             return None
         values = plan_cache.value_array(len(arrays))
         descriptions, imported = signatures(arrays, handle, values)
-        return (function, options, scalars, scalar_types, descriptions), values, tuple(arrays), imported
+        return (function, options, scalars, scalar_types, descriptions), values, arrays, imported
     except Exception:  # noqa: BLE001 - a value no signature describes: the slow path says what is wrong
         return None
 
@@ -471,9 +471,9 @@ def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, wor
     request = _request(function, arrays, opts, scalars, handle) if cacheable else None
     imported = {}
     if request is not None:
-        key, values, names, imported = request
+        key, values, described, imported = request
         try:
-            plan = PLANS.get(key, runtime, registry)
+            plan = PLANS.get(key, runtime, registry())
         except TypeError:  # an unhashable option value
             plan = request = None
         if plan is not None:
@@ -483,7 +483,8 @@ def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, wor
                 for name, value in plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]).items():
                     by_name[name] = value
             return plan_cache.replay(plan, arrays["q"], arrays, values, handle, workspace_alloc)
-    outputs, plan = slow(handle, imported, names if request is not None and PLANS.admit(key) else None)
+    record = request is not None and PLANS.admit(key)
+    outputs, plan = slow(handle, imported, tuple(described) if record else None)
     if plan is not None:
         PLANS.put(request[0], plan)
     return outputs

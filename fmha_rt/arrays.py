@@ -107,28 +107,25 @@ def _gpu_device_of(obj):
 
 
 class _Describer:
-    """The shim's describer of plain torch tensors (describe.c), with this thread's word buffer."""
+    """The shim's describer of plain torch tensors (describe.c), with each thread's word buffer."""
 
     def __init__(self, torch):
-        self.ffi, self.lib = backend.ffi, backend.lib
-        self.handle = self.ffi.new("fmha_describer *")
-        self.usable = self.lib.fmha_describer_init(self.handle, id(torch.Tensor), id(torch.nn.Parameter)) == 0
+        self.handle = backend.ffi.new("fmha_describer *")
+        self.usable = backend.lib.fmha_describer_init(self.handle, id(torch.Tensor), id(torch.nn.Parameter)) == 0
         self.local = threading.local()
 
-    def __call__(self, objects: tuple, values) -> bytes | None:
-        """The words describing `objects` as bytes, their addresses written to values[0:len(objects)],
-        or None when one of them is not a plain torch tensor (or None)."""
-        words = getattr(self.local, "words", None)
-        if words is None:
-            words = self.local.words = self.ffi.new("int64_t[]", _DESCRIBE_WORDS)
-            self.local.chars = self.ffi.cast("char *", words)
-        n = self.lib.fmha_describe(self.handle, id(objects), words, _DESCRIBE_WORDS, values, len(objects))
-        return self.ffi.unpack(self.local.chars, 8 * n) if n else None
+    def buffers(self):
+        """This thread's (words, the same memory as chars): read out as bytes right after each call."""
+        local = self.local
+        if not hasattr(local, "words"):
+            local.words = backend.ffi.new("int64_t[]", _DESCRIBE_WORDS)
+            local.chars = backend.ffi.cast("char *", local.words)
+        return local.words, local.chars
 
 
 _DESCRIBE_ARRAYS = 16  # more arrays than any call has
 _DESCRIBE_WORDS = _DESCRIBE_ARRAYS * 18  # FMHA_DESCRIBE_WORDS_PER_ARRAY each
-_DESCRIBER: list = []  # [_Describer] once torch is imported and the shim has its exchange API
+_DESCRIBER: list = []  # [_Describer or None] once torch is imported: None when its torch lacks the API
 
 
 def _describer():
@@ -148,8 +145,12 @@ def signatures(objects: dict, stream: int, values):
     anything else is imported as gpu_array would import it, and `imported` keeps that Arg by name so
     that a call which goes on to validate need not import it twice. Raises whatever an import raises."""
     describer = _DESCRIBER[0] if _DESCRIBER else _describer()
-    if describer is not None and (words := describer(tuple(objects.values()), values)) is not None:
-        return (words,), {}
+    if describer is not None:
+        words, chars = describer.buffers()
+        items = tuple(objects.values())  # alive across the call: the shim gets its address (id)
+        n = backend.lib.fmha_describe(describer.handle, id(items), words, _DESCRIBE_WORDS, values, len(items))
+        if n:
+            return (backend.ffi.unpack(chars, 8 * n),), {}
     torch_types = _TORCH_TENSOR_TYPES or _torch_tensor_types()
     descriptions, imported = [], {}
     for i, (name, obj) in enumerate(objects.items()):

@@ -43,15 +43,15 @@ int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t seco
     int status = FMHA_ERR_NO_SYMBOL;
     PyObject *capsule = PyObject_GetAttrString((PyObject *)tensor_type, "__dlpack_c_exchange_api__");
     const dl_exchange_api *api = capsule ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api") : NULL;
-    PyObject *name = PyUnicode_InternFromString("is_neg");
-    if (api != NULL && api->major == 1 && api->minor >= 3 && api->dltensor_from_object != NULL && name != NULL) {
+    PyObject *is_neg = PyObject_GetAttrString((PyObject *)tensor_type, "is_neg"); /* the unbound method */
+    if (api != NULL && api->major == 1 && api->minor >= 3 && api->dltensor_from_object != NULL && is_neg != NULL) {
         d->types[0] = tensor_type;
         d->types[1] = second_type;
         d->export_fn = (uintptr_t)api->dltensor_from_object;
-        d->is_neg_name = (uintptr_t)name; /* interned: lives as long as the interpreter */
+        d->is_neg = (uintptr_t)is_neg; /* a reference kept for the life of the process */
         status = FMHA_OK;
     } else {
-        Py_XDECREF(name);
+        Py_XDECREF(is_neg);
     }
     Py_XDECREF(capsule);
     PyErr_Clear();
@@ -62,7 +62,7 @@ int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t seco
 /* Whether the tensor holds negated values lazily (torch's neg bit): DLPack exports such a view as
    if it were plain, so a plan recorded for a plain tensor would read the wrong sign. */
 static int is_negated(const fmha_describer *d, PyObject *tensor) {
-    PyObject *answer = PyObject_CallMethodObjArgs(tensor, (PyObject *)d->is_neg_name, NULL);
+    PyObject *answer = PyObject_CallFunctionObjArgs((PyObject *)d->is_neg, tensor, NULL);
     int negated = answer == NULL ? -1 : PyObject_IsTrue(answer);
     Py_XDECREF(answer);
     return negated;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 from .errors import FmhaValueError
+from . import launch as launch_module
 from .launch import PreparedLaunch, Ready, log_config_enabled, log_launch
 from .packing import NULL, pointer_value
 from .registry import ALIGNED_STRIDE_PREFIX, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
@@ -77,7 +78,7 @@ def run(device: int, arch: str, launches, stream: int, before_launch=None):
     `before_launch` runs once every launch is checked and packed, right before the first (e.g. zeroing
     a workspace)."""
     if isinstance(launches, Ready):  # a cached plan's: checked and packed in C as they launch
-        if log_config_enabled():
+        if launch_module.LOG_CONFIG:
             for launch in launches:
                 log_launch(device, launch.entry, launch.grid, {**_SCRATCH, **launch.args}, stream)
         ready = launches

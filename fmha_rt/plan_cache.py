@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import struct
 import threading
 
@@ -166,8 +167,9 @@ class BoundLaunches(Ready):
 
     def launch(self, stream: int) -> None:
         plan = self.plan
-        failed = getattr(_thread, "failed", None)
-        if failed is None:
+        try:
+            failed = _thread.failed
+        except AttributeError:
             failed = _thread.failed = ffi.new("size_t *")
         status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, self.array, stream, self.allocate, failed)
         if status:
@@ -221,6 +223,7 @@ class CallPlan:
     keys: tuple  # their variant keys
     outputs: tuple  # OutputSpec, in return order
     output_names: tuple  # the names of `outputs`
+    pick_outputs: callable  # the given-arrays dict -> the tuple of its outputs, in return order
     index: dict  # value name -> its position in a call's value array
     allocated: tuple  # (index, OutputSpec, value position) of the outputs to allocate
     # (output, other, low, high) for every pair that check_spans would compare among the given outputs
@@ -233,10 +236,7 @@ class CallPlan:
     zeroed: tuple  # (offset, nbytes) of the workspace regions that must start at zero
     philox_by_value: bool
     replay_program: ReplayProgram
-
-    @property
-    def program(self):
-        return self.replay_program.plan
+    program: object  # replay_program's fmha_replay_plan *
 
     def raise_for(self, status: int, failed: int, values: CallValues):
         """Raise what the replay refused or what failed, as an uncached call would report it."""
@@ -326,15 +326,17 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     zeroed = tuple((r.offset, r.nbytes) for r in regions if r.zero_init)
     workspace_bytes = layout.total_bytes if layout is not None else 0
     spans = (*input_spans, *((o.name, *o.span) for o in specs))
+    output_names = tuple(o.name for o in specs)
+    pick = operator.itemgetter(*output_names)
+    program = ReplayProgram(device, templates, index, overlaps, zeroed, workspace_bytes)
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
-        keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=tuple(o.name for o in specs),
-        index=index, allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
+        keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=output_names,
+        pick_outputs=pick if len(output_names) > 1 else lambda given: (pick(given),), index=index, allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
         overlaps=overlaps, spans=tuple((name, index[name], lo, hi) for name, lo, hi in spans),
         workspace_bytes=workspace_bytes,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False, zeroed=zeroed,
-        philox_by_value=by_value,
-        replay_program=ReplayProgram(device, templates, index, overlaps, zeroed, workspace_bytes)), values
+        philox_by_value=by_value, replay_program=program, program=program.plan), values
 
 
 def replay(plan: CallPlan, template, given: dict, values, stream: int, workspace_alloc):
@@ -342,14 +344,18 @@ def replay(plan: CallPlan, template, given: dict, values, stream: int, workspace
     (None for those to allocate), `values` is the call's value array (value_array: every array's data
     address in key order, the per-call philox values; completed here). Returns the outputs, finished as
     the slow path finishes them."""
-    arrays = [given[name] for name in plan.output_names]
-    for i, o, position in plan.allocated:
-        arrays[i], values[position] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
+    arrays = plan.pick_outputs(given)
+    if plan.allocated:
+        arrays = list(arrays)
+        for i, o, position in plan.allocated:
+            arrays[i], values[position] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream,
+                                                   o.pitch)
+        arrays = tuple(arrays)
     keep_alive = None
     # Without a workspace (nothing to hold) its value stays 0: its regions are empty and point at 0, as planned.
     # Our own workspace is allocated by the replay in C, unless launches are logged (the log shows
     # every address, so the workspace must have one before the replay starts).
-    in_replay = plan.workspace_bytes > 0 and workspace_alloc is None and not launch_module.log_config_enabled()
+    in_replay = plan.workspace_bytes and workspace_alloc is None and not launch_module.LOG_CONFIG
     if plan.workspace_bytes and not in_replay:
         keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
                                            workspace_alloc)
@@ -357,9 +363,8 @@ def replay(plan: CallPlan, template, given: dict, values, stream: int, workspace
             check_spans([(ws.name, *ws.span())], [(name, values[position] + lo, values[position] + hi)
                                                   for name, position, lo, hi in plan.spans])
         values[plan.index[WORKSPACE]] = ws.pointer.address
-    executor.run(plan.device, plan.arch, BoundLaunches(plan, values, in_replay), stream)
+    executor.run(plan.device, plan.arch, BoundLaunches(plan, values, bool(in_replay)), stream)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
-    arrays = tuple(arrays)
     return finish_outputs(template, arrays, stream) if plan.kind in JAX_KINDS else arrays
 
 
@@ -376,11 +381,11 @@ class PlanCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, key, runtime, registry_of) -> CallPlan | None:
+    def get(self, key, runtime, registry) -> CallPlan | None:
         """The plan of `key` if it was made under this runtime and registry (tests swap both)."""
         with self._lock:
             plan = self._plans.get(key)
-            if plan is not None and plan.runtime is runtime and plan.registry is registry_of():
+            if plan is not None and plan.runtime is runtime and plan.registry is registry:
                 self._plans.move_to_end(key)
                 self.hits += 1
                 return plan

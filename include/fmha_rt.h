@@ -179,7 +179,7 @@ const fmha_replay_ops *fmha_replay_native_ops(void);
 typedef struct fmha_describer {
     uintptr_t types[2];      /* the accepted Python types (torch.Tensor, torch.nn.Parameter); 0: none */
     uintptr_t export_fn;     /* the framework's DLPackDLTensorFromPyObjectNoSync */
-    uintptr_t is_neg_name;   /* the interned method name that says a tensor holds negated values */
+    uintptr_t is_neg;        /* the first type's unbound method that says a tensor holds negated values */
 } fmha_describer;
 /* Fill `d` from the two types (0 for an unused second one). FMHA_ERR_NO_SYMBOL when the first type
    has no usable exchange API (older frameworks): callers describe tensors another way. */

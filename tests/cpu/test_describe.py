@@ -27,7 +27,8 @@ def describe(d, *objects):
     """(words, addresses) of `objects`, or None when refused."""
     words = ffi.new("int64_t[]", lib.FMHA_DESCRIBE_WORDS_PER_ARRAY * len(objects))
     addresses = ffi.new("uint64_t[]", [0xDEAD] * len(objects))  # poisoned: every slot must be written
-    n = lib.fmha_describe(d, id(tuple(objects)), words, len(words), addresses, len(objects))
+    objects = tuple(objects)  # alive across the call: the shim gets its address, not a reference
+    n = lib.fmha_describe(d, id(objects), words, len(words), addresses, len(objects))
     return (ffi.unpack(words, n), ffi.unpack(addresses, len(objects))) if n else None
 
 
@@ -77,8 +78,9 @@ def test_what_it_cannot_describe_exactly_is_refused_without_an_error_left(descri
     if case == "too many":
         words = ffi.new("int64_t[]", lib.FMHA_DESCRIBE_WORDS_PER_ARRAY)
         addresses = ffi.new("uint64_t[]", 2)
-        assert lib.fmha_describe(describer, id((x, x)), words, len(words), addresses, 2) == 0
-        assert lib.fmha_describe(describer, id((x, x, x)), ffi.new("int64_t[]", 64), 64, addresses, 2) == 0
+        two, three = (x, x), (x, x, x)
+        assert lib.fmha_describe(describer, id(two), words, len(words), addresses, 2) == 0
+        assert lib.fmha_describe(describer, id(three), ffi.new("int64_t[]", 64), 64, addresses, 2) == 0
         return
     assert describe(describer, *objects) is None
     assert torch.ones(2).sum().item() == 2.0, "no Python error is left set"
@@ -98,4 +100,5 @@ def test_init_refuses_a_type_without_the_exchange_api():
     d = ffi.new("fmha_describer *")
     assert lib.fmha_describer_init(d, id(np.ndarray), 0) == lib.FMHA_ERR_NO_SYMBOL
     words, addresses = ffi.new("int64_t[]", 64), ffi.new("uint64_t[]", 1)
-    assert lib.fmha_describe(d, id((np.zeros(2),)), words, 64, addresses, 1) == 0
+    objects = (np.zeros(2),)
+    assert lib.fmha_describe(d, id(objects), words, 64, addresses, 1) == 0
