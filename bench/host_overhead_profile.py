@@ -9,9 +9,14 @@ per call without the driver's. Use them to compare versions of the cached path o
 measures, plus where it goes.
 
     python bench/host_overhead_profile.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--pieces]
+                                          [--out FILE]
 
 Shape as the GPU bench's overhead point: B=1 H=1 S=128 D=64 fp16, varlen as two sequences (48, 80).
-Outputs (out/lse, dq/dk/dv) are given; the backward's workspace comes from fmha_rt's own allocator.
+Outputs (out/lse, dq/dk/dv) are given, as fmha_rt.torch gives them; the backward's workspace comes
+from fmha_rt's own allocator (stream-ordered, allocated and freed in the replay), and in the row
+"mha_bwd torch ws" from fmha_rt.torch.caching_workspace, as fmha_rt.torch's backward takes it
+(torch's caching allocator). --out FILE (with --gpu) writes the numbers as JSON with the machine header (date, GPU,
+driver, versions).
 Each round times N back-to-back calls of every function in turn (so a loaded machine slows all of them
 alike); the minimum over R rounds is printed. --profile NAME prints a cProfile of NAME's cached call;
 --pieces times the parts of a cached call of each function: the key, the lookup, the replay, and the
@@ -20,6 +25,7 @@ C replay alone (checks, zero fills and launches of the bound plan).
 import argparse
 import contextlib
 import cProfile
+import json
 import pathlib
 import pstats
 import sys
@@ -35,6 +41,8 @@ import fmha_rt
 from fmha_rt import api, arrays, backend, executor, launch, plan_cache
 from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi
+from fmha_rt.bench import machine
+from fmha_rt.torch import caching_workspace
 
 from fake_gpu import StandInRuntime
 
@@ -91,10 +99,13 @@ def calls(device: str) -> dict:
     vout, vlse = torch.empty_like(vq), empty(H, total)
     vdq, vdk, vdv = torch.empty_like(vq), torch.empty_like(vk), torch.empty_like(vv)
     cu = torch.tensor([0, SEQLENS[0], total], dtype=torch.int32, device=device)
+
     longest = max(SEQLENS)
     table = {
         "mha_fwd": lambda: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse),
         "mha_bwd": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
+        "mha_bwd torch ws": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
+                                                    workspace_alloc=caching_workspace(q.device)),
         "mha_varlen_fwd": lambda: fmha_rt.mha_varlen_fwd(vq, vk, vv, cu, cu, longest, longest, out=vout, lse=vlse),
         "mha_varlen_bwd": lambda: fmha_rt.mha_varlen_bwd(vdout, vq, vk, vv, vout, vlse, cu, cu, longest, longest,
                                                          dq=vdq, dk=vdk, dv=vdv),
@@ -159,6 +170,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7, help="timed loops per function; the minimum is printed")
     parser.add_argument("--profile", metavar="NAME", help="print a cProfile of NAME's cached call instead")
     parser.add_argument("--pieces", action="store_true", help="also time the pieces of each cached call")
+    parser.add_argument("--out", type=pathlib.Path, help="with --gpu: write the numbers here as JSON")
     args = parser.parse_args()
     with real_gpu() if args.gpu else stand_in():
         table = calls("cuda" if args.gpu else "cpu")
@@ -177,11 +189,18 @@ def main():
         pieces = {name: Pieces(call).timings(args.calls) for name, call in table.items()} if args.pieces else {}
         if args.gpu:
             torch.cuda.synchronize()
+    if args.out is not None and args.gpu:
+        record = {**machine.header(0, {}, {"calls": args.calls, "rounds": args.rounds, "shape": [B, S, H, D],
+                                           "varlen_seqlens": list(SEQLENS), "dtype": "float16"}),
+                  "command": ["python", "bench/host_overhead_profile.py", *sys.argv[1:]],
+                  "us_per_call": best, "pieces_us": pieces}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
     where = "GPU 0" if args.gpu else "CPU stand-in, not a GPU number"
     print(f"cached call, µs ({where}; min of {args.rounds} rounds of {args.calls} calls)")
     for name, us in best.items():
         parts = "".join(f"  {piece} {t:5.2f}" for piece, t in pieces.get(name, {}).items())
-        print(f"  {name:16s} {us:6.2f}{parts}")
+        print(f"  {name:17s} {us:6.2f}{parts}")
 
 
 if __name__ == "__main__":

@@ -359,8 +359,10 @@ def replay(plan: CallPlan, template, given: dict, values, stream: int, workspace
     if plan.workspace_bytes and not in_replay:
         keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
                                            workspace_alloc)
-        if workspace_alloc is not None:  # memory we allocated ourselves overlaps no live array
-            check_spans([(ws.name, *ws.span())], [(name, values[position] + lo, values[position] + hi)
+        start, end = ws.span()
+        # Memory we allocated ourselves overlaps no live array; a bare address (a Pointer) has no extent.
+        if workspace_alloc is not None and end > start:
+            check_spans([(ws.name, start, end)], [(name, values[position] + lo, values[position] + hi)
                                                   for name, position, lo, hi in plan.spans])
         values[plan.index[WORKSPACE]] = ws.pointer.address
     executor.run(plan.device, plan.arch, BoundLaunches(plan, values, bool(in_replay)), stream)

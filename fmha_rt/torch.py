@@ -32,8 +32,9 @@ import torch
 
 from .api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd, resolve_mask
 from .errors import FmhaValueError
+from .packing import Pointer
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "last_dropout_state"]
+__all__ = ["caching_workspace", "flash_attn_func", "flash_attn_varlen_func", "last_dropout_state"]
 
 Tensor = torch.Tensor
 OptTensor = Optional[Tensor]  # the spelling custom_op schema inference maps to "Tensor?"
@@ -45,6 +46,24 @@ _last_dropout = threading.local()
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+
+class caching_workspace:  # noqa: N801 - used like a function: mha_bwd(..., workspace_alloc=caching_workspace(dev))
+    """A workspace_alloc for one mha_bwd call on torch tensors: the workspace comes from torch's caching
+    allocator on the current stream (so the call can be captured in a CUDA graph) and is handed over as
+    its address, which spares the call importing and checking a tensor it made itself. The tensor is
+    held by this object: keep it until the call returns (the launches are queued by then, and torch
+    reuses the memory stream-ordered after that)."""
+
+    __slots__ = ("device", "held")
+
+    def __init__(self, device):
+        self.device, self.held = device, None
+
+    def __call__(self, nbytes: int, zero_init: bool) -> Pointer:  # fmha_rt zeroes what must start at zero
+        self.held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return Pointer(self.held.data_ptr())
+
 
 
 def _lse_shape(q: Tensor, varlen: bool):
@@ -118,9 +137,7 @@ def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     options = _fmha_options(softmax_scale, window_left, window_right, _kernel_layout(alibi_slopes), dropout_p,
                             rng_state, _torch_stream(q))
 
-    def workspace(nbytes, zero_init):  # torch's allocator: stream-ordered, and capturable in a CUDA graph
-        return torch.empty(nbytes, dtype=torch.uint8, device=q.device)  # fmha_rt zeroes what it must
-
+    workspace = caching_workspace(q.device)  # alive until the launches are queued
     if cu_seqlens_q is not None:
         mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace_alloc=workspace, **options)

@@ -102,3 +102,15 @@ def test_init_refuses_a_type_without_the_exchange_api():
     words, addresses = ffi.new("int64_t[]", 64), ffi.new("uint64_t[]", 1)
     objects = (np.zeros(2),)
     assert lib.fmha_describe(d, id(objects), words, 64, addresses, 1) == 0
+
+
+def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch):
+    """A torch without `__dlpack_c_exchange_api__` (the describer is None): the attribute path keys the
+    same tensors, one description per array, with the same addresses."""
+    x = torch.randn(2, 4, 1, 8, dtype=torch.float16)
+    fast_values, slow_values = plan_cache.value_array(2), plan_cache.value_array(2)
+    fast, _ = arrays.signatures({"q": x, "k": None}, 0, fast_values)
+    monkeypatch.setattr(arrays, "_DESCRIBER", [None])
+    slow, imported = arrays.signatures({"q": x, "k": None}, 0, slow_values)
+    assert slow == ((x.shape, x.stride(), x.dtype, x.device), None) and imported == {}
+    assert list(slow_values) == list(fast_values) and slow != fast

@@ -686,3 +686,41 @@ def test_a_logged_hit_logs_the_workspace_its_launches_get(monkeypatch, rt, drive
         for name, value in unpack(key, packed).items():
             if name in ("Delta", "dQ", "dK", "Q"):
                 assert f"{name}: Pointer(0x{value:x})" in message, (key, name)
+
+
+def test_a_hit_takes_its_workspace_from_torchs_caching_allocator_by_address(monkeypatch, rt, driver):
+    """fmha_rt.torch.caching_workspace hands torch's memory over as an address: a hit launches into the
+    tensor it holds, and launches what an uncached call with that workspace launches."""
+    torch = pytest.importorskip("torch")
+    from fmha_rt.torch import caching_workspace
+
+    as_cuda = arrays.TorchView.__init__
+
+    def cuda_view(self, t):
+        as_cuda(self, t)
+        self.device_type = "cuda"
+
+    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)
+    q, k, v, out, dout = (torch.randn(B, S, H, D, dtype=torch.float16) for _ in range(5))
+    lse = torch.randn(B, H, S)
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    workspaces = []
+
+    def call():
+        workspaces.append(caching_workspace(q.device))
+        return fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, workspace_alloc=workspaces[-1])
+
+    warm(call)
+    driver.take()
+    assert call() == (dq, dk, dv) and hits() == 1
+    held = workspaces[-1].held
+    assert held.dtype == torch.uint8 and held.numel() == fmha_rt.bwd_workspace_bytes(q, k, v)
+    launched = driver.take()
+    dkdv = next(unpack(key, packed) for key, _, packed, _ in launched if key.startswith("fmha_bwd_dkdv_"))
+    assert held.data_ptr() <= dkdv["Delta"] < held.data_ptr() + held.numel(), "the regions are in torch's memory"
+    pinned = workspaces[-1]
+    with monkeypatch.context() as m:
+        m.setattr(api, "_request", lambda *_: None)
+        fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
+                        workspace_alloc=lambda n, z: fmha_rt.Pointer(pinned.held.data_ptr()))
+    assert driver.take() == launched
