@@ -332,7 +332,8 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
         keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=output_names,
-        pick_outputs=pick if len(output_names) > 1 else lambda given: (pick(given),), index=index, allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
+        pick_outputs=pick if len(output_names) > 1 else lambda given: (pick(given),), index=index,
+        allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
         overlaps=overlaps, spans=tuple((name, index[name], lo, hi) for name, lo, hi in spans),
         workspace_bytes=workspace_bytes,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False, zeroed=zeroed,
