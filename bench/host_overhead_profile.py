@@ -192,7 +192,8 @@ def main():
     if args.out is not None and args.gpu:
         record = {**machine.header(0, {}, {"calls": args.calls, "rounds": args.rounds, "shape": [B, S, H, D],
                                            "varlen_seqlens": list(SEQLENS), "dtype": "float16"}),
-                  "command": ["python", "bench/host_overhead_profile.py", *sys.argv[1:]],
+                  "command": ["python", "bench/host_overhead_profile.py",
+                              *(pathlib.Path(a).name if a == str(args.out) else a for a in sys.argv[1:])],
                   "us_per_call": best, "pieces_us": pieces}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
