@@ -104,12 +104,13 @@ def tile_override(pass_name, pair, tile):
 
 
 def pass_key(pass_name, pair):
-    """The key of the bf16, no-bias, no-dropout variant of one pass (deterministic dQ strategy)."""
+    """The key of the bf16, no-bias, no-dropout variant of one pass (deterministic dQ strategy) that the
+    timed problems (one query head per key head) run."""
     if pass_name == "fwd":
         return pp.fwd_key("bf16", pair, pp.BIAS_NONE, False)
     if pass_name in ("bwd_dkdv", "bwd_atomic"):
         strategy = pp.DQ_ATOMIC if pass_name == "bwd_atomic" else pp.DQ_DETERMINISTIC
-        return pp.dkdv_key("bf16", pair, pp.BIAS_NONE, False, strategy)
+        return pp.dkdv_key("bf16", pair, pp.BIAS_NONE, False, strategy, pp.single_head_dkdv(ARCH, pair))
     return pp.dq_key("bf16", pair, pp.BIAS_NONE, False)
 
 

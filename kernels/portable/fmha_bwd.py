@@ -5,7 +5,8 @@ Passes, in launch order:
 2. fmha_bwd_dkdv: one program per (key block, kv head, batch entry). It loops over the group's query
    heads and the visible query blocks in a fixed order, so dK and dV (summed over the group) are
    deterministic. It also writes dS for the bias gradient and, in the ATOMIC dQ strategy, adds
-   dS @ K into an fp32 dQ workspace with atomics.
+   dS @ K into an fp32 dQ workspace with atomics. Variants with GROUP_LOOP off serve one query head
+   per key head (MHA) without the loop over the group's heads, which spills less.
 3. DETERMINISTIC dQ strategy: fmha_bwd_dq, one program per query block looping over its visible key
    blocks in a fixed order; it recomputes P and dP, writes dQ in the output dtype, and needs no
    workspace. ATOMIC strategy: fmha_bwd_dq_convert scales the fp32 workspace into dQ.
@@ -140,6 +141,38 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
 
 
 @triton.jit
+def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64, q_row0, sq, sk, off, left, right,
+                     Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                     lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                     stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                     drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query head h's share of the key block: the mask-free query blocks, then the masked ones, each
+    loop body compiled for its case."""
+    for blk in range(full_lo, full_hi):
+        dk, dv = _dkdv_head_block(
+            dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse,
+            Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
+            stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+            stride_ds_b, stride_ds_h, stride_ds_s, lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+            stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
+            seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
+            BLOCK_N)
+    for t in range(0, (full_lo - lo) + (hi - full_hi)):
+        dk, dv = _dkdv_head_block(
+            dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0, sq, sk,
+            off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+            stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b,
+            stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s, lse_stride_b, lse_stride_h,
+            delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
+            scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
+            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+    return dk, dv
+
+
+@triton.jit
 def fmha_bwd_dkdv(
     Q, K, V, dO, Lse, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
@@ -159,6 +192,7 @@ def fmha_bwd_dkdv(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
+    GROUP_LOOP: tl.constexpr,
 ):
     n_block = tl.program_id(0)
     hk = tl.program_id(1)
@@ -207,28 +241,27 @@ def fmha_bwd_dkdv(
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
                 BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
-    else:
-        # Per head: the mask-free blocks, then the masked ones, each loop body compiled for its case.
+    elif GROUP_LOOP:
         for g in range(0, kv_group_size):
-            for blk in range(full_lo, full_hi):
-                dk, dv = _dkdv_head_block(
-                    dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off,
-                    left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
-                    dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
-                    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
-                    stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
-                    drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
-            for t in range(0, (full_lo - lo) + (hi - full_hi)):
-                dk, dv = _dkdv_head_block(
-                    dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, hk * kv_group_size + g,
-                    b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m,
-                    offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s,
-                    stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h,
-                    stride_ds_s, lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b,
-                    stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
-                    seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, True, BIAS_KIND, DROPOUT,
-                    DQ_ATOMIC, BLOCK_N)
+            dk, dv = _dkdv_head_loops(
+                dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, sq, sk,
+                off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
+                dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N)
+    else:
+        # One query head per key head (Hq == Hk): no loop around the two loops, whose state a loop
+        # around them keeps live (7-17% slower at 128 wide on the H200: NOTES.md, v5).
+        dk, dv = _dkdv_head_loops(
+            dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, b, b64, q_row0, sq, sk,
+            off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
+            dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+            stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+            lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+            stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+            drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
              + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),

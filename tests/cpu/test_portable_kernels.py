@@ -369,6 +369,24 @@ def test_plan_grids_agree_with_the_variants_tiles(arch):
                                          if k != "constexpr"]
 
 
+@pytest.mark.parametrize("arch", pp.BUILD_ARCHS)
+def test_dkdv_drops_its_query_head_loop_where_one_query_head_shares_each_key_head(arch):
+    """MHA problems get the dK/dV variant without the loop over a group's query heads on the archs that
+    build it (not for the flat-loop head dims); GQA and MQA problems keep the loop everywhere."""
+    variants = pp.variant_map(arch)
+    for d, hq, hk in ((64, 4, 4), (128, 4, 4), (128, 4, 2), (128, 4, 1), (256, 4, 4)):
+        x, kv = torch.zeros(1, 64, hq, d, dtype=torch.float16), torch.zeros(1, 64, hk, d, dtype=torch.float16)
+        problem = AttentionProblem(1, 64, 64, hq, hk, d, d, "fp16")
+        tensors = ie.with_strides(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(1, hq, 64),
+                                  delta=x)
+        (dkdv,) = [launch for launch in pp.plan_bwd(problem, arch, tensors) if "dkdv" in launch.variant]
+        single = hq == hk and arch in pp.DKDV_SINGLE_HEAD and (d, d) not in pp.DKDV_FLAT_LOOP.get(arch, ())
+        assert dkdv.variant.endswith("_mha") == single, (arch, d, hq, hk, dkdv.variant)
+        v = variants[dkdv.variant]
+        assert v["constexprs"]["GROUP_LOOP"] is not single and v["traits"]["single_head"] is single
+    assert any(k.endswith("_mha") for k in variants) == (arch in pp.DKDV_SINGLE_HEAD)
+
+
 _COMPILE_SCRIPT = r"""
 import json, sys
 import triton
