@@ -124,7 +124,7 @@ class _Describer:
 
 
 _DESCRIBE_ARRAYS = 16  # more arrays than any call has
-_DESCRIBE_WORDS = _DESCRIBE_ARRAYS * 18  # FMHA_DESCRIBE_WORDS_PER_ARRAY each
+_DESCRIBE_WORDS = _DESCRIBE_ARRAYS * backend.lib.FMHA_DESCRIBE_WORDS_PER_ARRAY
 _DESCRIBER: list = []  # [_Describer or None] once torch is imported: None when its torch lacks the API
 
 

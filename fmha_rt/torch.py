@@ -65,7 +65,6 @@ class caching_workspace:  # noqa: N801 - used like a function: mha_bwd(..., work
         return Pointer(self.held.data_ptr())
 
 
-
 def _lse_shape(q: Tensor, varlen: bool):
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 

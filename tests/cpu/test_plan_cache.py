@@ -71,6 +71,18 @@ def driver(monkeypatch, rt):
     return Driver(monkeypatch)
 
 
+@pytest.fixture
+def torch_as_cuda(monkeypatch):
+    """torch CPU tensors read as CUDA tensors by the validating path (the stand-in's GPU arrays)."""
+    as_cuda = arrays.TorchView.__init__
+
+    def cuda_view(self, t):
+        as_cuda(self, t)
+        self.device_type = "cuda"
+
+    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)
+
+
 def unpack(key, packed):
     entry = registry_module.registry().entry("sm_90", key)
     return dict(zip(entry.packer.names, entry.packer.struct.unpack(packed)))
@@ -226,17 +238,10 @@ def test_allocated_outputs_and_workspace_get_this_calls_addresses(rt, driver):
     assert hits() == 2
 
 
-def test_torch_tensors_take_the_fast_signature_and_hit(monkeypatch, rt, driver):
-    """torch tensors (CPU tensors posing as CUDA ones) are keyed from their attributes; a hit launches what
+def test_torch_tensors_take_the_fast_signature_and_hit(monkeypatch, rt, driver, torch_as_cuda):
+    """torch tensors (CPU tensors posing as CUDA ones) are keyed by the shim (describe.c); a hit launches what
     the uncached call launches, and a tensor of other strides misses."""
     torch = pytest.importorskip("torch")
-    as_cuda = arrays.TorchView.__init__
-
-    def cuda_view(self, t):
-        as_cuda(self, t)
-        self.device_type = "cuda"
-
-    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)
     q, k, v = (torch.randn(B, S, H, D, dtype=torch.float16) for _ in range(3))
     fmha_rt.mha_fwd(q, k, v, causal=True)
     out, _ = fmha_rt.mha_fwd(q, k, v, causal=True)
@@ -688,19 +693,13 @@ def test_a_logged_hit_logs_the_workspace_its_launches_get(monkeypatch, rt, drive
                 assert f"{name}: Pointer(0x{value:x})" in message, (key, name)
 
 
-def test_a_hit_takes_its_workspace_from_torchs_caching_allocator_by_address(monkeypatch, rt, driver):
+def test_a_hit_takes_its_workspace_from_torchs_caching_allocator_by_address(monkeypatch, rt, driver,
+                                                                          torch_as_cuda):
     """fmha_rt.torch.caching_workspace hands torch's memory over as an address: a hit launches into the
     tensor it holds, and launches what an uncached call with that workspace launches."""
     torch = pytest.importorskip("torch")
     from fmha_rt.torch import caching_workspace
 
-    as_cuda = arrays.TorchView.__init__
-
-    def cuda_view(self, t):
-        as_cuda(self, t)
-        self.device_type = "cuda"
-
-    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)
     q, k, v, out, dout = (torch.randn(B, S, H, D, dtype=torch.float16) for _ in range(5))
     lse = torch.randn(B, H, S)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
