@@ -286,7 +286,7 @@ class PassBench:
         for name, a in self.arrays.items():
             self.tensors[name] = Pointer(a.data_ptr())
             self.tensors[f"{name}_strides"] = tuple(a.stride())
-        self.run(self.plan("fwd", None) + self.plan("bwd_dkdv", None)[:1])  # forward, then Delta
+        self.run(self.plan("fwd", None) + self.plan("bwd_dkdv", None)[:1])  # forward, then the pass writing Delta
 
     def plan(self, pass_name, record):
         planner = pp.plan_fwd if pass_name == "fwd" else pp.plan_bwd

@@ -87,8 +87,8 @@ SIGNATURES = {
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr, FLAT_LOOP constexpr,
         GROUP_LOOP constexpr"""),
     "fmha_bwd_dq": _signature(f"""
-        Q *T, K *T, V *T, dO *T, Lse *fp32, Delta *fp32, dQ *T, Bias *T, Alibi *fp32, PhiloxSeedOffset *i64,
-        {_VARLEN_PTRS}, {_strides("q", "k", "v", "do", "dq")},
+        Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, dQ *T, Bias *T, Alibi *fp32,
+        PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "o", "do", "dq")},
         lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr"""),
@@ -311,10 +311,10 @@ def variants(arch: str) -> list[dict]:
                     out.extend(_attention_variants(arch, dtype, pair, bias_kind, dropout))
         for d in HEAD_DIM_TILES:
             rows = {"BLOCK_M": ROWS_TILE.block_m}
-            out.append(_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
-                                dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
-                                                         "block_m": ROWS_TILE.block_m}))
-            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:
+            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:  # the deterministic dQ kernel computes Delta itself
+                out.append(_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
+                                    dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
+                                                             "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
                 out.append(_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, ROWS_TILE,
                                     dict(rows, BLOCK_DQK=d), {"pass": "bwd_post", "head_dim_qk_tile": d,
                                                               "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
@@ -765,8 +765,9 @@ def plan_dropout_mask(problem, arch, tensors) -> list:
 
 
 def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
-    """Launches of the backward, in order: preprocess, dK/dV (+ atomic dQ), dQ or its conversion,
-    dbias.
+    """Launches of the backward, in order: dQ (which also writes Delta), dK/dV, dbias for the
+    deterministic strategy; preprocess (Delta), dK/dV with atomic dQ, dQ conversion, dbias for the atomic
+    one.
 
     tensors: as plan_fwd plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per region of
     bwd_workspace(problem, arch) named after it (delta, dq_acc, ds): the caller carves them out of one
@@ -789,14 +790,6 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     lse_args = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
     launches = []
 
-    pre = {"Out": a.required("out"), "dO": a.required("dout"), "CuSeqlensQ": varlen["CuSeqlensQ"],
-           "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **delta_args,
-           "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
-           "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
-    key = preprocess_key(problem.dtype, pair[1])
-    launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
-                           _ordered(key, "fmha_bwd_preprocess", pre)))
-
     attention = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "dO": a.required("dout"),
                  **lse_args, **delta_args, **a.score_terms(), **a.dropout(), **varlen, **shape, **mask,
                  **rows["q"], **rows["k"], **rows["v"], **rows["do"],
@@ -812,6 +805,21 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         st = _contiguous_strides(workspace.region("ds").shape)
         ds_args = {"dS": a.required("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
                    "write_dbias": 1}
+
+    if strategy == DQ_ATOMIC:
+        pre = {"Out": a.required("out"), "dO": a.required("dout"), "CuSeqlensQ": varlen["CuSeqlensQ"],
+               "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **delta_args,
+               "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
+               "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
+        key = preprocess_key(problem.dtype, pair[1])
+        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
+                               _ordered(key, "fmha_bwd_preprocess", pre)))
+    else:  # first: the dQ kernel writes the Delta that dK/dV reads
+        tile = tile_for(arch, "bwd_dq", pair, kind, dropout)
+        dq = {**attention, **rows["o"], **rows["dq"], "Out": a.required("out"), "dQ": a.required("dq")}
+        key = dq_key(problem.dtype, pair, kind, dropout)
+        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
+                               _ordered(key, "fmha_bwd_dq", dq)))
 
     tile = tile_for(arch, "bwd_dkdv", pair, kind, dropout)
     dkdv = {**attention, **dqacc_args, **ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"),
@@ -829,12 +837,6 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         key = dq_convert_key(problem.dtype, pair[0])
         launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
                                _ordered(key, "fmha_bwd_dq_convert", convert)))
-    else:
-        tile = tile_for(arch, "bwd_dq", pair, kind, dropout)
-        dq = {**attention, **rows["dq"], "dQ": a.required("dq")}
-        key = dq_key(problem.dtype, pair, kind, dropout)
-        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
-                               _ordered(key, "fmha_bwd_dq", dq)))
 
     if problem.bias_grad:
         b, h, s, _ = a._given_strides("dbias", 4)

@@ -1,16 +1,18 @@
 """Portable attention backward.
 
-Passes, in launch order:
-1. fmha_bwd_preprocess: Delta = rowsum(dO * O) in fp32 (one program per query block and head).
+Passes, in launch order, for the DETERMINISTIC dQ strategy (what the shipped archs build):
+1. fmha_bwd_dq: one program per query block looping over its visible key blocks in a fixed order. It
+   first computes Delta = rowsum(dO * O) of its rows in fp32 and writes it for the next pass, then
+   recomputes P and dP and writes dQ in the output dtype.
 2. fmha_bwd_dkdv: one program per (key block, kv head, batch entry). It loops over the group's query
    heads and the visible query blocks in a fixed order, so dK and dV (summed over the group) are
-   deterministic. It also writes dS for the bias gradient and, in the ATOMIC dQ strategy, adds
-   dS @ K into an fp32 dQ workspace with atomics. Variants with GROUP_LOOP off serve one query head
-   per key head (MHA) without the loop over the group's heads, which spills less.
-3. DETERMINISTIC dQ strategy: fmha_bwd_dq, one program per query block looping over its visible key
-   blocks in a fixed order; it recomputes P and dP, writes dQ in the output dtype, and needs no
-   workspace. ATOMIC strategy: fmha_bwd_dq_convert scales the fp32 workspace into dQ.
-4. fmha_bwd_dbias (with a tensor bias): sums dS over the bias's broadcast dims in a fixed order.
+   deterministic. It also writes dS for the bias gradient. Variants with GROUP_LOOP off serve one
+   query head per key head (MHA) without the loop over the group's heads, which spills less.
+3. fmha_bwd_dbias (with a tensor bias): sums dS over the bias's broadcast dims in a fixed order.
+
+The ATOMIC strategy (built for the interpreter, and for any arch where it measures faster) runs
+fmha_bwd_preprocess for Delta, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
+atomics, then fmha_bwd_dq_convert scaling that workspace into dQ, then fmha_bwd_dbias.
 
 Why a separate dQ kernel for the deterministic strategy: it is bitwise reproducible by construction
 (each dQ tile has one owner that accumulates in a fixed order), independent of the number of
@@ -18,7 +20,9 @@ multiprocessors and of streams, runs under the CPU interpreter (unlike a seriali
 accumulation, it needs no program to wait for another), and needs no dQ workspace at all. Its cost is
 recomputing Q K^T and dO V^T: 7 block products per (query block, key block) pair instead of 5, traded
 against the atomic variant's fp32 read-modify-write of a BLOCK_M x D tile per pair. On an H200 that
-trade came out even or better (see DEFAULT_DQ_STRATEGY in fmha_rt/portable_plan.py).
+trade came out even or better (see DEFAULT_DQ_STRATEGY in fmha_rt/portable_plan.py). Running it first
+lets it produce Delta on the way (its rows of O and dO are the ones it loads anyway), which saves the
+pre-pass's launch and its pass over O and dO.
 """
 import triton
 import triton.language as tl
@@ -296,11 +300,12 @@ def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n
 
 @triton.jit
 def fmha_bwd_dq(
-    Q, K, V, dO, Lse, Delta, dQ, Bias, Alibi, PhiloxSeedOffset,
+    Q, K, V, Out, dO, Lse, Delta, dQ, Bias, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h,
+    stride_o_b, stride_o_s, stride_o_h,
     stride_do_b, stride_do_s, stride_do_h,
     stride_dq_b, stride_dq_s, stride_dq_h,
     lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
@@ -338,8 +343,11 @@ def fmha_bwd_dq(
                 + offs_m[:, None] * stride_q_s + offs_dqk[None, :], mask=q_ok[:, None] & dqk_ok[None, :], other=0.0)
     do = tl.load(dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h
                  + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+    o = tl.load(Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h
+                + offs_m[:, None] * stride_o_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m, delta, mask=q_ok)
     lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
-    delta = tl.load(Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m, mask=q_ok, other=0.0)
     K_rows = K + b64 * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk64 * stride_k_h
     V_rows = V + b64 * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk64 * stride_v_h
     Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h + tl.cast(m0, tl.int64) * stride_bias_s
