@@ -310,8 +310,8 @@ def variants(arch: str) -> list[dict]:
                 for dropout in (False, True):
                     out.extend(_attention_variants(arch, dtype, pair, bias_kind, dropout))
         for d in HEAD_DIM_TILES:
-            rows = {"BLOCK_M": ROWS_TILE.block_m}
             if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:  # the deterministic dQ kernel computes Delta itself
+                rows = {"BLOCK_M": ROWS_TILE.block_m}
                 out.append(_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
                                     dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
                                                              "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
