@@ -13,14 +13,14 @@ measures, plus where it goes.
 
 Shape as the GPU bench's overhead point: B=1 H=1 S=128 D=64 fp16, varlen as two sequences (48, 80).
 Outputs (out/lse, dq/dk/dv) are given, as fmha_rt.torch gives them; the backward's workspace comes
-from fmha_rt's own allocator (stream-ordered, allocated and freed in the replay), and in the row
+from fmha_rt's own allocator (the buffer the shim keeps for the stream, taken in the replay), and in the row
 "mha_bwd torch ws" from fmha_rt.torch.caching_workspace, as fmha_rt.torch's backward takes it
 (torch's caching allocator). --out FILE (with --gpu) writes the numbers as JSON with the machine header (date, GPU,
 driver, versions).
 Each round times N back-to-back calls of every function in turn (so a loaded machine slows all of them
 alike); the minimum over R rounds is printed. --profile NAME prints a cProfile of NAME's cached call;
 --pieces times the parts of a cached call of each function: the key, the lookup, the replay, and the
-C replay alone (checks, zero fills and launches of the bound plan).
+C replay alone (checks, workspace, zero fills and launches: CallPlan.launch).
 """
 import argparse
 import contextlib
@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "cpu")]  # this checkout's fmha_rt, and the stand-in
 
 import fmha_rt
-from fmha_rt import api, arrays, backend, executor, launch, plan_cache
+from fmha_rt import api, arrays, backend, launch, plan_cache
 from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi
 from fmha_rt.bench import machine
@@ -70,6 +70,7 @@ def stand_in():
         try:
             yield
         finally:
+            fmha_rt.release_workspaces()  # the stand-in's host memory, while the stand-in is alive
             fmha_rt.clear_plan_cache()
             registry_module.reset()
 
@@ -124,12 +125,12 @@ def per_call_us(call, n: int) -> float:
 
 
 class Pieces:
-    """Catches the internals of one cached call (its key request, plan, replay arguments and bound
-    launches) so that each piece can be timed alone."""
+    """Catches the internals of one cached call (its key request, plan, replay arguments and the C
+    replay's) so that each piece can be timed alone."""
 
     def __init__(self, call):
         self.seen = {}
-        request, replay, run = api._request, plan_cache.replay, executor.run
+        request, replay, launch_plan = api._request, plan_cache.replay, plan_cache.CallPlan.launch
 
         def catch_request(*args):
             self.seen["request"] = args
@@ -139,27 +140,27 @@ class Pieces:
             self.seen["replay"] = args  # the value array too: a replay writes the same positions each time
             return replay(*args)
 
-        def catch_run(device, arch, launches, stream, **kw):
-            self.seen["bound"] = (launches, stream)
-            return run(device, arch, launches, stream, **kw)
+        def catch_launch(plan, *args):
+            self.seen["launch"] = (plan, args)
+            return launch_plan(plan, *args)
 
         with pytest.MonkeyPatch.context() as m:
             m.setattr(api, "_request", catch_request)
             m.setattr(plan_cache, "replay", catch_replay)
-            m.setattr(executor, "run", catch_run)
+            m.setattr(plan_cache.CallPlan, "launch", catch_launch)
             call()
 
     def timings(self, n: int) -> dict:
         request = self.seen["request"]
         key = api._request(*request)[0]
         runtime = backend.runtime()
-        plan, template, given, values, stream, workspace_alloc = self.seen["replay"]
-        bound, bound_stream = self.seen["bound"]
+        replay = self.seen["replay"]
+        plan, launch_args = self.seen["launch"]
         return {
             "key": per_call_us(lambda: api._request(*request), n),
             "lookup": per_call_us(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
-            "replay": per_call_us(lambda: plan_cache.replay(plan, template, given, values, stream, workspace_alloc), n),
-            "C replay": per_call_us(lambda: bound.launch(bound_stream), n),
+            "replay": per_call_us(lambda: plan_cache.replay(*replay), n),
+            "C replay": per_call_us(lambda: plan.launch(*launch_args), n),
         }
 
 

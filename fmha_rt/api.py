@@ -424,23 +424,36 @@ def _option_values(opts: dict) -> tuple:
             opts["dropout_p"])
 
 
-# The options' part of the key of a call that gives no option: a string, whose hash Python keeps.
-_DEFAULT_OPTIONS = "default options"
+class _Site:
+    """A public function as the plan cache sees it: its name, which starts every key it makes, the names
+    of the arrays it passes (in the order it passes them, which is the key's and the value array's), the
+    positions among them of varlen offsets (NumPy offsets are checked on the host every call) and its
+    planned path, planned(objects, scalars, opts, workspace_alloc, handle, imported, record) ->
+    (outputs, CallPlan or None), which validates and plans a call the cache cannot run."""
+
+    __slots__ = ("name", "names", "offsets", "planned")
+
+    def __init__(self, name: str, names: tuple, planned, offsets: tuple = ()):
+        self.name, self.names, self.planned, self.offsets = name, names, planned, offsets
 
 
-def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: int):
-    """(key, value array, described arrays, imported Args) of a call for the plan cache, or None when
-    the call cannot be keyed (then it is validated and planned every time, which raises any error
-    precisely). The value array (plan_cache.value_array) holds the addresses of the described arrays
-    (`arrays`, with a seed array when one is given) in their order, which is the key's.
+def _request(site: _Site, objects: tuple, opts: dict, scalars: tuple, handle: int, buffers):
+    """(key, objects, their names, imported Args) of a call for the plan cache, or None when the call
+    cannot be keyed (then it is validated and planned every time, which raises any error precisely).
+    The objects and names are `objects` and site.names, with a seed array after them when one is given;
+    buffers.values gets their addresses in that order (arrays.signatures).
 
-    The key holds the function, every array's description (arrays.signatures: not its address) and every
+    The key holds the function, its scalars (each of the one type validation accepts at its position:
+    the caller leaves other calls uncached), every array's description (not its address) and every
     option that decides validation or the plan, each with its type. Left out are the stream, return_lse
     and, when dropout is off, seed and offset (none of them reach validation or the plan); with
-    dropout on, a seed by value and the offset are per-call values (replay validates them again)."""
+    dropout on, a seed by value and the offset are per-call values (replay validates them again). A
+    call that gives no option keys by the function (and scalars) alone: a string, whose hash Python
+    keeps, or a pair."""
+    names = site.names
     try:
         if opts is _COMMON:
-            options = _DEFAULT_OPTIONS
+            function = (site.name, scalars) if scalars else site.name
         else:
             window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
             if type(window) not in (tuple, list) or len(window) != 2:
@@ -451,43 +464,49 @@ def _request(function: str, arrays: dict, opts: dict, scalars: tuple, handle: in
                 return None
             seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
             if seed_kind == "array":
-                arrays = {**arrays, "seed": seed}
-            options = (type(window), seed_kind, option_values, types)
-        scalar_types = tuple(map(type, scalars)) if scalars else ()
-        if scalars and not _KEY_TYPES.issuperset(scalar_types):
+                objects, names = (*objects, seed), (*names, "seed")
+            function = (site.name, scalars, (type(window), seed_kind, option_values, types))
+        description, imported = signatures(objects, names, handle, buffers.values, buffers.address)
+        # the shim describes torch tensors alone, so only another description can hold NumPy offsets
+        if site.offsets and type(description) is not bytes and _host_seqlens(*(objects[i] for i in site.offsets)):
             return None
-        values = plan_cache.value_array(len(arrays))
-        descriptions, imported = signatures(arrays, handle, values)
-        return (function, options, scalars, scalar_types, descriptions), values, arrays, imported
+        return (function, description), objects, names, imported
     except Exception:  # noqa: BLE001 - a value no signature describes: the slow path says what is wrong
         return None
 
 
-def _dispatch(function: str, arrays: dict, opts: dict, scalars: tuple, slow, workspace_alloc=None, cacheable=True):
-    """Run a call from the plan cache when its signature is there, else through slow(handle, imported,
-    record) -> (outputs, CallPlan or None), keeping the plan it recorded."""
+def _dispatch(site: _Site, objects: tuple, opts: dict, scalars: tuple, workspace_alloc=None, cacheable=True):
+    """Run a call from the plan cache when its signature is there, else through site.planned, keeping
+    the plan it recorded."""
     runtime = backend.runtime()
-    handle = stream_handle(opts["stream"], backend=runtime.backend)
-    request = _request(function, arrays, opts, scalars, handle) if cacheable else None
+    stream = opts["stream"]
+    handle = 0 if stream is None else stream_handle(stream, backend=runtime.backend)
+    buffers = plan_cache.thread_buffers()
+    request = _request(site, objects, opts, scalars, handle, buffers) if cacheable else None
     imported = {}
     if request is not None:
-        key, values, described, imported = request
+        key, objects, names, imported = request
         try:
             plan = PLANS.get(key, runtime, registry())
         except TypeError:  # an unhashable option value
             plan = request = None
         if plan is not None:
             if plan.philox_by_value:
-                drop, _ = _dropout(opts["dropout_p"], opts["seed"], opts["offset"], handle)
-                by_name = plan_cache.CallValues(values, plan.index)
-                for name, value in plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]).items():
-                    by_name[name] = value
-            return plan_cache.replay(plan, arrays["q"], arrays, values, handle, workspace_alloc)
+                _write_philox(plan, buffers.values, opts, handle)
+            return plan_cache.replay(plan, objects, buffers.values, buffers.failed, handle, workspace_alloc)
     record = request is not None and PLANS.admit(key)
-    outputs, plan = slow(handle, imported, tuple(described) if record else None)
+    outputs, plan = site.planned(objects, scalars, opts, workspace_alloc, handle, imported, names if record else None)
     if plan is not None:
-        PLANS.put(request[0], plan)
+        PLANS.put(key, plan)
     return outputs
+
+
+def _write_philox(plan, values, opts: dict, handle: int) -> None:
+    """A seed and offset given by value: validated again (they are not in the key), then written in."""
+    drop, _ = _dropout(opts["dropout_p"], opts["seed"], opts["offset"], handle)
+    by_name = plan_cache.CallValues(values, plan.index)
+    for name, value in plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]).items():
+        by_name[name] = value
 
 
 def _host_seqlens(*arrays) -> bool:
@@ -496,6 +515,31 @@ def _host_seqlens(*arrays) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ public API
+
+def _fwd_planned(objects, scalars, opts, workspace_alloc, handle, imported, record):
+    """mha_fwd validated and planned; `objects` in _FWD's order."""
+    q, k, v, out, lse = objects[:5]
+    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    seqstart_q=None, seqstart_k=None, deterministic=False, handle=handle, imported=imported, **opts)
+    return _forward(call, out, lse, record)
+
+
+def _varlen_fwd_planned(objects, scalars, opts, workspace_alloc, handle, imported, record):
+    """mha_varlen_fwd validated and planned; `objects` in _VARLEN_FWD's order, `scalars` the max seqlens."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, out, lse = objects[:9]
+    max_seqlen_q, max_seqlen_k = scalars
+    call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q,
+                    seqstart_k=seqstart_k, deterministic=False, handle=handle, imported=imported, **opts)
+    return _forward(call, out, lse, record)
+
+
+_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k", "seqstart_q", "seqstart_k")
+_SCORE_TERMS = ("bias", "alibi_slopes")
+_FWD = _Site("mha_fwd", ("q", "k", "v", "out", "lse", *_SCORE_TERMS), _fwd_planned)
+_VARLEN_FWD = _Site("mha_varlen_fwd", ("q", "k", "v", *_OFFSETS, "out", "lse", *_SCORE_TERMS), _varlen_fwd_planned,
+                    (3, 4, 5, 6))
+
 
 def mha_fwd(q, k, v, *, return_lse=True, out=None, lse=None, **options):
     """Attention forward. q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv] (fp16 or bf16, last dim
@@ -507,15 +551,7 @@ def mha_fwd(q, k, v, *, return_lse=True, out=None, lse=None, **options):
     int64 [seed, offset]) and offset, stream (None, an int handle, or a stream object).
     """
     opts = _options(options)
-
-    def slow(handle, imported, record):
-        call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                        max_seqlen_k=None, seqstart_q=None, seqstart_k=None, deterministic=False, handle=handle,
-                        imported=imported, **opts)
-        return _forward(call, out, lse, record)
-
-    arrays = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "bias": opts["bias"], "alibi_slopes": opts["alibi_slopes"]}
-    out_arr, lse_arr = _dispatch("mha_fwd", arrays, opts, (), slow)
+    out_arr, lse_arr = _dispatch(_FWD, (q, k, v, out, lse, opts["bias"], opts["alibi_slopes"]), opts, ())
     return (out_arr, lse_arr) if return_lse else out_arr
 
 
@@ -525,18 +561,9 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     GPU (logical lengths), optional seqstart_q/k int32 [B + 1] (physical starts in padded layouts).
     max_seqlen_q/k must bound every sequence. Returns (out [total_q, Hq, Dv], lse fp32 [Hq, total_q])."""
     opts = _options(options)
-
-    def slow(handle, imported, record):
-        call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q,
-                        seqstart_k=seqstart_k, deterministic=False, handle=handle, imported=imported, **opts)
-        return _forward(call, out, lse, record)
-
-    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-              "seqstart_q": seqstart_q, "seqstart_k": seqstart_k, "out": out, "lse": lse,
-              "bias": opts["bias"], "alibi_slopes": opts["alibi_slopes"]}
-    out_arr, lse_arr = _dispatch("mha_varlen_fwd", arrays, opts, (max_seqlen_q, max_seqlen_k), slow,
-                                 cacheable=not _host_seqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k))
+    objects = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, out, lse, opts["bias"], opts["alibi_slopes"])
+    out_arr, lse_arr = _dispatch(_VARLEN_FWD, objects, opts, (max_seqlen_q, max_seqlen_k),
+                                 cacheable=_ints(max_seqlen_q, max_seqlen_k))
     return (out_arr, lse_arr) if return_lse else out_arr
 
 
@@ -619,10 +646,41 @@ def _backward(call: _Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, r
     return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
 
-def _dispatch_backward(function, arrays, opts, scalars, workspace_alloc, slow, cacheable=True):
+def _dispatch_backward(site, arrays, opts, scalars, workspace_alloc, cacheable):
     """_dispatch for a backward: its key adds whether a workspace_alloc is given."""
-    arrays = {**arrays, "bias": opts["bias"], "alibi_slopes": opts["alibi_slopes"]}
-    return _dispatch(function, arrays, opts, (*scalars, workspace_alloc is None), slow, workspace_alloc, cacheable)
+    return _dispatch(site, (*arrays, opts["bias"], opts["alibi_slopes"]), opts, (*scalars, workspace_alloc is None),
+                     workspace_alloc, cacheable)
+
+
+def _ints(*values) -> bool:
+    """Whether scalars that validation takes as ints are keyable: of type int exactly (True == 1 and
+    1.0 == 1 would key alike; an int subclass is just validated every time)."""
+    return all(type(value) is int for value in values)
+
+
+def _bwd_planned(objects, scalars, opts, workspace_alloc, handle, imported, record):
+    """mha_bwd validated and planned; `objects` in _BWD's order, `scalars` (deterministic, ...)."""
+    dout, q, k, v, out, lse, dq, dk, dv, dbias = objects[:10]
+    call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                    seqstart_q=None, seqstart_k=None, deterministic=scalars[0], bias_grad=True, handle=handle,
+                    imported=imported, **opts)
+    return _backward(call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, record)
+
+
+def _varlen_bwd_planned(objects, scalars, opts, workspace_alloc, handle, imported, record):
+    """mha_varlen_bwd validated and planned; `objects` in _VARLEN_BWD's order, `scalars` (deterministic,
+    max_seqlen_q, max_seqlen_k, ...)."""
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, dq, dk, dv = objects[:13]
+    deterministic, max_seqlen_q, max_seqlen_k = scalars[:3]
+    call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q,
+                    seqstart_k=seqstart_k, deterministic=deterministic, handle=handle, imported=imported, **opts)
+    return _backward(call, dout, out, lse, dq, dk, dv, None, workspace_alloc, record)
+
+
+_BWD = _Site("mha_bwd", ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "dbias", *_SCORE_TERMS), _bwd_planned)
+_VARLEN_BWD = _Site("mha_varlen_bwd", ("dout", "q", "k", "v", "out", "lse", *_OFFSETS, "dq", "dk", "dv", *_SCORE_TERMS),
+                    _varlen_bwd_planned, (6, 7, 8, 9))
 
 
 def mha_bwd(dout, q, k, v, out, lse, *, deterministic=False, dq=None, dk=None, dv=None, dbias=None,
@@ -634,37 +692,18 @@ def mha_bwd(dout, q, k, v, out, lse, *, deterministic=False, dq=None, dk=None, d
     may supply the scratch memory (an array or fmha_rt.Pointer, possibly uninitialised): fmha_rt zeroes
     the parts that must start at zero on the call's stream, which zero_init announces.
     """
-    opts = _options(options)
-
-    def slow(handle, imported, record):
-        call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                        max_seqlen_k=None, seqstart_q=None, seqstart_k=None, deterministic=deterministic,
-                        bias_grad=True, handle=handle, imported=imported, **opts)
-        return _backward(call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, record)
-
-    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-              "dbias": dbias}
-    return _dispatch_backward("mha_bwd", arrays, opts, (deterministic,), workspace_alloc, slow)
+    # deterministic keys as a bool: validation refuses anything else
+    return _dispatch_backward(_BWD, (dout, q, k, v, out, lse, dq, dk, dv, dbias), _options(options), (deterministic,),
+                              workspace_alloc, type(deterministic) is bool)
 
 
 def mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    seqstart_q=None, seqstart_k=None, deterministic=False, dq=None, dk=None, dv=None,
                    workspace_alloc=None, **options):
     """Variable-length backward: arrays as in mha_varlen_fwd; returns (dq, dk, dv)."""
-    opts = _options(options)
-
-    def slow(handle, imported, record):
-        call = _prepare(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q,
-                        seqstart_k=seqstart_k, deterministic=deterministic, handle=handle, imported=imported, **opts)
-        return _backward(call, dout, out, lse, dq, dk, dv, None, workspace_alloc, record)
-
-    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_seqlens_q,
-              "cu_seqlens_k": cu_seqlens_k, "seqstart_q": seqstart_q, "seqstart_k": seqstart_k, "dq": dq, "dk": dk,
-              "dv": dv}
-    return _dispatch_backward("mha_varlen_bwd", arrays, opts, (deterministic, max_seqlen_q, max_seqlen_k),
-                              workspace_alloc, slow,
-                              cacheable=not _host_seqlens(cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k))
+    arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, dq, dk, dv)
+    return _dispatch_backward(_VARLEN_BWD, arrays, _options(options), (deterministic, max_seqlen_q, max_seqlen_k),
+                              workspace_alloc, type(deterministic) is bool and _ints(max_seqlen_q, max_seqlen_k))
 
 
 def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
@@ -673,6 +712,14 @@ def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
     call = _prepare(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                     seqstart_q=None, seqstart_k=None, deterministic=deterministic, bias_grad=True, **opts)
     return BwdLauncher(call.problem, call.arch).workspace_size
+
+
+def release_workspaces() -> None:
+    """Free the workspaces kept per stream for backwards without a workspace_alloc (each on its own
+    stream, after the work queued there, so its streams must still exist); the next such call on a
+    stream allocates anew. Call it before destroying a stream such calls ran on: a later stream may
+    get the same handle, and its calls would take the buffer without waiting for the old stream's."""
+    backend.check(backend.lib.fmha_workspaces_release(), "fmha_workspaces_release")
 
 
 def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):

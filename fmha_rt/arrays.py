@@ -3,7 +3,6 @@ outputs as the same kind of array as the inputs (torch in, torch out; cupy in, c
 from __future__ import annotations
 
 import sys
-import threading
 
 from . import backend
 from .buffers import DeviceBuffer
@@ -106,54 +105,44 @@ def _gpu_device_of(obj):
     return int(device_id) if int(device_type) in _GPU_DLPACK_DEVICES else None
 
 
-class _Describer:
-    """The shim's describer of plain torch tensors (describe.c), with each thread's word buffer."""
-
-    def __init__(self, torch):
-        self.handle = backend.ffi.new("fmha_describer *")
-        self.usable = backend.lib.fmha_describer_init(self.handle, id(torch.Tensor), id(torch.nn.Parameter)) == 0
-        self.local = threading.local()
-
-    def buffers(self):
-        """This thread's (words, the same memory as chars): read out as bytes right after each call."""
-        local = self.local
-        if not hasattr(local, "words"):
-            local.words = backend.ffi.new("int64_t[]", _DESCRIBE_WORDS)
-            local.chars = backend.ffi.cast("char *", local.words)
-        return local.words, local.chars
+def make_describer(tensor_type, second_type=None):
+    """The shim's describe(objects, addresses, capacity) builtin for tensors of these types (describe.c),
+    or None when the first type has no DLPack C exchange API."""
+    namespace = {}
+    handle = backend.ffi.new("fmha_describer *")
+    status = backend.lib.fmha_describer_init(handle, id(tensor_type), id(second_type) if second_type else 0,
+                                             id(namespace))
+    return namespace["describe"] if status == backend.lib.FMHA_OK else None
 
 
-_DESCRIBE_ARRAYS = 16  # more arrays than any call has
-_DESCRIBE_WORDS = _DESCRIBE_ARRAYS * backend.lib.FMHA_DESCRIBE_WORDS_PER_ARRAY
-_DESCRIBER: list = []  # [_Describer or None] once torch is imported: None when its torch lacks the API
+_DESCRIBER: list = []  # [describe or None] once torch is imported: None when its torch lacks the API
 
 
 def _describer():
     if not _DESCRIBER and _torch_tensor_types():
-        describer = _Describer(sys.modules["torch"])
-        _DESCRIBER.append(describer if describer.usable else None)
+        torch = sys.modules["torch"]
+        _DESCRIBER.append(make_describer(torch.Tensor, torch.nn.Parameter))
     return _DESCRIBER[0] if _DESCRIBER else None
 
 
-def signatures(objects: dict, stream: int, values):
-    """What the plan cache keys a call's arrays by: (descriptions, imported) for `objects` (argument
-    name -> array or None), every array's data address written to `values` at its position in
-    `objects` (0 for None). A description holds everything of an array that the checks and the plan
-    read (its kind, shape, strides, dtype and device), never its address. When every array is a plain
-    torch tensor (or None) the shim describes them all in one call (describe.c, DLPack's C exchange
-    API), as one bytes object. Otherwise a torch tensor is described from its attributes (~0.5 µs) and
-    anything else is imported as gpu_array would import it, and `imported` keeps that Arg by name so
-    that a call which goes on to validate need not import it twice. Raises whatever an import raises."""
-    describer = _DESCRIBER[0] if _DESCRIBER else _describer()
-    if describer is not None:
-        words, chars = describer.buffers()
-        items = tuple(objects.values())  # alive across the call: the shim gets its address (id)
-        n = backend.lib.fmha_describe(describer.handle, id(items), words, _DESCRIBE_WORDS, values, len(items))
-        if n:
-            return (backend.ffi.unpack(chars, 8 * n),), {}
+def signatures(objects: tuple, names: tuple, stream: int, values, values_address: int):
+    """What the plan cache keys a call's arrays by: (description, imported) for `objects` (arrays or None,
+    named by `names`). `values` (a uint64 array at `values_address`) gets every array's data address at
+    its position (0 for None) and zeros after them. A description holds everything of the arrays that
+    the checks and the plan read (their kind, shape, strides, dtype and device), never an address. When
+    every array is a plain torch tensor (or None) the shim describes them all in one call (describe.c,
+    DLPack's C exchange API), as one bytes object. Otherwise it is a tuple: a torch tensor is described
+    from its attributes (~0.5 µs) and anything else is imported as gpu_array would import it, and
+    `imported` keeps that Arg by name so that a call which goes on to validate need not import it
+    twice. Raises whatever an import raises."""
+    describe = _DESCRIBER[0] if _DESCRIBER else _describer()
+    if describe is not None:
+        description = describe(objects, values_address, len(values))
+        if description is not None:
+            return description, _NOTHING_IMPORTED
     torch_types = _TORCH_TENSOR_TYPES or _torch_tensor_types()
     descriptions, imported = [], {}
-    for i, (name, obj) in enumerate(objects.items()):
+    for i, (name, obj) in enumerate(zip(names, objects)):
         if obj is None:
             descriptions.append(None)
             values[i] = 0
@@ -165,7 +154,11 @@ def signatures(objects: dict, stream: int, values):
             v = arg.view
             descriptions.append((type(obj), v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.read_only))
             values[i] = v.data_ptr
+    values[len(objects):len(values)] = [0] * (len(values) - len(objects))
     return tuple(descriptions), imported
+
+
+_NOTHING_IMPORTED: dict = {}  # what a call described by the shim imported: never written to
 
 
 def gpu_array(name: str, obj, stream: int, *, rank=None, dtypes=None, writable=False, arg=None) -> Arg:

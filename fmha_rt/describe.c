@@ -3,9 +3,13 @@
 
    Reading shape, stride(), dtype and device of five tensors from Python costs ~1 µs per tensor;
    the framework's DLPack C exchange API fills a DLTensor per tensor without creating any Python
-   object. The shim is built for the stable ABI, so only limited-API calls are used here. cffi
-   releases the GIL around its calls: this file takes it back before touching Python objects. */
-#define Py_LIMITED_API 0x03080000
+   object. The shim is built for the stable ABI, so only limited-API calls are used here.
+
+   The describing is a Python builtin (METH_FASTCALL) rather than a cffi function: it runs on every
+   plan-cache hit, and a cffi call would release the GIL only for this file to take it back, and
+   would hand the words over in a buffer Python then copies into the key's bytes; the builtin keeps
+   the GIL and returns those bytes itself. */
+#define Py_LIMITED_API 0x030A0000
 #include <Python.h>
 
 #include <string.h>
@@ -36,10 +40,34 @@ typedef struct {
     void *current_work_stream;
 } dl_exchange_api;
 
-int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t second_type) {
-    if (d == NULL || tensor_type == 0) return FMHA_ERR_BAD_ARGUMENT;
+static const char CAPSULE_NAME[] = "fmha_rt.describer";
+static PyObject *describe_function(PyObject *capsule, PyObject *const *args, Py_ssize_t nargs);
+static PyMethodDef describe_method = {"describe", (PyCFunction)(void (*)(void))describe_function, METH_FASTCALL,
+                                      "describe(objects, addresses, capacity) -> bytes or None"};
+
+static void free_copy(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, CAPSULE_NAME)); }
+
+/* The builtin, bound to a copy of `d` that it owns, stored as "describe" in the dict `namespace`. */
+static int put_function(const fmha_describer *d, PyObject *namespace) {
+    fmha_describer *copy = PyMem_Malloc(sizeof *copy);
+    if (copy == NULL) return -1;
+    *copy = *d;
+    PyObject *capsule = PyCapsule_New(copy, CAPSULE_NAME, free_copy);
+    if (capsule == NULL) {
+        PyMem_Free(copy);
+        return -1;
+    }
+    PyObject *function = PyCFunction_NewEx(&describe_method, capsule, NULL);
+    Py_DECREF(capsule);
+    int status = function != NULL && PyDict_Check(namespace) ? PyDict_SetItemString(namespace, "describe", function) : -1;
+    Py_XDECREF(function);
+    return status;
+}
+
+int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t second_type, uintptr_t namespace) {
+    if (d == NULL || tensor_type == 0 || namespace == 0) return FMHA_ERR_BAD_ARGUMENT;
     memset(d, 0, sizeof *d);
-    PyGILState_STATE gil = PyGILState_Ensure();
+    PyGILState_STATE gil = PyGILState_Ensure(); /* cffi released it */
     int status = FMHA_ERR_NO_SYMBOL;
     PyObject *capsule = PyObject_GetAttrString((PyObject *)tensor_type, "__dlpack_c_exchange_api__");
     const dl_exchange_api *api = capsule ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api") : NULL;
@@ -49,7 +77,7 @@ int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t seco
         d->types[1] = second_type;
         d->export_fn = (uintptr_t)api->dltensor_from_object;
         d->is_neg = (uintptr_t)is_neg; /* a reference kept for the life of the process */
-        status = FMHA_OK;
+        status = put_function(d, (PyObject *)namespace) == 0 ? FMHA_OK : FMHA_ERR_OUT_OF_MEMORY;
     } else {
         Py_XDECREF(is_neg);
     }
@@ -84,16 +112,14 @@ static size_t describe_tensor(const dl_tensor *t, int64_t *words) {
     return n + (size_t)t->ndim;
 }
 
-size_t fmha_describe(const fmha_describer *d, uintptr_t objects, int64_t *words, size_t word_capacity,
-                     uint64_t *addresses, size_t address_capacity) {
-    if (d == NULL || d->export_fn == 0 || objects == 0 || words == NULL || addresses == NULL) return 0;
+/* The words of the items of `tuple` (at most FMHA_DESCRIBE_MAX_ARRAYS), their addresses and zeros after
+   them up to `address_capacity`; 0 when one of them cannot be described exactly (no error left set). */
+static size_t describe_items(const fmha_describer *d, PyObject *tuple, int64_t *words, uint64_t *addresses,
+                             size_t address_capacity) {
     dl_tensor_from_object export_tensor = (dl_tensor_from_object)d->export_fn;
-    PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject *tuple = (PyObject *)objects;
     Py_ssize_t count = PyTuple_Check(tuple) ? PyTuple_Size(tuple) : -1;
+    if (count < 0 || count > FMHA_DESCRIBE_MAX_ARRAYS || (size_t)count > address_capacity) goto refuse;
     size_t n = 0;
-    if (count < 0 || (size_t)count > address_capacity || (size_t)count * FMHA_DESCRIBE_WORDS_PER_ARRAY > word_capacity)
-        goto refuse;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = PyTuple_GetItem(tuple, i);
         if (item == Py_None) {
@@ -109,10 +135,32 @@ size_t fmha_describe(const fmha_describer *d, uintptr_t objects, int64_t *words,
         n += describe_tensor(&t, words + n);
         addresses[i] = (uint64_t)(uintptr_t)t.data + t.byte_offset;
     }
-    PyGILState_Release(gil);
+    for (size_t i = (size_t)count; i < address_capacity; i++) addresses[i] = 0;
     return n;
 refuse:
     PyErr_Clear();
-    PyGILState_Release(gil);
     return 0;
+}
+
+/* describe(objects, addresses, capacity): the words of the tuple `objects` as bytes (equal bytes mean
+   equal signatures), their data addresses written to the uint64 array at the int `addresses` and zeros
+   after them up to `capacity` entries; None when an item cannot be described exactly. */
+static PyObject *describe_function(PyObject *capsule, PyObject *const *args, Py_ssize_t nargs) {
+    const fmha_describer *d = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+    if (d == NULL) return NULL;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "describe(objects, addresses, capacity) takes 3 arguments");
+        return NULL;
+    }
+    uint64_t *addresses = PyLong_AsVoidPtr(args[1]);
+    size_t capacity = PyLong_AsSize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (addresses == NULL) {
+        PyErr_SetString(PyExc_ValueError, "describe: addresses is NULL");
+        return NULL;
+    }
+    int64_t words[FMHA_DESCRIBE_MAX_ARRAYS * FMHA_DESCRIBE_WORDS_PER_ARRAY];
+    size_t n = describe_items(d, args[0], words, addresses, capacity);
+    if (n == 0) Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize((const char *)words, (Py_ssize_t)(n * sizeof *words));
 }

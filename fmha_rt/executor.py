@@ -3,7 +3,8 @@ that a bad argument raises before anything is written), then launch them in orde
 
 `run` takes planned launches (portable_plan.Launch: a variant, a grid, arguments by name) or the
 launches of a cached plan bound to one call (plan_cache.BoundLaunches: packed already, with this call's
-pointers written in and checked for alignment when they were bound)."""
+pointers written in and checked for alignment when they were bound). A plan-cache hit that logs nothing
+launches through the C replay directly and notes its kernels here (note_launched)."""
 from __future__ import annotations
 
 import threading
@@ -88,8 +89,13 @@ def run(device: int, arch: str, launches, stream: int, before_launch=None):
         before_launch()
     ready.launch(stream)
     keys = ready.keys
-    _local.last = (keys, device)  # made into last_launch_info's dict when asked, not on every call
+    note_launched(keys, device)
     return keys
+
+
+def note_launched(keys, device: int) -> None:
+    """What last_launch_info reports for this thread (made into its dict when asked, not on every call)."""
+    _local.last = (keys, device)
 
 
 def last_launch_info() -> dict:

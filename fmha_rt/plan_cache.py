@@ -10,10 +10,11 @@ the outputs to allocate and the workspace layout. The recording call launches th
 with its own values written in (so what later calls launch is what it launched, byte for byte), and
 the plan is kept once they are launched. A later call of that signature skips validation, planning
 and packing: `replay` reads its pointers, allocates the outputs that are missing (and takes the
-workspace from the caller's workspace_alloc, if given) and hands the plan bound to this call's values
-to executor.run, which launches it with one C call (replay.c): that checks what depends on the
-pointers (no output overlapping an input, alignment), allocates our own workspace, writes the values
-into copies of the templates, zeroes the regions that must start at zero and launches. Whatever
+workspace from the caller's workspace_alloc, if given) and launches the plan with one C call
+(replay.c): that checks what depends on the pointers (no output overlapping an input, alignment), takes
+our own workspace (kept per stream: workspaces.c), writes the values into copies of the templates,
+zeroes the regions that must start at zero and launches. A hit builds no launch objects: BoundLaunches,
+the plan's launches read like planned ones, are made only where launches are logged. Whatever
 follows from the signature alone is worked out once, when the plan is recorded (ReplayProgram): the
 pairs of arrays to compare and the distances between their addresses at which they would overlap,
 each per-call slot's byte offset, value, addend and alignment.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import operator
 import struct
 import threading
@@ -44,7 +46,6 @@ WORKSPACE = "workspace"  # the value name of the workspace's base address
 # The per-call values that are not a call's array addresses, after those in every call's value array.
 EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
 PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
-_thread = threading.local()  # per thread: where a refused replay says what failed
 
 
 def philox_values(seed: int, offset: int) -> dict:
@@ -56,6 +57,34 @@ def philox_values(seed: int, offset: int) -> dict:
 def value_array(count: int):
     """A zeroed uint64 array for one call's values: `count` array addresses, then EXTRA_VALUES."""
     return ffi.new("uint64_t[]", count + len(EXTRA_VALUES))
+
+
+class CallBuffers:
+    """One thread's buffers for its cached calls, made once: the call's value array (arrays.signatures
+    writes the addresses and zeroes the rest) and its address, and where a refused replay says what
+    failed. A thread runs one call at a time, and the C replay copies the values before it launches, so
+    a call made from inside a launch may take them over."""
+
+    __slots__ = ("values", "address", "failed")
+
+    def __init__(self):
+        self.values = ffi.new("uint64_t[]", lib.FMHA_REPLAY_MAX_VALUES)
+        self.address = int(ffi.cast("uintptr_t", self.values))
+        self.failed = ffi.new("size_t *")
+
+
+class _ThreadBuffers(threading.local):
+    """Each thread's CallBuffers, made when the thread first asks."""
+
+    def __init__(self):
+        self.buffers = CallBuffers()
+
+
+_thread = _ThreadBuffers()
+
+
+def thread_buffers() -> CallBuffers:
+    return _thread.buffers
 
 
 class CallValues:
@@ -166,14 +195,7 @@ class BoundLaunches(Ready):
         return BoundLaunch(self, self.plan.launches[index])
 
     def launch(self, stream: int) -> None:
-        plan = self.plan
-        try:
-            failed = _thread.failed
-        except AttributeError:
-            failed = _thread.failed = ffi.new("size_t *")
-        status = lib.fmha_replay(plan.program, launch_module.REPLAY_OPS, self.array, stream, self.allocate, failed)
-        if status:
-            plan.raise_for(status, failed[0], self.values)
+        self.plan.launch(self.array, stream, self.allocate, thread_buffers().failed)
 
 
 class ReplayProgram:
@@ -197,7 +219,7 @@ class ReplayProgram:
             "device": device, "launch_count": len(templates), "launches": self.launches,
             "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
             "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
-            "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes})
+            "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes, "value_count": len(index)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +245,9 @@ class CallPlan:
     keys: tuple  # their variant keys
     outputs: tuple  # OutputSpec, in return order
     output_names: tuple  # the names of `outputs`
-    pick_outputs: callable  # the given-arrays dict -> the tuple of its outputs, in return order
-    index: dict  # value name -> its position in a call's value array
+    pick_outputs: callable  # a call's arrays (in key order) -> the tuple of its outputs, in return order
+    index: dict  # value name -> its position in a call's value array (an array's is also its position in the key)
+    template_position: int  # q's: outputs are allocated like it
     allocated: tuple  # (index, OutputSpec, value position) of the outputs to allocate
     # (output, other, low, high) for every pair that check_spans would compare among the given outputs
     # and the inputs, in its order: they overlap when low < address(other) - address(output) < high
@@ -237,6 +260,13 @@ class CallPlan:
     philox_by_value: bool
     replay_program: ReplayProgram
     program: object  # replay_program's fmha_replay_plan *
+
+    def launch(self, values, stream: int, allocate: bool, failed) -> None:
+        """The C replay of this plan with a call's value array on `stream`; `allocate`: it takes fmha_rt's
+        own workspace; `failed`: a size_t * for what a refused replay names."""
+        status = lib.fmha_replay(self.program, launch_module.REPLAY_OPS, values, stream, allocate, failed)
+        if status:
+            self.raise_for(status, failed[0], CallValues(values, self.index))
 
     def raise_for(self, status: int, failed: int, values: CallValues):
         """Raise what the replay refused or what failed, as an uncached call would report it."""
@@ -280,8 +310,8 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
-    if any(arg.name not in index for arg in arrays):
-        return None  # an array the key does not describe: plan every time
+    if any(arg.name not in index for arg in arrays) or len(index) > lib.FMHA_REPLAY_MAX_VALUES:
+        return None  # an array the key does not describe, or more values than a replay takes: plan every time
     values = CallValues(value_array(len(names)), index)
     for arg in arrays:
         values[arg.name] = arg.pointer.address
@@ -327,73 +357,109 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     workspace_bytes = layout.total_bytes if layout is not None else 0
     spans = (*input_spans, *((o.name, *o.span) for o in specs))
     output_names = tuple(o.name for o in specs)
-    pick = operator.itemgetter(*output_names)
+    pick = operator.itemgetter(*(index[name] for name in output_names))
     program = ReplayProgram(device, templates, index, overlaps, zeroed, workspace_bytes)
     return CallPlan(
         runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
         keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=output_names,
         pick_outputs=pick if len(output_names) > 1 else lambda given: (pick(given),), index=index,
-        allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
+        template_position=index["q"], allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
         overlaps=overlaps, spans=tuple((name, index[name], lo, hi) for name, lo, hi in spans),
         workspace_bytes=workspace_bytes,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False, zeroed=zeroed,
         philox_by_value=by_value, replay_program=program, program=program.plan), values
 
 
-def replay(plan: CallPlan, template, given: dict, values, stream: int, workspace_alloc):
-    """Run a call of `plan`'s signature: `given` maps output names to the arrays the caller passed
-    (None for those to allocate), `values` is the call's value array (value_array: every array's data
-    address in key order, the per-call philox values; completed here). Returns the outputs, finished as
-    the slow path finishes them."""
-    arrays = plan.pick_outputs(given)
+def replay(plan: CallPlan, objects: tuple, values, failed, stream: int, workspace_alloc):
+    """Run a call of `plan`'s signature: `objects` are the call's arrays in key order (None for outputs to
+    allocate), `values` its value array (arrays.signatures wrote the addresses; completed here) and
+    `failed` a size_t * for what a refused replay names. Returns the outputs, finished as the slow path
+    finishes them."""
+    arrays = plan.pick_outputs(objects)
     if plan.allocated:
-        arrays = list(arrays)
-        for i, o, position in plan.allocated:
-            arrays[i], values[position] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream,
-                                                   o.pitch)
-        arrays = tuple(arrays)
+        arrays = _allocate_outputs(plan, objects[plan.template_position], arrays, values, stream)
+    # fmha_rt's own workspace is taken by the C replay, unless launches are logged (the log shows every
+    # address, so the workspace must have one before the replay starts).
+    logged = launch_module.LOG_CONFIG
+    in_replay = bool(plan.workspace_bytes) and workspace_alloc is None and not logged
+    # Without a workspace its value stays the 0 signatures wrote: its regions are empty and point at 0, as planned.
     keep_alive = None
-    # Without a workspace (nothing to hold) its value stays 0: its regions are empty and point at 0, as planned.
-    # Our own workspace is allocated by the replay in C, unless launches are logged (the log shows
-    # every address, so the workspace must have one before the replay starts).
-    in_replay = plan.workspace_bytes and workspace_alloc is None and not launch_module.LOG_CONFIG
     if plan.workspace_bytes and not in_replay:
-        keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
-                                           workspace_alloc)
-        start, end = ws.span()
-        # Memory we allocated ourselves overlaps no live array; a bare address (a Pointer) has no extent.
-        if workspace_alloc is not None and end > start:
-            check_spans([(ws.name, start, end)], [(name, values[position] + lo, values[position] + hi)
-                                                  for name, position, lo, hi in plan.spans])
-        values[plan.index[WORKSPACE]] = ws.pointer.address
-    executor.run(plan.device, plan.arch, BoundLaunches(plan, values, bool(in_replay)), stream)
+        keep_alive = _python_workspace(plan, values, stream, workspace_alloc)
+    if logged:
+        executor.run(plan.device, plan.arch, BoundLaunches(plan, values), stream)
+    else:
+        plan.launch(values, stream, in_replay, failed)
+        executor.note_launched(plan.keys, plan.device)
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
-    return finish_outputs(template, arrays, stream) if plan.kind in JAX_KINDS else arrays
+    return finish_outputs(objects[plan.template_position], arrays, stream) if plan.kind in JAX_KINDS else arrays
+
+
+def _allocate_outputs(plan: CallPlan, template, arrays: tuple, values, stream: int) -> tuple:
+    """The call's outputs with those it did not give allocated like `template`, their addresses in `values`."""
+    arrays = list(arrays)
+    for i, o, position in plan.allocated:
+        arrays[i], values[position] = allocate(plan.kind, template, o.shape, o.dtype, plan.device, stream, o.pitch)
+    return tuple(arrays)
+
+
+def _python_workspace(plan: CallPlan, values, stream: int, workspace_alloc):
+    """The workspace from the caller's callback (checked against the call's arrays) or our own allocator,
+    its address in `values`; returns what must stay alive until the launches are queued."""
+    keep_alive, ws = acquire_workspace(plan.device, stream, plan.workspace_bytes, plan.workspace_zero_init,
+                                       workspace_alloc)
+    start, end = ws.span()
+    # Memory we allocated ourselves overlaps no live array; a bare address (a Pointer) has no extent.
+    if workspace_alloc is not None and end > start:
+        check_spans([(ws.name, start, end)], [(name, values[position] + lo, values[position] + hi)
+                                              for name, position, lo, hi in plan.spans])
+    values[plan.index[WORKSPACE]] = ws.pointer.address
+    return keep_alive
 
 
 class PlanCache:
     """Signature -> CallPlan, least recently used first out. A signature is recorded the second time it
     is seen (`admit`): a call whose shapes never repeat (varlen batches of changing lengths, say) pays
-    no recording and pushes out no plan of the calls that do. Safe under concurrent calls: a lock
-    guards both dicts; plans are immutable once recorded (a replay writes only to its own stack)."""
+    no recording and pushes out no plan of the calls that do. Safe under concurrent calls: plans are
+    immutable once recorded (a replay writes only to its own buffers). A hit takes no lock: a dict get
+    is atomic under the GIL, and so is its one piece of bookkeeping, a draw from an itertools.count whose
+    number stamps the plan's last use; the hit count is the number of stamps hits drew. Whatever adds or
+    removes keys, or counts misses, takes the lock."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
-        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._plans: dict = {}  # key -> [plan, stamp of its last use]
         self._seen: collections.OrderedDict = collections.OrderedDict()  # signatures seen once, not recorded
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self._stamps = itertools.count()
+        self._other_stamps = 0  # stamps drawn by put and by reading the hit count, under the lock
+        self.misses = 0
+
+    def _stamp(self) -> int:
+        """A stamp drawn under the lock, not by a hit."""
+        self._other_stamps += 1
+        return next(self._stamps)
 
     def get(self, key, runtime, registry) -> CallPlan | None:
         """The plan of `key` if it was made under this runtime and registry (tests swap both)."""
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None and plan.runtime is runtime and plan.registry is registry:
-                self._plans.move_to_end(key)
-                self.hits += 1
+        entry = self._plans.get(key)
+        if entry is not None:
+            plan = entry[0]
+            if plan.runtime is runtime and plan.registry is registry:
+                entry[1] = next(self._stamps)
                 return plan
+        with self._lock:
             self.misses += 1
-            return None
+        return None
+
+    @property
+    def hits(self) -> int:
+        with self._lock:
+            drawn = self._stamp() + 1  # every stamp drawn so far, this one included
+            return drawn - self._other_stamps
 
     def admit(self, key) -> bool:
         """Whether a call of `key` that missed should record its plan: when the key was seen before."""
@@ -407,17 +473,17 @@ class PlanCache:
 
     def put(self, key, plan: CallPlan) -> None:
         with self._lock:
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.capacity:
-                self._plans.popitem(last=False)
+            self._plans[key] = [plan, self._stamp()]
+            while len(self._plans) > self.capacity:  # hits change stamps, never keys: the walk is safe
+                del self._plans[min(self._plans, key=lambda k: self._plans[k][1])]
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
             self._seen.clear()
-            self.hits = self.misses = 0
+            self._reset_counts()
 
     def info(self) -> dict:
+        hits = self.hits
         with self._lock:
-            return {"entries": len(self._plans), "capacity": self.capacity, "hits": self.hits, "misses": self.misses}
+            return {"entries": len(self._plans), "capacity": self.capacity, "hits": hits, "misses": self.misses}

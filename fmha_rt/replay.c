@@ -6,7 +6,9 @@
  * on them, writes them into a copy of each template on the stack (the driver copies the arguments
  * when a launch is queued, so nothing outlives the call and concurrent calls share nothing), zeroes
  * the workspace regions that must start at zero and launches. The checks come first, so a refused
- * call has written nothing.
+ * call has written nothing. The values are copied before anything else: a launch may call back into
+ * Python (a stand-in driver does), and a cached call made there on the same thread reuses that
+ * thread's value array.
  */
 #include "fmha_rt.h"
 
@@ -69,25 +71,30 @@ static int fill_and_launch(const fmha_replay_plan *p, const fmha_replay_ops *ops
     return FMHA_OK;
 }
 
-int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, uint64_t *values, uint64_t stream,
+int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, uint64_t *call_values, uint64_t stream,
                 int allocate_workspace, size_t *failed) {
-    if (p == NULL || ops == NULL || values == NULL || failed == NULL) return FMHA_ERR_BAD_ARGUMENT;
+    if (p == NULL || ops == NULL || call_values == NULL || failed == NULL || p->value_count > FMHA_REPLAY_MAX_VALUES ||
+        (allocate_workspace && p->workspace_value >= p->value_count))
+        return FMHA_ERR_BAD_ARGUMENT;
+    uint64_t values[FMHA_REPLAY_MAX_VALUES];
+    memcpy(values, call_values, p->value_count * sizeof *values);
     if (overlaps(p, values, failed)) return FMHA_ERR_OVERLAP;
-    uint64_t workspace = 0;
+    fmha_workspace_lease workspace = {0, NULL};
     if (allocate_workspace) {
-        int status = ops->mem_alloc(p->device, p->workspace_bytes, stream, &workspace);
+        int status = fmha_workspace_take(ops, p->device, stream, p->workspace_bytes, &workspace);
         if (status != FMHA_OK) {
             *failed = FMHA_REPLAY_FAILED_ALLOC;
             return status;
         }
-        values[p->workspace_value] = workspace;
+        values[p->workspace_value] = call_values[p->workspace_value] = workspace.ptr;
     }
     int status = misaligned(p, values, failed) ? FMHA_ERR_MISALIGNED : fill_and_launch(p, ops, values, stream, failed);
-    if (allocate_workspace) ops->mem_free(p->device, workspace, stream); /* stream-ordered: after the launches */
+    if (allocate_workspace) fmha_workspace_give(ops, p->device, stream, &workspace); /* the launches are queued */
     return status;
 }
 
 const fmha_replay_ops *fmha_replay_native_ops(void) {
-    static const fmha_replay_ops native = {fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free};
+    static const fmha_replay_ops native = {fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free,
+                                           fmha_stream_capture_status};
     return &native;
 }

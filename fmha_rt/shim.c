@@ -74,6 +74,7 @@ struct driver {
     drv_result (*memcpy_htod_async)(uint64_t, const void *, size_t, uint64_t);
     drv_result (*memcpy_dtoh_async)(void *, uint64_t, size_t, uint64_t);
     drv_result (*stream_synchronize)(uint64_t);
+    drv_result (*stream_is_capturing)(uint64_t, int *);           /* optional: without it, assume a capture */
 };
 
 struct fmha_kernel {
@@ -168,6 +169,7 @@ static int resolve_entry_points(void) {
     RESOLVE(memcpy_htod_async, "cuMemcpyHtoDAsync_v2", "hipMemcpyHtoDAsync", 1);
     RESOLVE(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2", "hipMemcpyDtoHAsync", 1);
     RESOLVE(stream_synchronize, "cuStreamSynchronize", "hipStreamSynchronize", 1);
+    RESOLVE(stream_is_capturing, "cuStreamIsCapturing", "hipStreamIsCapturing", 0);
     if (!cuda) {
         /* hipDeviceProp_t changed layout in HIP 6; the R0600 entry point names the new one. */
         RESOLVE(get_device_properties, NULL, "hipGetDevicePropertiesR0600", 0);
@@ -661,4 +663,10 @@ int fmha_memcpy_dtoh(int device, void *dst, uint64_t src, size_t bytes, uint64_t
 }
 int fmha_stream_synchronize(int device, uint64_t stream) {
     ON_DEVICE(device, "stream_synchronize", g.d.stream_synchronize(stream));
+}
+int fmha_stream_capture_status(int device, uint64_t stream, int *status) {
+    if (status == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_stream_capture_status: NULL status");
+    if (require_init() == FMHA_OK && g.d.stream_is_capturing == NULL)
+        return set_error(FMHA_ERR_NO_SYMBOL, "%s has no stream capture query", g.library);
+    ON_DEVICE(device, "stream_is_capturing", g.d.stream_is_capturing(stream, status));
 }

@@ -24,6 +24,7 @@
 #define PROGRAM_FORMAT 1
 #define PROGRAM_ATTRIBUTE "program"
 #define MAX_BUFFERS 32
+_Static_assert(MAX_BUFFERS <= FMHA_REPLAY_MAX_VALUES, "a call's buffers are the replay's values");
 #define MAX_LAUNCHES 16
 #define MAX_PATCHES 128
 #define MAX_TEMPLATE_BYTES FMHA_REPLAY_MAX_ARGS /* the manifest's limit on a kernel's parameter bytes */
@@ -315,7 +316,7 @@ static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, cons
         }
     }
     fmha_replay_plan plan = {device, p->launch_count, launches, patch_count, patches, 0, NULL, p->fill_count, fills,
-                             0, 0};
+                             0, 0, (uint32_t)(p->operands + p->results)};
     size_t failed = 0;
     int status = fmha_replay(&plan, fmha_replay_native_ops(), values, stream, 0, &failed);
     if (status == FMHA_OK) return NULL;

@@ -103,6 +103,9 @@ int fmha_memset_d8(int device, uint64_t ptr, unsigned char value, size_t bytes, 
 int fmha_memcpy_htod(int device, uint64_t dst, const void *src, size_t bytes, uint64_t stream);
 int fmha_memcpy_dtoh(int device, void *dst, uint64_t src, size_t bytes, uint64_t stream);
 int fmha_stream_synchronize(int device, uint64_t stream);
+/* The capture status of `stream` (0 none, 1 active, 2 invalidated: the driver's enum). FMHA_ERR_NO_SYMBOL
+   when the driver lacks the query (callers then assume a capture). */
+int fmha_stream_capture_status(int device, uint64_t stream, int *status);
 
 /* ---- replaying a cached call (fmha_rt/replay.c) ----
    A cached plan's launches with one call's values written in, checked and launched in one call. The
@@ -111,9 +114,11 @@ int fmha_stream_synchronize(int device, uint64_t stream);
    checking its alignment. Everything is checked before anything is written: the overlap bounds
    first (an output whose address less another array's lies strictly between low and high overlaps
    it), then every patch; only then are the zero fills set and the kernels launched, in order. With
-   allocate_workspace the replay allocates the workspace itself (stream-ordered, after the overlap
-   checks: fresh memory overlaps nothing), stores its address at values[workspace_value] and frees it
-   on the stream after the launches, whatever happened. */
+   allocate_workspace the replay takes fmha_rt's own workspace (fmha_workspace_take, after the overlap
+   checks: fmha_rt's own memory overlaps none of the caller's arrays), stores its address at
+   values[workspace_value] and hands it back after the launches, whatever happened. The replay reads
+   the values from a copy it takes first, so a call made from inside one of its launches may reuse the
+   caller's array. */
 #define FMHA_ERR_OVERLAP 7    /* *failed: the index of the overlap bound that matched */
 #define FMHA_ERR_MISALIGNED 8 /* *failed: the index of the patch whose address is misaligned */
 #define FMHA_REPLAY_FAILED_ALLOC 4294967295 /* *failed when allocating the workspace failed */
@@ -142,9 +147,11 @@ typedef struct fmha_replay_ops {
     int (*memset_d8)(int device, uint64_t ptr, unsigned char value, size_t bytes, uint64_t stream);
     int (*mem_alloc)(int device, size_t bytes, uint64_t stream, uint64_t *ptr);
     int (*mem_free)(int device, uint64_t ptr, uint64_t stream);
+    int (*stream_capture_status)(int device, uint64_t stream, int *status);
 } fmha_replay_ops;
 
 #define FMHA_REPLAY_MAX_ARGS 4096 /* bytes of one launch's arguments */
+#define FMHA_REPLAY_MAX_VALUES 32 /* a call's values */
 
 typedef struct fmha_replay_plan {
     int device;
@@ -158,40 +165,69 @@ typedef struct fmha_replay_plan {
     const fmha_replay_fill *fills;
     uint32_t workspace_value; /* the workspace's value index */
     uint64_t workspace_bytes;
+    uint32_t value_count; /* entries of a call's values, at most FMHA_REPLAY_MAX_VALUES */
 } fmha_replay_plan;
 
 /* Run `plan` with `values` on `stream`. Returns FMHA_OK; FMHA_ERR_OVERLAP or FMHA_ERR_MISALIGNED with
-   *failed naming the check (nothing was written); or what the workspace allocation, a fill or a launch
+   *failed naming the check (nothing was written); or what taking the workspace, a fill or a launch
    returned, with *failed FMHA_REPLAY_FAILED_ALLOC, the index of that fill, or fill_count plus the index
    of that launch. */
 int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64_t *values, uint64_t stream,
                 int allocate_workspace, size_t *failed);
-/* The shim's own driver calls (fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free). */
+/* The shim's own driver calls (fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free,
+   fmha_stream_capture_status). */
 const fmha_replay_ops *fmha_replay_native_ops(void);
+
+/* ---- fmha_rt's own workspace, kept per stream (fmha_rt/workspaces.c) ----
+   The workspace a replay allocates itself comes from here: per (ops, device, stream) one buffer of the
+   largest size taken so far, reused by the next call on that stream (stream order puts its fills and
+   launches behind the previous call's). Sizes above FMHA_WORKSPACE_CACHE_MAX_BYTES, a stream being
+   captured into a graph (the graph would keep an address the cache may free later), a buffer another
+   call holds right now (the two calls' enqueues could interleave) and streams beyond the first
+   FMHA_WORKSPACE_CACHE_STREAMS get a buffer of their own, allocated now and freed when handed back.
+   Growing frees the old buffer on the stream (after the calls queued there) before allocating. */
+#define FMHA_WORKSPACE_CACHE_MAX_BYTES 67108864 /* 64 MiB */
+#define FMHA_WORKSPACE_CACHE_STREAMS 64
+typedef struct fmha_workspace_lease {
+    uint64_t ptr;     /* the workspace */
+    void *slot;       /* the cache entry it belongs to; NULL: a buffer of its own */
+} fmha_workspace_lease;
+/* A workspace of at least `bytes` on `device` for work queued on `stream`, until fmha_workspace_give. */
+int fmha_workspace_take(const fmha_replay_ops *ops, int device, uint64_t stream, uint64_t bytes,
+                        fmha_workspace_lease *lease);
+/* Hand a workspace back once the work that uses it is queued on the stream it was taken for. */
+void fmha_workspace_give(const fmha_replay_ops *ops, int device, uint64_t stream, const fmha_workspace_lease *lease);
+/* Free every kept buffer on its stream (stream-ordered; the streams must still exist); a buffer a call
+   holds is freed when that call hands it back. Returns FMHA_OK or the first failed free's status. */
+int fmha_workspaces_release(void);
+/* How many buffers are kept and their bytes (a held one included). */
+int fmha_workspaces_kept(size_t *count, uint64_t *bytes);
 
 /* ---- describing a call's torch tensors for the plan cache (fmha_rt/describe.c) ----
    One call reads every tensor of a call through the framework's DLPack C exchange API
    (`type(tensor).__dlpack_c_exchange_api__`, DLPack >= 1.3) instead of Python attribute reads.
-   Python objects travel as their addresses (CPython's id()); the describer holds the accepted types
-   and the framework's export function, set once by fmha_describer_init. */
+   Python objects travel as their addresses (CPython's id()). The describing itself is a Python
+   builtin that fmha_describer_init makes:
+       describe(objects, addresses, capacity) -> bytes or None
+   describes the tuple `objects` (each item an accepted tensor or None, at most FMHA_DESCRIBE_MAX_ARRAYS):
+   per item its dtype, rank and device, its shape and strides (never its address), so equal bytes mean
+   equal signatures. It writes the items' data addresses (0 for None) to the uint64 array at the int
+   `addresses` and zeroes the rest of its `capacity` entries (the per-call values that follow them). It
+   returns None, leaving no Python error set, when an item is not a plain accepted tensor (another
+   type, rank above FMHA_DESCRIBE_MAX_NDIM, a negated view, a failed export): the caller describes the
+   call another way. */
 #define FMHA_DESCRIBE_MAX_NDIM 8
+#define FMHA_DESCRIBE_MAX_ARRAYS 16
 #define FMHA_DESCRIBE_WORDS_PER_ARRAY 18 /* 2 + 2 * FMHA_DESCRIBE_MAX_NDIM */
 typedef struct fmha_describer {
     uintptr_t types[2];      /* the accepted Python types (torch.Tensor, torch.nn.Parameter); 0: none */
     uintptr_t export_fn;     /* the framework's DLPackDLTensorFromPyObjectNoSync */
     uintptr_t is_neg;        /* the first type's unbound method that says a tensor holds negated values */
 } fmha_describer;
-/* Fill `d` from the two types (0 for an unused second one). FMHA_ERR_NO_SYMBOL when the first type
-   has no usable exchange API (older frameworks): callers describe tensors another way. */
-int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t second_type);
-/* Describe the tuple at `objects` (each item an accepted tensor or None) into `words`: per item its
-   dtype, rank and device, its shape and strides (never its address), so equal words mean equal
-   signatures. Writes the items' data addresses (0 for None) to `addresses`. Returns the number of
-   words written, or 0 when an item is not a plain accepted tensor (another type, rank above
-   FMHA_DESCRIBE_MAX_NDIM, a negated view, a failed export: the caller describes the call another
-   way; no Python error is left set). `words` holds FMHA_DESCRIBE_WORDS_PER_ARRAY per item. */
-size_t fmha_describe(const fmha_describer *d, uintptr_t objects, int64_t *words, size_t word_capacity,
-                     uint64_t *addresses, size_t address_capacity);
+/* Fill `d` from the two types (0 for an unused second one) and store the builtin `describe`, bound to
+   a copy of `d`, in the dict at `namespace`. FMHA_ERR_NO_SYMBOL when the first type has no usable
+   exchange API (older frameworks): callers describe tensors another way. */
+int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t second_type, uintptr_t namespace);
 
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);

@@ -3,6 +3,10 @@
 `FakeGpuArray` exports host memory through DLPack as a CUDA (or any other device's) array. `StandInRuntime`
 describes two sm_90 devices and serves the runtime's own allocations and memsets from host memory, so a
 call runs exactly as on a GPU machine up to the launch, where the test puts its own executor.
+
+The shim keeps fmha_rt's own workspaces per stream (workspaces.c), and the ones a stand-in allocated
+are its host memory: they must be released while it is alive (tests/cpu/conftest.py does so after
+every test; whoever uses a stand-in outside a test calls fmha_rt.release_workspaces()).
 """
 import contextlib
 import ctypes
@@ -84,6 +88,9 @@ class StandInRuntime:
         self.allocations = {}  # start address -> (buffer, nbytes, device)
         self.lent = []  # (start, nbytes, device) of workspace arrays given to callers
         self.memsets = []  # (device, address, nbytes)
+        self.frees = []  # (device, address, stream) of every free, in order
+        self.capturing = set()  # streams being captured into a graph, as the capture query reports them
+        self.capture_queries = []  # (device, stream) of every capture query
         self.problems = []  # bad frees: recorded, since buffers free themselves in __del__, which swallows errors
         monkeypatch.setattr(backend, "runtime", lambda: self.runtime)
         monkeypatch.setattr(backend, "mem_alloc", self.mem_alloc)
@@ -95,8 +102,9 @@ class StandInRuntime:
         monkeypatch.setattr(launch, "REPLAY_OPS", self._replay_ops())
 
     def _replay_ops(self):
-        """The cached plans' C replay calls back into Python for its launches, memsets and workspace:
-        launches go to launch._launch (which tests replace to record them), the rest to this stand-in."""
+        """The cached plans' C replay calls back into Python for its launches, memsets, workspace and
+        capture queries: launches go to launch._launch (which tests replace to record them), the rest to
+        this stand-in."""
         def failed(exc_type, exc, tb):
             self.callback_errors.append(exc)
             return 1  # FMHA_ERR_DRIVER: the call fails as a driver failure would
@@ -120,8 +128,21 @@ class StandInRuntime:
             backend.mem_free(device, ptr, stream)
             return 0
 
-        self._callbacks = (replay_launch, replay_memset, replay_alloc, replay_free)  # alive while the ops point here
-        return ffi.new("fmha_replay_ops *", dict(zip(("launch", "memset_d8", "mem_alloc", "mem_free"), self._callbacks)))
+        @ffi.callback("int(int, uint64_t, int *)", onerror=failed)
+        def replay_capture_status(device, stream, status):
+            status[0] = self.capture_status(device, stream)
+            return 0
+
+        # alive while the ops point here
+        self._callbacks = (replay_launch, replay_memset, replay_alloc, replay_free, replay_capture_status)
+        fields = ("launch", "memset_d8", "mem_alloc", "mem_free", "stream_capture_status")
+        return ffi.new("fmha_replay_ops *", dict(zip(fields, self._callbacks)))
+
+    def capture_status(self, ordinal, stream) -> int:
+        """The driver's answer: 1 (active) for a stream in `capturing`, else 0 (none)."""
+        backend.device(ordinal)
+        self.capture_queries.append((ordinal, stream))
+        return int(stream in self.capturing)
 
     @contextlib.contextmanager
     def device_scope(self, ordinal):
@@ -138,6 +159,7 @@ class StandInRuntime:
         return aligned_start(buf)
 
     def mem_free(self, ordinal, ptr, stream=0):
+        self.frees.append((ordinal, ptr, stream))
         entry = self.allocations.pop(ptr, None)
         if entry is None or entry[2] != ordinal:
             self.problems.append(f"free of 0x{ptr:x} on device {ordinal}: not an allocation there")
@@ -170,3 +192,5 @@ class StandInRuntime:
     def reset(self):
         self.lent.clear()
         self.memsets.clear()
+        self.frees.clear()
+        self.capture_queries.clear()

@@ -56,3 +56,30 @@ def test_hip_runtime_without_a_gpu_reports_no_device():
 def test_unknown_backend_name_is_refused():
     out = probe("opencl")
     assert out["error"][0] == "FmhaValueError" and "FMHA_RT_BACKEND='opencl'" in out["error"][1]
+
+
+CAPTURE_PROBE = r"""
+import json
+from fmha_rt import backend, release_workspaces
+from fmha_rt.backend import ffi, lib
+backend.runtime()
+status = ffi.new("int *", 7)
+out = {"null": lib.fmha_stream_capture_status(0, 0x10, ffi.NULL),
+       "device 0": lib.fmha_stream_capture_status(0, 0x10, status), "message": backend.last_error(),
+       "untouched": status[0], "bad argument": lib.FMHA_ERR_BAD_ARGUMENT}
+release_workspaces()  # nothing kept: no driver call, no error
+print(json.dumps(out))
+"""
+
+
+def test_the_capture_query_is_resolved_from_the_hip_runtime():
+    """hipStreamIsCapturing is found (a missing entry point would answer FMHA_ERR_NO_SYMBOL before the
+    device check); with no GPU the query stops at the device, leaving the status as it was."""
+    if not have_library("amdhip64", "libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"):
+        pytest.fail("the HIP runtime library is not installed: .ci/run installs Debian's libamdhip64-5")
+    env = dict(os.environ, FMHA_RT_BACKEND="hip")
+    done = subprocess.run([sys.executable, "-c", CAPTURE_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["null"] == out["device 0"] == out["bad argument"]
+    assert "device 0 does not exist" in out["message"] and out["untouched"] == 7

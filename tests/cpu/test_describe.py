@@ -2,7 +2,10 @@
 reads every tensor of a call through torch's DLPack C exchange API. Equal words must mean equal
 signatures (shape, strides, dtype, device), whatever the data; anything it cannot describe exactly
 (another type, a negated view, a sparse tensor, a rank above its limit) is refused, leaving no Python
-error set, so the caller describes the call from attributes instead."""
+error set, so the caller describes the call from attributes instead. The addresses go to the call's
+value array, and the per-call values after them are zeroed."""
+import struct
+
 import numpy as np
 import pytest
 
@@ -18,18 +21,19 @@ if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
 
 @pytest.fixture
 def describer():
-    d = ffi.new("fmha_describer *")
-    assert lib.fmha_describer_init(d, id(torch.Tensor), id(torch.nn.Parameter)) == lib.FMHA_OK
-    return d
+    describe = arrays.make_describer(torch.Tensor, torch.nn.Parameter)
+    assert describe is not None
+    return describe
 
 
-def describe(d, *objects):
+def describe(d, *objects, capacity=None):
     """(words, addresses) of `objects`, or None when refused."""
-    words = ffi.new("int64_t[]", lib.FMHA_DESCRIBE_WORDS_PER_ARRAY * len(objects))
-    addresses = ffi.new("uint64_t[]", [0xDEAD] * len(objects))  # poisoned: every slot must be written
-    objects = tuple(objects)  # alive across the call: the shim gets its address, not a reference
-    n = lib.fmha_describe(d, id(objects), words, len(words), addresses, len(objects))
-    return (ffi.unpack(words, n), ffi.unpack(addresses, len(objects))) if n else None
+    capacity = len(objects) if capacity is None else capacity
+    addresses = ffi.new("uint64_t[]", [0xDEAD] * capacity)  # poisoned: every slot must be written
+    described = d(tuple(objects), int(ffi.cast("uintptr_t", addresses)), capacity)
+    if described is None:
+        return None
+    return list(struct.unpack(f"<{len(described) // 8}q", described)), ffi.unpack(addresses, capacity)
 
 
 def test_words_hold_dtype_rank_device_shape_and_strides_and_addresses_the_data(describer):
@@ -76,41 +80,55 @@ def test_what_it_cannot_describe_exactly_is_refused_without_an_error_left(descri
         "rank 9": (torch.zeros((1,) * 9),),
     }.get(case)
     if case == "too many":
-        words = ffi.new("int64_t[]", lib.FMHA_DESCRIBE_WORDS_PER_ARRAY)
-        addresses = ffi.new("uint64_t[]", 2)
-        two, three = (x, x), (x, x, x)
-        assert lib.fmha_describe(describer, id(two), words, len(words), addresses, 2) == 0
-        assert lib.fmha_describe(describer, id(three), ffi.new("int64_t[]", 64), 64, addresses, 2) == 0
+        assert describe(describer, x, x, x, capacity=2) is None, "more arrays than value slots"
+        many = (x,) * (lib.FMHA_DESCRIBE_MAX_ARRAYS + 1)
+        assert describe(describer, *many, capacity=len(many)) is None, "more arrays than the describer takes"
+        assert describe(describer, *many[1:]) is not None
         return
     assert describe(describer, *objects) is None
     assert torch.ones(2).sum().item() == 2.0, "no Python error is left set"
+
+
+def test_the_values_after_the_addresses_are_zeroed(describer):
+    x = torch.randn(2, 4, dtype=torch.float16)
+    assert describe(describer, x, None, capacity=5)[1] == [x.data_ptr(), 0, 0, 0, 0]
+
+
+def test_describe_refuses_bad_arguments_with_an_error():
+    describe = arrays.make_describer(torch.Tensor)
+    with pytest.raises(TypeError, match="3 arguments"):
+        describe((None,), 0)
+    with pytest.raises(ValueError, match="NULL"):
+        describe((None,), 0, 1)
+
+
+def _signatures(objects: dict, values):
+    return arrays.signatures(tuple(objects.values()), tuple(objects), 0, values, int(ffi.cast("uintptr_t", values)))
 
 
 def test_signatures_key_a_negated_view_apart_from_its_plain_tensor():
     """The general path takes over where the describer refuses; the two keys never meet."""
     x = torch.randn(2, 4, 1, 8, dtype=torch.float16)
     values = plan_cache.value_array(2)
-    plain, _ = arrays.signatures({"q": x, "k": None}, 0, values)
-    assert type(plain[0]) is bytes and list(values)[:2] == [x.data_ptr(), 0]
-    negated, _ = arrays.signatures({"q": torch._neg_view(x), "k": None}, 0, values)
-    assert type(negated[0]) is not bytes and negated != plain and negated[1] is None
+    plain, _ = _signatures({"q": x, "k": None}, values)
+    assert type(plain) is bytes and list(values) == [x.data_ptr(), 0, 0, 0, 0]
+    negated, _ = _signatures({"q": torch._neg_view(x), "k": None}, values)
+    assert type(negated) is tuple and negated[1] is None and list(values) == [x.data_ptr(), 0, 0, 0, 0]
 
 
 def test_init_refuses_a_type_without_the_exchange_api():
-    d = ffi.new("fmha_describer *")
-    assert lib.fmha_describer_init(d, id(np.ndarray), 0) == lib.FMHA_ERR_NO_SYMBOL
-    words, addresses = ffi.new("int64_t[]", 64), ffi.new("uint64_t[]", 1)
-    objects = (np.zeros(2),)
-    assert lib.fmha_describe(d, id(objects), words, 64, addresses, 1) == 0
+    assert arrays.make_describer(np.ndarray) is None
+    assert lib.fmha_describer_init(ffi.new("fmha_describer *"), id(np.ndarray), 0, id({})) == lib.FMHA_ERR_NO_SYMBOL
 
 
 def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch):
     """A torch without `__dlpack_c_exchange_api__` (the describer is None): the attribute path keys the
-    same tensors, one description per array, with the same addresses."""
+    same tensors, one description per array, with the same addresses and zeros after them."""
     x = torch.randn(2, 4, 1, 8, dtype=torch.float16)
     fast_values, slow_values = plan_cache.value_array(2), plan_cache.value_array(2)
-    fast, _ = arrays.signatures({"q": x, "k": None}, 0, fast_values)
+    slow_values[4] = 0xDEAD  # stale: the per-call values are zeroed
+    fast, _ = _signatures({"q": x, "k": None}, fast_values)
     monkeypatch.setattr(arrays, "_DESCRIBER", [None])
-    slow, imported = arrays.signatures({"q": x, "k": None}, 0, slow_values)
+    slow, imported = _signatures({"q": x, "k": None}, slow_values)
     assert slow == ((x.shape, x.stride(), x.dtype, x.device), None) and imported == {}
-    assert list(slow_values) == list(fast_values) and slow != fast
+    assert list(slow_values) == list(fast_values) == [x.data_ptr(), 0, 0, 0, 0] and slow != fast

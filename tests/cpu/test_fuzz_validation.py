@@ -434,7 +434,10 @@ def workspace_callback(d: Draw):
 
 def check(call, outputs, exe, rt) -> str:
     """Run `call` and check the property; returns its outcome. `outputs` are (name, array) pairs of the
-    outputs given to the call that have memory behind them."""
+    outputs given to the call that have memory behind them. Every call is validated and planned: a
+    repeated signature would run from the plan cache, past this executor (test_plan_cache.py checks
+    what a hit checks)."""
+    fmha_rt.clear_plan_cache()
     rt.reset()
     exe.calls.clear()
     exe.aligning = False

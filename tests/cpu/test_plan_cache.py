@@ -10,8 +10,11 @@ launch records its kernel, grid, stream and the argument bytes from the C launch
 import dataclasses
 import gc
 import logging
+import os
+import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -357,6 +360,22 @@ def test_options_are_keyed_with_their_types(rt, driver):
     assert hits() == 0 and fmha_rt.plan_cache_info()["entries"] == 3
 
 
+def test_scalars_are_keyed_only_as_the_one_type_validation_takes(rt, driver):
+    """deterministic keys as a bool and max_seqlen as an int: 1 for True (or 1.0) would find their plans,
+    so such calls skip the cache and validation says what is wrong."""
+    x, v = Inputs(rt), Inputs(rt, varlen=True)
+    warm(bwd(x, deterministic=True))
+    with pytest.raises(FmhaTypeError, match="deterministic must be a bool"):
+        bwd(x, deterministic=1)()
+    warm(lambda: fmha_rt.mha_varlen_fwd(v.q, v.k, v.v, v.cu_q, v.cu_k, 1, 70, out=v.out, lse=v.lse))
+    for max_seqlen_q in (True, 1.0):
+        with pytest.raises(FmhaValueError, match="max_seqlen_q must be an int"):
+            fmha_rt.mha_varlen_fwd(v.q, v.k, v.v, v.cu_q, v.cu_k, max_seqlen_q, 70, out=v.out, lse=v.lse)
+    assert hits() == 0 and fmha_rt.plan_cache_info()["entries"] == 2
+    fmha_rt.mha_varlen_fwd(v.q, v.k, v.v, v.cu_q, v.cu_k, 1, 70, out=v.out, lse=v.lse)
+    assert hits() == 1
+
+
 def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, driver):
     uploaded = []
 
@@ -424,7 +443,26 @@ def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothin
         assert array.untouched()
 
 
-def test_a_hit_goes_through_the_executor_seam_with_launches_that_read_like_planned_ones(monkeypatch, rt, driver):
+def test_a_hit_launches_through_the_c_replay_alone_and_notes_its_kernels(monkeypatch, rt, driver):
+    """A hit that logs nothing makes no launch objects and skips the executor: one C call launches."""
+    x = Inputs(rt)
+    warm(bwd(x, deterministic=True))
+    planned = driver.take()[-2:]
+    fwd(x)()  # another call's kernels: the last launch info below is the hit's own
+    driver.take()
+
+    def refuse(*_, **__):
+        raise AssertionError("a hit built launch objects or went through the executor")
+
+    monkeypatch.setattr(executor, "run", refuse)
+    monkeypatch.setattr(plan_cache.BoundLaunches, "__init__", refuse)
+    bwd(x, deterministic=True)()
+    assert hits() == 1 and driver.take() == [launched[:4] for launched in planned]
+    assert fmha_rt.last_launch_info()["kernels"] == [key for key, *_ in planned]
+
+
+def test_a_logged_hit_goes_through_the_executor_seam_with_launches_that_read_like_planned_ones(monkeypatch, rt, driver,
+                                                                                            log_config):
     x = Inputs(rt)
     warm(fwd(x, causal=True))
     seen = []
@@ -572,28 +610,32 @@ def test_a_plan_of_another_runtime_is_not_used(monkeypatch, rt, driver):
 
 
 def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeypatch, rt, driver):
-    """The replay writes each call's values into its own copy of the templates: a cached call made while
-    another is inside its launch (as a launch callback could) launches its own pointers, and the outer
-    call's are intact after it."""
+    """The replay writes each call's values into its own copy of the templates, from its own copy of the
+    values: a cached call made on the same thread while another is inside its first launch (as a launch
+    callback could) reuses the thread's value array and launches its own pointers, and the outer call's
+    second launch still gets the outer call's."""
     outer, inner = Inputs(rt), Inputs(rt)
-    warm(fwd(outer))
+    warm(bwd(outer, deterministic=True))
+    warm(fwd(inner))
     driver.take()
     record = driver.launch
 
     def reentering(config, stream):
-        if len(driver.launches) == 0:
-            record(config, stream)
+        record(config, stream)
+        if len(driver.launches) == 1:
             fwd(inner)()
-            return 0
-        return record(config, stream)
+        return 0
 
     monkeypatch.setattr(launch, "_launch", reentering)
-    before = bytes(ffi.buffer(api.PLANS._plans[next(iter(api.PLANS._plans))].replay_program.templates[0]))
-    fwd(outer)()
-    (first, second) = [unpack(key, packed) for key, _, packed, _ in driver.take()]
-    assert first["Q"] == outer.q.ptr and second["Q"] == inner.q.ptr and first["Out"] == outer.out.ptr
-    after = bytes(ffi.buffer(api.PLANS._plans[next(iter(api.PLANS._plans))].replay_program.templates[0]))
-    assert before == after, "a replay never writes into the plan's templates"
+    templates = [entry[0].replay_program.templates for entry in api.PLANS._plans.values()]
+    before = [bytes(ffi.buffer(t)) for program in templates for t in program]
+    bwd(outer, deterministic=True)()
+    (dq_kernel, inside, dkdv) = [unpack(key, packed) for key, _, packed, _ in driver.take()]
+    assert dq_kernel["Q"] == outer.q.ptr and dq_kernel["dQ"] == outer.dq.ptr
+    assert inside["Q"] == inner.q.ptr and inside["Out"] == inner.out.ptr
+    assert dkdv["Q"] == outer.q.ptr and dkdv["dK"] == outer.dk.ptr and dkdv["dV"] == outer.dv.ptr
+    assert before == [bytes(ffi.buffer(t)) for program in templates for t in program], \
+        "a replay never writes into the plan's templates"
 
 
 def test_a_failed_launch_on_a_hit_names_the_call_kernel_and_device(monkeypatch, rt, driver):
@@ -614,33 +656,6 @@ def test_a_failed_launch_on_a_hit_names_the_call_kernel_and_device(monkeypatch, 
     assert hits() == 1
 
 
-def test_a_hit_allocates_its_workspace_in_the_replay_and_frees_it_after_the_launches(monkeypatch, rt, driver):
-    x = Inputs(rt)
-
-    def call():
-        return fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True)
-
-    warm(call)
-    driver.take()
-    allocated = []
-    alloc = rt.mem_alloc
-
-    def watch(ordinal, nbytes, stream=0):
-        allocated.append(alloc(ordinal, nbytes, stream))
-        return allocated[-1]
-
-    monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch)
-    call()
-    assert hits() == 1 and len(allocated) == 1 and allocated[0] not in rt.allocations, "freed after the launches"
-    launched = {key: unpack(key, packed) for key, _, packed, _ in driver.take()}
-    dkdv = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dkdv_"))
-    assert allocated[0] <= dkdv["Delta"] < allocated[0] + (1 << 20), "the regions point into this call's workspace"
-    rt.limit = 0  # the next allocation fails as the driver fails when out of memory
-    with pytest.raises(DriverError, match="fmha_mem_alloc"):
-        call()
-    assert driver.take() == [] and not rt.problems
-
-
 def test_a_padded_forward_hits_with_its_scratch_allocated_by_the_replay(monkeypatch, rt, driver):
     """Head dims that are not multiples of 8 run on padded copies in a scratch buffer; a hit has the
     replay allocate it, and its launches differ from an uncached call's only in the pointers into it."""
@@ -656,7 +671,7 @@ def test_a_padded_forward_hits_with_its_scratch_allocated_by_the_replay(monkeypa
 
     monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch)
     fwd(y, causal=True)()
-    assert hits() == 1 and len(allocated) == 1 and allocated[0][0] not in rt.allocations, "freed after the launches"
+    assert hits() == 1 and len(allocated) == 1 and allocated[0][0] in rt.allocations, "kept for the stream"
     got = driver.take()
     expected = uncached(monkeypatch, driver, fwd(y, causal=True))
     assert [(key, grid) for key, grid, *_ in got] == [(key, grid) for key, grid, *_ in expected]
@@ -668,6 +683,10 @@ def test_a_padded_forward_hits_with_its_scratch_allocated_by_the_replay(monkeypa
         for name in (n for n in hit if hit[n] != planned[n]):
             assert start <= hit[name] < start + nbytes, (key, name)
     assert unpack(*got[0][::2])["UnalignedArray"] == y.q.ptr and unpack(*got[-1][::2])["UnalignedArray"] == y.out.ptr
+    allocations = len(allocated)  # the uncached call allocated a scratch of its own
+    fwd(x, causal=True)()
+    assert len(allocated) == allocations and unpack(*driver.take()[0][::2])["Padded"] == \
+        unpack(*got[0][::2])["Padded"], "the next hit on the stream pads into the same scratch"
 
 
 def test_a_logged_hit_logs_the_workspace_its_launches_get(monkeypatch, rt, driver, caplog, log_config):
@@ -723,3 +742,326 @@ def test_a_hit_takes_its_workspace_from_torchs_caching_allocator_by_address(monk
         fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
                         workspace_alloc=lambda n, z: fmha_rt.Pointer(pinned.held.data_ptr()))
     assert driver.take() == launched
+
+
+# ------------------------------------------------------------------- fmha_rt's own workspace, kept per stream
+
+def own_bwd(x, stream=0, **extra):
+    """A backward on fmha_rt's own workspace (no workspace_alloc), on `stream` (0: given as no option)."""
+    options = {"stream": stream} if stream else {}
+    return lambda: fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True,
+                                   **options, **extra)
+
+
+def kept():
+    """(buffers, bytes) the shim keeps."""
+    count, nbytes = ffi.new("size_t *"), ffi.new("uint64_t *")
+    assert lib.fmha_workspaces_kept(count, nbytes) == lib.FMHA_OK
+    return count[0], nbytes[0]
+
+
+def delta_of(launched) -> int:
+    """The Delta region's address in a backward's dK/dV launch: a pointer into its workspace."""
+    return next(unpack(key, packed)["Delta"] for key, _, packed, *_ in launched if key.startswith("fmha_bwd_dkdv_"))
+
+
+def buffer_holding(rt, address) -> int:
+    """The stand-in allocation that `address` lies in."""
+    (start,) = [s for s, (_, n, _) in rt.allocations.items() if s <= address < s + n]
+    return start
+
+
+class Events:
+    """The stand-in's allocations and frees as they happen: ('alloc' | 'free', address, stream)."""
+
+    def __init__(self, monkeypatch, rt):
+        self.log = []
+        alloc, free = rt.mem_alloc, rt.mem_free
+
+        def watch_alloc(ordinal, nbytes, stream=0):
+            self.log.append(("alloc", alloc(ordinal, nbytes, stream), stream))
+            return self.log[-1][1]
+
+        def watch_free(ordinal, ptr, stream=0):
+            self.log.append(("free", ptr, stream))
+            free(ordinal, ptr, stream)
+
+        monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch_alloc)
+        monkeypatch.setattr(fmha_rt.backend, "mem_free", watch_free)
+
+    def take(self):
+        taken, self.log = self.log, []
+        return taken
+
+
+def test_a_hit_takes_the_workspace_kept_for_its_stream_and_zeroes_it_every_call(monkeypatch, rt, driver):
+    x = Inputs(rt, bias=(1, 1, S, S))  # a dbias needs dS zeroed
+    call = own_bwd(x, bias=x.bias, dbias=x.dbias)
+    warm(call)
+    driver.take()
+    events = Events(monkeypatch, rt)
+    call()
+    ((what, buffer, stream),) = events.take()
+    assert (what, stream) == ("alloc", 0) and delta_of(driver.take()) in range(buffer, buffer + rt.allocations[buffer][1])
+    nbytes = fmha_rt.bwd_workspace_bytes(x.q, x.k, x.v, deterministic=True, bias=x.bias)
+    assert kept() == (1, nbytes) == (1, rt.allocations[buffer][1])
+    for _ in range(3):
+        rt.reset()
+        call()
+        launched = driver.take()
+        assert events.take() == [] and buffer_holding(rt, delta_of(launched)) == buffer, "the same buffer, no alloc or free"
+        dkdv = next(unpack(key, packed) for key, _, packed, _ in launched if key.startswith("fmha_bwd_dkdv_"))
+        assert [(dev, ptr) for dev, ptr, _ in rt.memsets] == [(0, dkdv["dS"])], "zeroed on every call"
+    assert hits() == 4 and not rt.problems
+
+
+def test_release_frees_the_kept_workspaces_on_their_streams_and_the_next_call_allocates_anew(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    streams = (0, 0x10, 0x20)
+    for stream in streams:
+        warm(own_bwd(x, stream))
+    fmha_rt.release_workspaces()  # what the warm-up hits kept
+    events = Events(monkeypatch, rt)
+    for stream in streams * 2:
+        own_bwd(x, stream)()
+    allocated = events.take()
+    assert [(what, stream) for what, _, stream in allocated] == [("alloc", s) for s in streams], "one buffer per stream"
+    buffers = {stream: ptr for _, ptr, stream in allocated}
+    assert len(set(buffers.values())) == 3 and kept()[0] == 3
+    fmha_rt.release_workspaces()
+    assert sorted(events.take()) == sorted(("free", ptr, stream) for stream, ptr in buffers.items())
+    assert kept() == (0, 0) and not set(buffers.values()) & set(rt.allocations) and not rt.problems
+    own_bwd(x, 0x10)()
+    assert [(what, stream) for what, _, stream in events.take()] == [("alloc", 0x10)]
+    fmha_rt.release_workspaces()
+    rt.limit = 0  # the next allocation fails as the driver fails when out of memory
+    driver.take()
+    with pytest.raises(DriverError, match="fmha_mem_alloc"):
+        own_bwd(x, 0x10)()
+    assert driver.take() == [] and kept() == (0, 0)
+
+
+def test_each_call_on_a_stream_uses_that_streams_buffer(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    for stream in (0, 0x10):
+        warm(own_bwd(x, stream))
+    driver.take()
+    rt.reset()
+    for stream in (0x10, 0, 0x10, 0):
+        own_bwd(x, stream)()
+    launched = driver.take()
+    by_stream = {}
+    for i in range(0, len(launched), 2):
+        stream = launched[i][3]
+        by_stream.setdefault(stream, set()).add(buffer_holding(rt, delta_of(launched[i:i + 2])))
+    assert len(by_stream[0]) == len(by_stream[0x10]) == 1 and by_stream[0] != by_stream[0x10]
+    assert rt.capture_queries == [(0, 0x10)] * 2, "the null stream is never asked whether it captures"
+
+
+def test_a_bigger_workspace_frees_the_old_one_on_its_stream_before_allocating(monkeypatch, rt, driver):
+    small, big = Inputs(rt), Inputs(rt, hq=8, hk=8)
+    for x in (small, big):
+        warm(own_bwd(x, 0x10))
+    events = Events(monkeypatch, rt)
+    own_bwd(small, 0x10)()
+    ((_, first, _),) = events.take()
+    own_bwd(big, 0x10)()
+    (freed, allocated) = events.take()
+    assert freed == ("free", first, 0x10) and allocated[0] == "alloc" and allocated[2] == 0x10
+    own_bwd(small, 0x10)()
+    assert events.take() == [], "the bigger buffer serves the smaller call"
+    assert kept() == (1, fmha_rt.bwd_workspace_bytes(big.q, big.k, big.v, deterministic=True)) and not rt.problems
+
+
+def test_a_workspace_above_the_cap_is_allocated_and_freed_around_each_call(rt):
+    """The replay takes its workspace through fmha_workspace_take / give with the plan's bytes."""
+    cap = lib.FMHA_WORKSPACE_CACHE_MAX_BYTES
+    rt.limit = cap + 1
+    lease = ffi.new("fmha_workspace_lease *")
+    for nbytes, kept_after in ((cap + 1, (0, 0)), (cap, (1, cap))):
+        assert lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x10, nbytes, lease) == lib.FMHA_OK
+        assert lease.ptr in rt.allocations and (lease.slot == ffi.NULL) == (nbytes > cap)
+        lib.fmha_workspace_give(launch.REPLAY_OPS, 0, 0x10, lease)
+        assert kept() == kept_after
+    assert [(ptr, stream) for _, ptr, stream in rt.frees] == [(rt.frees[0][1], 0x10)] and not rt.problems
+
+
+def test_a_stream_being_captured_gets_a_workspace_of_its_own_per_call(monkeypatch, rt, driver):
+    """A graph keeps the addresses it captured: the cached buffer stays out of it, and what the capture
+    gets is allocated and freed on the stream (stream-ordered, so inside the graph)."""
+    x = Inputs(rt)
+    warm(own_bwd(x, 0x30))
+    own_bwd(x, 0x30)()
+    (cached,) = rt.allocations
+    nbytes = fmha_rt.bwd_workspace_bytes(x.q, x.k, x.v, deterministic=True)
+    events = Events(monkeypatch, rt)
+    rt.capturing.add(0x30)
+    driver.take()
+    for _ in range(2):
+        own_bwd(x, 0x30)()
+        ((what, fresh, stream), freed) = events.take()
+        assert (what, stream) == ("alloc", 0x30) and fresh != cached and freed == ("free", fresh, 0x30)
+        assert fresh <= delta_of(driver.take()) < fresh + nbytes
+    assert rt.capture_queries[-2:] == [(0, 0x30)] * 2 and kept() == (1, nbytes) and cached in rt.allocations
+    rt.capturing.clear()
+    own_bwd(x, 0x30)()
+    assert events.take() == [] and buffer_holding(rt, delta_of(driver.take())) == cached
+
+
+def test_a_failed_capture_query_counts_as_a_capture(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(own_bwd(x, 0x30))
+
+    def query_fails(ordinal, stream):
+        raise RuntimeError("the driver refused the query")
+
+    monkeypatch.setattr(rt, "capture_status", query_fails)
+    events = Events(monkeypatch, rt)
+    own_bwd(x, 0x30)()
+    assert [what for what, *_ in events.take()] == ["alloc", "free"] and kept() == (0, 0)
+    assert [str(e) for e in rt.callback_errors] == ["the driver refused the query"]
+
+
+def test_a_release_while_a_call_holds_the_workspace_frees_it_when_the_call_hands_it_back(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(own_bwd(x, 0x10))
+    own_bwd(x, 0x10)()
+    (buffer,) = rt.allocations
+    record, during = driver.launch, []
+
+    def release_inside(config, stream):
+        if not during:
+            fmha_rt.release_workspaces()  # from inside the first launch: the call holds the buffer
+            during.append((list(rt.frees), kept()))
+        return record(config, stream)
+
+    monkeypatch.setattr(launch, "_launch", release_inside)
+    driver.take()
+    rt.reset()
+    own_bwd(x, 0x10)()
+    nbytes = fmha_rt.bwd_workspace_bytes(x.q, x.k, x.v, deterministic=True)
+    assert during == [([], (1, nbytes))], "nothing freed while the call holds it"
+    assert rt.frees == [(0, buffer, 0x10)] and kept() == (0, 0) and len(driver.take()) == 2
+
+
+def test_a_refused_hit_on_its_own_workspace_writes_nothing_and_keeps_the_workspace(monkeypatch, rt, driver):
+    x = Inputs(rt)
+    warm(own_bwd(x))
+    own_bwd(x)()
+    before = (dict(rt.allocations), kept())
+    driver.take()
+    rt.reset()
+    base = FakeGpuArray((B * S * H * D + 64,))
+    misaligned = base.view(x.q.shape, None, offset=4)  # 8 bytes in: same shape and strides as q
+    with pytest.raises(FmhaValueError, match="is not 16-byte aligned"):
+        fmha_rt.mha_bwd(x.dout, misaligned, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True)
+    with pytest.raises(FmhaValueError, match="output dq overlaps k"):
+        fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.k, dk=x.dk, dv=x.dv, deterministic=True)
+    assert hits() == 3 and driver.take() == [] and rt.memsets == [] and rt.frees == []
+    assert (dict(rt.allocations), kept()) == before
+    for array in (x.dq, x.dk, x.dv, x.k, base):
+        assert array.untouched()
+    own_bwd(x)()
+    assert len(driver.take()) == 2 and (dict(rt.allocations), kept()) == before
+
+
+def test_sixteen_threads_on_four_streams_never_share_a_held_workspace(monkeypatch, rt, driver):
+    """Calls on one stream from many threads: a buffer goes to one call at a time (a call that finds it
+    held gets its own), so each buffer's launches come in whole calls, the dQ kernel then dK/dV of one
+    thread with its own pointers; afterwards every buffer not kept is freed."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        inputs = [Inputs(rt) for _ in range(16)]
+        for stream in (1, 2, 3, 4):
+            warm(own_bwd(inputs[0], stream))
+        driver.take()
+        before, start, errors, mine = hits(), threading.Barrier(16), [], {}
+
+        def work(i, x):
+            mine[threading.get_ident()] = x
+            start.wait()
+            try:
+                for _ in range(20):
+                    own_bwd(x, 1 + i % 4)()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i, x)) for i, x in enumerate(inputs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(driver.launches) == 16 * 20 * 2 and hits() == before + 16 * 20
+    by_buffer = {}
+    for key, _, packed, stream, thread in driver.launches:
+        args = unpack(key, packed)
+        assert args["Q"] == mine[thread].q.ptr and args["dO"] == mine[thread].dout.ptr
+        by_buffer.setdefault(args["Delta"], []).append((key.split("_")[2], thread, stream))
+    for launches in by_buffer.values():
+        for dq_kernel, dkdv in zip(launches[::2], launches[1::2]):
+            assert (dq_kernel[0], dkdv[0]) == ("dq", "dkdv") and dq_kernel[1:] == dkdv[1:], "a held buffer was shared"
+    assert kept()[0] == 4 and len(rt.allocations) == 4 and not rt.problems
+
+
+def test_take_and_give_hand_a_streams_buffer_to_one_holder_at_a_time(rt):
+    """The table from many threads at once (take and give run without the GIL): no two leases share a
+    buffer, and what was not kept is freed."""
+    held, lock, errors = set(), threading.Lock(), []
+
+    def work():
+        lease = ffi.new("fmha_workspace_lease *")
+        for i in range(300):
+            if lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x50, 1024 + i % 3, lease) != lib.FMHA_OK:
+                errors.append("take failed")
+                return
+            with lock:
+                if lease.ptr in held:
+                    errors.append(f"0x{lease.ptr:x} handed out twice")
+                held.add(lease.ptr)
+            time.sleep(0)  # let the other threads run while this one holds the buffer
+            with lock:
+                held.discard(lease.ptr)
+            lib.fmha_workspace_give(launch.REPLAY_OPS, 0, 0x50, lease)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and kept() == (1, 1026) and len(rt.allocations) == 1 and not rt.problems
+
+
+EXIT_WITH_A_KEPT_WORKSPACE = r"""
+import sys
+import pytest
+import fmha_rt
+from fmha_rt import launch
+from fmha_rt.backend import ffi, lib
+from fake_gpu import FakeGpuArray, StandInRuntime
+
+patches = pytest.MonkeyPatch()
+StandInRuntime(patches)
+patches.setattr(launch, "kernel_handle", lambda device, entry: ffi.NULL)
+patches.setattr(launch, "_launch", lambda config, stream: 0)
+q, k, v, out, dout, dq, dk, dv = (FakeGpuArray((1, 64, 2, 64)) for _ in range(8))
+lse = FakeGpuArray((1, 2, 64), "float32")
+for _ in range(3):
+    fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, stream=0x10)
+count, nbytes = ffi.new("size_t *"), ffi.new("uint64_t *")
+lib.fmha_workspaces_kept(count, nbytes)
+print("kept", count[0], fmha_rt.plan_cache_info()["hits"])
+"""
+
+
+def test_a_process_exits_cleanly_with_a_workspace_kept():
+    """Nothing frees kept workspaces at exit (the driver reclaims them with its context): a process that
+    ends with one kept, its stand-in driver already gone, exits without a crash or a message."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    env.pop("FMHA_RT_LOG_CONFIG", None)
+    done = subprocess.run([sys.executable, "-c", EXIT_WITH_A_KEPT_WORKSPACE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout.split(), done.stderr) == (0, ["kept", "1", "1"], "")
