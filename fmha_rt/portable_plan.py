@@ -74,20 +74,20 @@ SIGNATURES = {
         seqlen_q i32, seqlen_k i32, num_heads_q i32, drop_threshold i64, philox_seed i64, philox_offset i64,
         philox_from_ptr i32, BLOCK_M constexpr, BLOCK_N constexpr"""),
     "fmha_bwd_preprocess": _signature(f"""
-        Out *T, dO *T, Delta *fp32, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("o", "do")},
-        delta_stride_b i64, delta_stride_h i64, seqlen_q i32, head_dim_v_div8 i32, is_varlen i32,
-        has_seqstart i32, BLOCK_M constexpr, BLOCK_DV constexpr"""),
+        Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("o", "do")},
+        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, seqlen_q i32,
+        head_dim_v_div8 i32, is_varlen i32, has_seqstart i32, BLOCK_M constexpr, BLOCK_DV constexpr"""),
     "fmha_bwd_dkdv": _signature(f"""
-        Q *T, K *T, V *T, dO *T, Lse *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32, Bias *T, dS *fp32,
+        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32, Bias *T, dS *fp32,
         Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
         {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
         stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
-        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr, FLAT_LOOP constexpr,
         GROUP_LOOP constexpr"""),
     "fmha_bwd_dq": _signature(f"""
-        Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, dQ *T, Bias *T, Alibi *fp32,
+        Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, Bias *T, Alibi *fp32,
         PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "o", "do", "dq")},
         lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
@@ -455,13 +455,14 @@ def _carve(wanted):
 def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     """Workspace of plan_bwd and plan_head_padding: regions at 256-byte aligned offsets.
 
-    fp32: delta [B, Hq, Sq] (always), dq_acc [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
+    fp32: delta and lse2 [B, Hq, Sq] (always: Delta = rowsum(dO * O) and the LSE in the log2 domain, which
+    the first pass writes for dK/dV), dq_acc [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
     ds [B, Hq, Sq, ceil8(Sk)] (tensor bias with gradient, zeroed: masked blocks are never written).
     Then, in the problem's dtype, one '<name>_padded' buffer per tensor of padded_tensors(problem,
     'bwd') (head dims that are not multiples of 8).
     """
     strategy = dq_strategy(problem, arch, dq_strategy_request)
-    wanted = [("delta", _delta_shape(problem), False, "fp32")]
+    wanted = [("delta", _delta_shape(problem), False, "fp32"), ("lse2", _delta_shape(problem), False, "fp32")]
     if strategy == DQ_ATOMIC:
         wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True, "fp32"))
     if problem.bias_grad:
@@ -765,12 +766,12 @@ def plan_dropout_mask(problem, arch, tensors) -> list:
 
 
 def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
-    """Launches of the backward, in order: dQ (which also writes Delta), dK/dV, dbias for the
+    """Launches of the backward, in order: dQ (which also writes Delta and Lse2), dK/dV, dbias for the
     deterministic strategy; preprocess (Delta), dK/dV with atomic dQ, dQ conversion, dbias for the atomic
     one.
 
     tensors: as plan_fwd plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per region of
-    bwd_workspace(problem, arch) named after it (delta, dq_acc, ds): the caller carves them out of one
+    bwd_workspace(problem, arch) named after it (delta, lse2, dq_acc, ds): the caller carves them out of one
     workspace buffer and zeroes the regions marked zero_init.
     """
     pair = head_dim_tiles(problem)
@@ -785,8 +786,9 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
                                                       ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
     delta = workspace.region("delta")
     delta_strides = _contiguous_strides(delta.shape)
-    delta_args = {"Delta": a.required("delta"), "delta_stride_b": 0 if problem.varlen else delta_strides[0],
-                  "delta_stride_h": delta_strides[-2]}
+    # lse2 has delta's shape, so one pair of strides serves both
+    delta_args = {"Delta": a.required("delta"), "Lse2": a.required("lse2"),
+                  "delta_stride_b": 0 if problem.varlen else delta_strides[0], "delta_stride_h": delta_strides[-2]}
     lse_args = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
     launches = []
 
@@ -808,13 +810,13 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
 
     if strategy == DQ_ATOMIC:
         pre = {"Out": a.required("out"), "dO": a.required("dout"), "CuSeqlensQ": varlen["CuSeqlensQ"],
-               "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **delta_args,
+               "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **lse_args, **delta_args,
                "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
                "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
         key = preprocess_key(problem.dtype, pair[1])
         launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
                                _ordered(key, "fmha_bwd_preprocess", pre)))
-    else:  # first: the dQ kernel writes the Delta that dK/dV reads
+    else:  # first: the dQ kernel writes the Delta and Lse2 that dK/dV reads
         tile = tile_for(arch, "bwd_dq", pair, kind, dropout)
         dq = {**attention, **rows["o"], **rows["dq"], "Out": a.required("out"), "dQ": a.required("dq")}
         key = dq_key(problem.dtype, pair, kind, dropout)

@@ -2,8 +2,8 @@
 
 Passes, in launch order, for the DETERMINISTIC dQ strategy (what the shipped archs build):
 1. fmha_bwd_dq: one program per query block looping over its visible key blocks in a fixed order. It
-   first computes Delta = rowsum(dO * O) of its rows in fp32 and writes it for the next pass, then
-   recomputes P and dP and writes dQ in the output dtype.
+   first computes Delta = rowsum(dO * O) of its rows in fp32 and the LSE in the log2 domain (Lse2) and
+   writes both for the next pass, then recomputes P and dP and writes dQ in the output dtype.
 2. fmha_bwd_dkdv: one program per (key block, kv head, batch entry). It loops over the group's query
    heads and the visible query blocks in a fixed order, so dK and dV (summed over the group) are
    deterministic. It also writes dS for the bias gradient. Variants with GROUP_LOOP off serve one
@@ -11,7 +11,7 @@ Passes, in launch order, for the DETERMINISTIC dQ strategy (what the shipped arc
 3. fmha_bwd_dbias (with a tensor bias): sums dS over the bias's broadcast dims in a fixed order.
 
 The ATOMIC strategy (built for the interpreter, and for any arch where it measures faster) runs
-fmha_bwd_preprocess for Delta, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
+fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
 atomics, then fmha_bwd_dq_convert scaling that workspace into dQ, then fmha_bwd_dbias.
 
 Why a separate dQ kernel for the deterministic strategy: it is bitwise reproducible by construction
@@ -42,10 +42,10 @@ def _log2_lse(Lse_rows, rows_local, q_ok):
 
 @triton.jit
 def fmha_bwd_preprocess(
-    Out, dO, Delta, CuSeqlensQ, SeqstartQ,
+    Out, dO, Lse, Delta, Lse2, CuSeqlensQ, SeqstartQ,
     stride_o_b, stride_o_s, stride_o_h,
     stride_do_b, stride_do_s, stride_do_h,
-    delta_stride_b, delta_stride_h,
+    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
     seqlen_q, head_dim_v_div8, is_varlen, has_seqstart,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -66,28 +66,38 @@ def fmha_bwd_preprocess(
     do = tl.load(dO + b64 * stride_do_b + row0 * stride_do_s + h64 * stride_do_h
                  + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b64 * delta_stride_b + h64 * delta_stride_h + row0 + offs_m, delta, mask=q_ok)
+    rows_out = b64 * delta_stride_b + h64 * delta_stride_h + row0 + offs_m
+    tl.store(Delta + rows_out, delta, mask=q_ok)
+    tl.store(Lse2 + rows_out, _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + row0, offs_m, q_ok), mask=q_ok)
 
 
 @triton.jit
-def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_rows, dO_rows, Lse_rows,
+def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_rows, dO_rows, Lse2_rows,
                       Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                       stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2,
                       slope_log2, seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale,
                       write_dbias, needs_mask,
                       BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                      DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
+                      DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr):
     """Adds one query block's share to dK, dV of the program's key block (scores transposed:
-    keys are rows, queries columns)."""
+    keys are rows, queries columns). ROWS_COMPLETE: every row of the block exists (a mask-free block
+    of the nested loops), so its loads need no row mask. That mask is the larger part of the loop's
+    integer work: one predicate per 16-byte copy, recomputed every step (NOTES.md, v7)."""
     rows = m0 + offs_m
     q_ok = rows < sq
     m0_64 = tl.cast(m0, tl.int64)
-    qT = tl.load(Q_rows + m0_64 * stride_q_s + offs_m[None, :] * stride_q_s + offs_dqk[:, None],
-                 mask=q_ok[None, :] & dqk_ok[:, None], other=0.0)
-    do = tl.load(dO_rows + m0_64 * stride_do_s + offs_m[:, None] * stride_do_s + offs_dv[None, :],
-                 mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
-    lse2 = _log2_lse(Lse_rows, rows, q_ok)
-    delta = tl.load(Delta_rows + rows, mask=q_ok, other=0.0)
+    qT_ptrs = Q_rows + m0_64 * stride_q_s + offs_m[None, :] * stride_q_s + offs_dqk[:, None]
+    do_ptrs = dO_rows + m0_64 * stride_do_s + offs_m[:, None] * stride_do_s + offs_dv[None, :]
+    if ROWS_COMPLETE:
+        qT = tl.load(qT_ptrs, mask=dqk_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=dv_ok[None, :], other=0.0)
+        lse2 = tl.load(Lse2_rows + rows)
+        delta = tl.load(Delta_rows + rows)
+    else:  # rows past the end: zero Q and dO, and +inf Lse2 so that their probabilities are 0
+        qT = tl.load(qT_ptrs, mask=q_ok[None, :] & dqk_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+        lse2 = tl.load(Lse2_rows + rows, mask=q_ok, other=float("inf"))
+        delta = tl.load(Delta_rows + rows, mask=q_ok, other=0.0)
 
     sT, scale = scores(tl.dot(k, qT), rows[None, :], keys[:, None], q_ok[None, :], off, left, right, sk,
                        Bias_rows + m0_64 * stride_bias_s, stride_bias_s, offs_m[None, :], slope_log2, scale_log2,
@@ -117,14 +127,15 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
 
 
 @triton.jit
-def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse, Delta,
+def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta,
                      DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                      stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                     lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                     delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, needs_mask,
-                     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS_COMPLETE: tl.constexpr):
     """_dkdv_query_block for query head h: the head's row pointers, then the block."""
     h64 = h.to(tl.int64)
     slope_log2 = 0.0
@@ -134,22 +145,22 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
         dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right,
         Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
         dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h,
-        Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0,
+        Lse2 + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
         Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
         DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h,
         Bias + b64 * stride_bias_b + h64 * stride_bias_h, dS + b64 * stride_ds_b + h64 * stride_ds_h,
         offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
         stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
         seed, philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE)
 
 
 @triton.jit
 def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64, q_row0, sq, sk, off, left, right,
-                     Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                      stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                     lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                     delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                      DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -157,28 +168,28 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
     loop body compiled for its case."""
     for blk in range(full_lo, full_hi):
         dk, dv = _dkdv_head_block(
-            dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse,
+            dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse2,
             Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
             stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
-            stride_ds_b, stride_ds_h, stride_ds_s, lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+            stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h,
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
             seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
-            BLOCK_N)
+            BLOCK_N, True)
     for t in range(0, (full_lo - lo) + (hi - full_hi)):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0, sq, sk,
-            off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+            off, left, right, Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
             stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b,
-            stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s, lse_stride_b, lse_stride_h,
+            stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
             delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
             scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
-            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False)
     return dk, dv
 
 
 @triton.jit
 def fmha_bwd_dkdv(
-    Q, K, V, dO, Lse, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -188,7 +199,7 @@ def fmha_bwd_dkdv(
     stride_dv_b, stride_dv_s, stride_dv_h,
     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
     stride_ds_b, stride_ds_h, stride_ds_s,
-    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    delta_stride_b, delta_stride_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -238,23 +249,23 @@ def fmha_bwd_dkdv(
             blk = lo + (t - g * blocks_per_head)
             dk, dv = _dkdv_head_block(
                 dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off, left,
-                right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                right, Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                 stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
-                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N)
+                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False)
     else:
         # Without GROUP_LOOP (Hq == Hk) the loop has one step, which the compiler folds away: no loop around
         # the two inner loops keeps their state live (7-17% faster at 128 wide on the H200: NOTES.md, v5).
         for g in range(0, kv_group_size if GROUP_LOOP else 1):
             dk, dv = _dkdv_head_loops(
                 dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, sq, sk,
-                off, left, right, Q, dO, Lse, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
+                off, left, right, Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
                 dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N)
 
@@ -291,7 +302,7 @@ def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n
 
 @triton.jit
 def fmha_bwd_dq(
-    Q, K, V, Out, dO, Lse, Delta, dQ, Bias, Alibi, PhiloxSeedOffset,
+    Q, K, V, Out, dO, Lse, Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -337,8 +348,10 @@ def fmha_bwd_dq(
     o = tl.load(Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h
                 + offs_m[:, None] * stride_o_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m, delta, mask=q_ok)
     lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
+    rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
+    tl.store(Delta + rows_out, delta, mask=q_ok)
+    tl.store(Lse2 + rows_out, lse2, mask=q_ok)  # the dK/dV pass reads it ready, without the -inf test
     K_rows = K + b64 * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk64 * stride_k_h
     V_rows = V + b64 * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk64 * stride_v_h
     Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h + tl.cast(m0, tl.int64) * stride_bias_s

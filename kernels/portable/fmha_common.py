@@ -71,14 +71,15 @@ def key_blocks(m0, sk, off, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def query_blocks(n0, sq, off, left, right, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Query blocks that see some key of [n0, n0 + BLOCK_N), split like key_blocks. Rows past sq need no
-    mask here: they load zero dO and +inf LSE, so they contribute nothing."""
+    """Query blocks that see some key of [n0, n0 + BLOCK_N), split like key_blocks: a mask-free block
+    [full_lo, full_hi) also lies inside the sequence, so its loads need no row mask (the block that
+    holds row sq - 1 and rows past it is a masked one)."""
     first_query = tl.maximum(n0 - off - right, 0)
     end_query = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 - off + left + 1, 0), sq)
     lo = first_query // BLOCK_M
     hi = tl.maximum(tl.cdiv(end_query, BLOCK_M), lo)
     full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - off - right, 0), BLOCK_M), lo), hi)
-    full_hi = tl.minimum(tl.maximum(tl.maximum(n0 - off + left + 1, 0) // BLOCK_M, full_lo), hi)
+    full_hi = tl.minimum(tl.maximum(tl.minimum(tl.maximum(n0 - off + left + 1, 0), sq) // BLOCK_M, full_lo), hi)
     return lo, full_lo, full_hi, hi
 
 

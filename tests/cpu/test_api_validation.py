@@ -217,13 +217,14 @@ def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):
 
 
 def test_workspace_sizes_match_hand_computed_values():
-    """delta is fp32 [B, Hq, Sq] rounded up to 256 bytes; the deterministic dQ needs nothing more."""
+    """delta and lse2 are fp32 [B, Hq, Sq], each rounded up to 256 bytes; the deterministic dQ needs
+    nothing more."""
     q, k, v = qkv(B=3, Sq=100, Sk=64, Hq=4, Hk=4)
-    assert fmha_rt.bwd_workspace_bytes(q, k, v) == -(-3 * 4 * 100 * 4 // 256) * 256
-    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 4864
+    assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 100 * 4 // 256) * 256 == 9728
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 9728
     bias = FakeGpuArray((1, 1, 100, 64))
     # a tensor bias with gradient adds dS, fp32 [B, Hq, Sq, ceil8(Sk)], zeroed
-    assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 4864 + 3 * 4 * 100 * 64 * 4
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 9728 + 3 * 4 * 100 * 64 * 4
 
 
 @pytest.mark.parametrize("mask_type,causal,window,alignment,expected", [

@@ -131,7 +131,7 @@ def test_no_padding_for_head_dims_that_are_multiples_of_8():
         assert pp.padded_tensors(problem, pass_name) == []
         assert pp.plan_head_padding(problem, pp.INTERPRET_ARCH, tensors, pass_name) == ([], [], {})
     assert pp.fwd_scratch(problem).total_bytes == 0 == head_padding.fwd_scratch_bytes(problem)
-    assert [r.name for r in pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "dq_acc"]
+    assert [r.name for r in pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "lse2", "dq_acc"]
 
 
 def test_padding_regions_follow_each_head_dim():
@@ -146,15 +146,15 @@ def test_padding_regions_follow_each_head_dim():
     plain = pp.bwd_workspace(AttentionProblem(2, 30, 50, 4, 2, 16, 40, "fp16", bias_shape="11SS", bias_grad=True),
                              pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
     ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
-    assert ws.regions[:3] == plain.regions
-    padded = ws.regions[3:]
+    assert ws.regions[:4] == plain.regions
+    padded = ws.regions[4:]
     assert [(r.name, r.nbytes) for r in padded] == [("q_padded", q_bytes), ("k_padded", k_bytes),
                                                      ("dq_padded", q_bytes), ("dk_padded", k_bytes)]
     assert padded[0].offset == plain.total_bytes and all(r.offset % pp.WORKSPACE_ALIGN == 0 for r in padded)
     assert ws.total_bytes == plain.total_bytes + 2 * q_bytes + 2 * k_bytes
     # Dv=5 alone: v, out (backward input), dout and dv pad; varlen buffers are [total, H, 8].
     varlen = AttentionProblem(3, 20, 20, 2, 2, 32, 5, "fp16", varlen=True, total_q=41, total_k=37, deterministic=True)
-    assert [(r.name, r.shape) for r in pp.bwd_workspace(varlen, "sm_90").regions[1:]] == [
+    assert [(r.name, r.shape) for r in pp.bwd_workspace(varlen, "sm_90").regions[2:]] == [
         ("v_padded", (37, 2, 8)), ("out_padded", (41, 2, 8)), ("dout_padded", (41, 2, 8)), ("dv_padded", (37, 2, 8))]
 
 

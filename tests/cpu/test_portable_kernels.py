@@ -303,23 +303,26 @@ def test_deterministic_backward_is_bitwise_reproducible():
 def test_workspace_layout_matches_hand_computed_sizes():
     # B=2, Sq=100, Sk=77, Hq=8, Dqk=40, tensor bias with gradient.
     problem = AttentionProblem(2, 100, 77, 8, 2, 40, 40, "bf16", bias_shape="B1SS", bias_grad=True)
-    delta = 4 * 2 * 8 * 100  # fp32 [B, Hq, Sq] = 6400 bytes
+    rows = 4 * 2 * 8 * 100  # delta and lse2: fp32 [B, Hq, Sq] = 6400 bytes each
     dq_acc = 4 * 2 * 100 * 8 * 40  # fp32 [B, Sq, Hq, 40]
     ds = 4 * 2 * 8 * 100 * 80  # fp32 [B, Hq, Sq, ceil8(77) = 80]
     ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
     assert [(r.name, r.offset, r.nbytes, r.zero_init) for r in ws.regions] == [
-        ("delta", 0, delta, False), ("dq_acc", 6400, dq_acc, True), ("ds", 6400 + dq_acc, ds, True)]
-    assert ws.total_bytes == 6400 + dq_acc + ds and ws.needs_zeroing and ws.dq_splits == 1
+        ("delta", 0, rows, False), ("lse2", 6400, rows, False), ("dq_acc", 12800, dq_acc, True),
+        ("ds", 12800 + dq_acc, ds, True)]
+    assert ws.total_bytes == 12800 + dq_acc + ds and ws.needs_zeroing and ws.dq_splits == 1
     ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_DETERMINISTIC)
-    assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [("delta", 0, delta), ("ds", 6400, ds)]
-    assert ws.dq_splits == 0 and ws.total_bytes == 6400 + ds
-    # Varlen Delta is [Hq, total_q]; offsets and the total stay 256-aligned.
+    assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [
+        ("delta", 0, rows), ("lse2", 6400, rows), ("ds", 12800, ds)]
+    assert ws.dq_splits == 0 and ws.total_bytes == 12800 + ds
+    # Varlen Delta and Lse2 are [Hq, total_q]; offsets and the total stay 256-aligned.
     varlen = AttentionProblem(3, 50, 50, 3, 3, 64, 64, "fp16", varlen=True, total_q=101, total_k=90,
                               deterministic=True)
     for arch in pp.BUILD_ARCHS:
         ws = pp.bwd_workspace(varlen, arch)
-        assert [(r.name, r.nbytes) for r in ws.regions] == [("delta", 4 * 3 * 101)]
-        assert ws.total_bytes == 1280 and not ws.needs_zeroing and ws.dq_splits == 0
+        assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [("delta", 0, 4 * 3 * 101),
+                                                                      ("lse2", 1280, 4 * 3 * 101)]
+        assert ws.total_bytes == 2560 and not ws.needs_zeroing and ws.dq_splits == 0
     with pytest.raises(FmhaValueError):
         pp.bwd_workspace(varlen, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
 
@@ -360,7 +363,7 @@ def test_plan_grids_agree_with_the_variants_tiles(arch):
         problem = AttentionProblem(2, 300, 300, 4, 4, 128, 128, "fp16", **extra)
         tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 300),
                                   bias=torch.zeros(1, 4, 300, 304)[..., :300], dbias=torch.zeros(1, 4, 300, 304),
-                                  alibi=torch.zeros(4), philox_seed=1, delta=x, ds=x)
+                                  alibi=torch.zeros(4), philox_seed=1, delta=x, lse2=x, ds=x)
         for launch in pp.plan_fwd(problem, arch, tensors) + pp.plan_bwd(problem, arch, tensors):
             ce = variants[launch.variant]["constexprs"]
             rows = ce["BLOCK_N"] if "dkdv" in launch.variant else ce["BLOCK_M"]
@@ -378,7 +381,7 @@ def test_dkdv_drops_its_query_head_loop_where_one_query_head_shares_each_key_hea
         x, kv = torch.zeros(1, 64, hq, d, dtype=torch.float16), torch.zeros(1, 64, hk, d, dtype=torch.float16)
         problem = AttentionProblem(1, 64, 64, hq, hk, d, d, "fp16")
         tensors = ie.with_strides(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(1, hq, 64),
-                                  delta=x)
+                                  delta=x, lse2=x)
         (dkdv,) = [launch for launch in pp.plan_bwd(problem, arch, tensors) if "dkdv" in launch.variant]
         single = hq == hk and arch in pp.DKDV_SINGLE_HEAD and (d, d) not in pp.DKDV_FLAT_LOOP.get(arch, ())
         assert dkdv.variant.endswith("_mha") == single, (arch, d, hq, hk, dkdv.variant)
