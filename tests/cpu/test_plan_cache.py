@@ -509,34 +509,45 @@ def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog, 
 
 # ------------------------------------------------------------------------------------ threads and bound
 
-def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver):
+def run_threads(work, args_list) -> list:
+    """work(*args) on one thread per entry of args_list, all released at once and switching as often
+    as the interpreter allows; the exceptions they raised."""
+    start, errors = threading.Barrier(len(args_list)), []
+
+    def run(*args):
+        start.wait()
+        try:
+            work(*args)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=args) for args in args_list]
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    sys.setswitchinterval(1e-6)
     try:
-        inputs = [Inputs(rt) for _ in range(16)]
-        warm(fwd(inputs[0]))
-        warm(bwd(inputs[0], deterministic=True))
-        driver.take()
-        expected, errors = {}, []
-        start = threading.Barrier(16)
-
-        def work(x):
-            expected[threading.get_ident()] = x
-            start.wait()
-            try:
-                for _ in range(20):
-                    fwd(x)()
-                    bwd(x, deterministic=True)()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=work, args=(x,)) for x in inputs]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     finally:
         sys.setswitchinterval(interval)
+    return errors
+
+
+def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver):
+    inputs = [Inputs(rt) for _ in range(16)]
+    warm(fwd(inputs[0]))
+    warm(bwd(inputs[0], deterministic=True))
+    driver.take()
+    expected = {}
+
+    def work(x):
+        expected[threading.get_ident()] = x
+        for _ in range(20):
+            fwd(x)()
+            bwd(x, deterministic=True)()
+
+    errors = run_threads(work, [(x,) for x in inputs])
     assert not errors, errors
     assert len(driver.launches) == 16 * 20 * 3  # a forward and a backward (dQ with Delta, then dK/dV)
     for key, _, packed, _, thread in driver.launches:
@@ -969,31 +980,18 @@ def test_sixteen_threads_on_four_streams_never_share_a_held_workspace(monkeypatc
     """Calls on one stream from many threads: a buffer goes to one call at a time (a call that finds it
     held gets its own), so each buffer's launches come in whole calls, the dQ kernel then dK/dV of one
     thread with its own pointers; afterwards every buffer not kept is freed."""
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        inputs = [Inputs(rt) for _ in range(16)]
-        for stream in (1, 2, 3, 4):
-            warm(own_bwd(inputs[0], stream))
-        driver.take()
-        before, start, errors, mine = hits(), threading.Barrier(16), [], {}
+    inputs = [Inputs(rt) for _ in range(16)]
+    for stream in (1, 2, 3, 4):
+        warm(own_bwd(inputs[0], stream))
+    driver.take()
+    before, mine = hits(), {}
 
-        def work(i, x):
-            mine[threading.get_ident()] = x
-            start.wait()
-            try:
-                for _ in range(20):
-                    own_bwd(x, 1 + i % 4)()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+    def work(i, x):
+        mine[threading.get_ident()] = x
+        for _ in range(20):
+            own_bwd(x, 1 + i % 4)()
 
-        threads = [threading.Thread(target=work, args=(i, x)) for i, x in enumerate(inputs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    errors = run_threads(work, list(enumerate(inputs)))
     assert not errors, errors
     assert len(driver.launches) == 16 * 20 * 2 and hits() == before + 16 * 20
     by_buffer = {}
