@@ -58,6 +58,8 @@ def catch_backward_kernel(run_backward):
 
 
 PID_LINE = "pid = tl.program_id(0).to(INDEX_DTYPE)"
+# The reloaded kernel modules, one folder for the run (removed at exit).
+_MODULES = tempfile.TemporaryDirectory(prefix="flex_probe_")
 
 
 def fresh_kernel(fn, pid_offset=0):
@@ -73,7 +75,7 @@ def fresh_kernel(fn, pid_offset=0):
                 if text.count(PID_LINE) != 1:
                     raise RuntimeError(f"{path}: the program id line is not where the probe expects it")
                 text = text.replace(PID_LINE, f"{PID_LINE} + {pid_offset}")
-            shifted = pathlib.Path(tempfile.mkdtemp()) / f"flex_probe_{path.stem}_{pid_offset}.py"
+            shifted = pathlib.Path(_MODULES.name) / f"flex_probe_{path.stem}_{pid_offset}.py"
             shifted.write_text(text)
             spec = importlib.util.spec_from_file_location(shifted.stem, shifted)
             module = importlib.util.module_from_spec(spec)
