@@ -17,10 +17,15 @@ from fmha_rt's own allocator (the buffer the shim keeps for the stream, taken in
 "mha_bwd torch ws" from fmha_rt.torch.caching_workspace, as fmha_rt.torch's backward takes it
 (torch's caching allocator). --out FILE (with --gpu) writes the numbers as JSON with the machine header (date, GPU,
 driver, versions).
-Each round times N back-to-back calls of every function in turn (so a loaded machine slows all of them
-alike); the minimum over R rounds is printed. --profile NAME prints a cProfile of NAME's cached call;
---pieces times the parts of a cached call of each function: the key, the lookup, the replay, and the
-C replay alone (checks, workspace, zero fills and launches: CallPlan.launch).
+Each round times N calls of every function in turn (so a loaded machine slows all of them alike); the
+minimum over R rounds is printed. With --gpu the calls are timed in batches of --batch (default 100)
+with a synchronize between batches, outside the timed region: a batch's launches fit the driver's
+launch queue, so the figure is the host's own time per call. Back to back (N calls, one synchronize
+at the end, also printed) the queue fills whenever the GPU takes longer per call than the host, and
+a call then waits for the GPU: that figure is the larger of host time and GPU time per call.
+--profile NAME prints a cProfile of NAME's cached call; --pieces times the parts of a cached call of
+each function: the key, the lookup, the replay, and the C replay alone (checks, workspace, zero fills
+and launches: CallPlan.launch).
 """
 import argparse
 import contextlib
@@ -117,11 +122,20 @@ def calls(device: str) -> dict:
     return table
 
 
-def per_call_us(call, n: int) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        call()
-    return (time.perf_counter() - start) / n * 1e6
+def per_call_us(call, n: int, batch: int = 0, sync=None) -> float:
+    """Wall-clock µs per call over n calls. With batch > 0, `sync` (the GPU's) runs every `batch` calls
+    outside the timed region, so the launch queue never fills and the figure is the host's own time;
+    back to back (batch 0) a call also waits whenever the GPU is slower than the host."""
+    batch = batch or n
+    spent = 0.0
+    for done in range(0, n, batch):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        for _ in range(min(batch, n - done)):
+            call()
+        spent += time.perf_counter() - start
+    return spent / n * 1e6
 
 
 class Pieces:
@@ -150,7 +164,7 @@ class Pieces:
             m.setattr(plan_cache.CallPlan, "launch", catch_launch)
             call()
 
-    def timings(self, n: int) -> dict:
+    def timings(self, n: int, batch: int = 0, sync=None) -> dict:
         request = self.seen["request"]
         key = api._request(*request)[0]
         runtime = backend.runtime()
@@ -159,8 +173,8 @@ class Pieces:
         return {
             "key": per_call_us(lambda: api._request(*request), n),
             "lookup": per_call_us(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
-            "replay": per_call_us(lambda: plan_cache.replay(*replay), n),
-            "C replay": per_call_us(lambda: plan.launch(*launch_args), n),
+            "replay": per_call_us(lambda: plan_cache.replay(*replay), n, batch, sync),
+            "C replay": per_call_us(lambda: plan.launch(*launch_args), n, batch, sync),
         }
 
 
@@ -171,6 +185,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=7, help="timed loops per function; the minimum is printed")
     parser.add_argument("--profile", metavar="NAME", help="print a cProfile of NAME's cached call instead")
     parser.add_argument("--pieces", action="store_true", help="also time the pieces of each cached call")
+    parser.add_argument("--batch", type=int, default=100,
+                        help="with --gpu: synchronize every BATCH calls, untimed, so that the launch queue never "
+                             "fills (0: back to back only)")
     parser.add_argument("--out", type=pathlib.Path, help="with --gpu: write the numbers here as JSON")
     args = parser.parse_args()
     with real_gpu() if args.gpu else stand_in():
@@ -181,28 +198,38 @@ def main():
             profile.runcall(per_call_us, table[args.profile], args.calls)
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
             return
+        sync, batch = (torch.cuda.synchronize, args.batch) if args.gpu else (None, 0)
         best = dict.fromkeys(table, float("inf"))
+        back_to_back = dict.fromkeys(table, float("inf"))
         for _ in range(args.rounds):
             for name, call in table.items():
-                best[name] = min(best[name], per_call_us(call, args.calls))
+                best[name] = min(best[name], per_call_us(call, args.calls, batch, sync))
+                if batch:
+                    back_to_back[name] = min(back_to_back[name], per_call_us(call, args.calls, 0, sync))
         cached = fmha_rt.plan_cache_info()["hits"] - hits
-        assert cached == args.rounds * args.calls * len(table), "a timed call missed the plan cache"
-        pieces = {name: Pieces(call).timings(args.calls) for name, call in table.items()} if args.pieces else {}
+        loops = 2 if batch else 1
+        assert cached == loops * args.rounds * args.calls * len(table), "a timed call missed the plan cache"
+        pieces = ({name: Pieces(call).timings(args.calls, batch, sync) for name, call in table.items()}
+                  if args.pieces else {})
         if args.gpu:
             torch.cuda.synchronize()
     if args.out is not None and args.gpu:
-        record = {**machine.header(0, {}, {"calls": args.calls, "rounds": args.rounds, "shape": [B, S, H, D],
+        record = {**machine.header(0, {}, {"calls": args.calls, "rounds": args.rounds, "batch": batch,
+                                           "shape": [B, S, H, D],
                                            "varlen_seqlens": list(SEQLENS), "dtype": "float16"}),
                   "command": ["python", "bench/host_overhead_profile.py",
                               *(pathlib.Path(a).name if a == str(args.out) else a for a in sys.argv[1:])],
-                  "us_per_call": best, "pieces_us": pieces}
+                  "us_per_call": best, "pieces_us": pieces,
+                  **({"us_per_call_back_to_back": back_to_back} if batch else {})}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     where = "GPU 0" if args.gpu else "CPU stand-in, not a GPU number"
-    print(f"cached call, µs ({where}; min of {args.rounds} rounds of {args.calls} calls)")
+    queue = f", synchronized every {batch} calls (host time)" if batch else ""
+    print(f"cached call, µs ({where}; min of {args.rounds} rounds of {args.calls} calls{queue})")
     for name, us in best.items():
         parts = "".join(f"  {piece} {t:5.2f}" for piece, t in pieces.get(name, {}).items())
-        print(f"  {name:17s} {us:6.2f}{parts}")
+        b2b = f"  back to back {back_to_back[name]:6.2f}" if batch else ""
+        print(f"  {name:17s} {us:6.2f}{b2b}{parts}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 /* The floor for one tiny launch: a C loop calling the CUDA driver's launch directly, with the same
    kernel (the self-test axpy), grid and packed-argument path the fmha_rt shim uses.
    Build: gcc -O2 -o launch_floor launch_floor.c -ldl
-   Run:   ./launch_floor <axpy.cubin> <symbol> <launches>      prints microseconds per launch */
+   Run:   ./launch_floor <axpy.cubin> <symbol> <launches> [batch]      prints microseconds per launch
+   With a batch, the loop synchronizes every `batch` launches outside the timed region, so the launch
+   queue never fills and the figure is the host's own cost; without, a launch also waits whenever the
+   GPU runs the tiny kernels slower than the host issues them. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -28,7 +31,7 @@ static double now(void) {
 #define CHECK(x) do { int r_ = (x); if (r_) { fprintf(stderr, "%s failed: %d\n", #x, r_); return 1; } } while (0)
 
 int main(int argc, char **argv) {
-    if (argc != 4) { fprintf(stderr, "usage: %s cubin symbol launches\n", argv[0]); return 2; }
+    if (argc != 4 && argc != 5) { fprintf(stderr, "usage: %s cubin symbol launches [batch]\n", argv[0]); return 2; }
     FILE *f = fopen(argv[1], "rb");
     if (!f) { perror(argv[1]); return 1; }
     fseek(f, 0, SEEK_END);
@@ -59,10 +62,15 @@ int main(int argc, char **argv) {
     long n = atol(argv[3]);
     for (int i = 0; i < 1000; ++i) CHECK(launch(fn, 1, 1, 1, 128, 1, 1, 0, NULL, NULL, extra));
     CHECK(sync());
-    double t0 = now();
-    for (long i = 0; i < n; ++i) CHECK(launch(fn, 1, 1, 1, 128, 1, 1, 0, NULL, NULL, extra));
-    double t1 = now();
-    CHECK(sync());
-    printf("%.3f\n", (t1 - t0) / n * 1e6);
+    long batch = argc == 5 ? atol(argv[4]) : n;
+    if (batch <= 0) batch = n;
+    double spent = 0;
+    for (long done = 0; done < n; done += batch) {
+        double t0 = now();
+        for (long i = done; i < n && i < done + batch; ++i) CHECK(launch(fn, 1, 1, 1, 128, 1, 1, 0, NULL, NULL, extra));
+        spent += now() - t0;
+        CHECK(sync());
+    }
+    printf("%.3f\n", spent / n * 1e6);
     return 0;
 }
