@@ -1,12 +1,16 @@
 """Host microseconds per cached call of mha_fwd, mha_bwd, mha_varlen_fwd and mha_varlen_bwd on torch
-tensors, whole and piece by piece, on the GPU (--gpu) or on the CPU stand-in.
+tensors and on arrays with a CUDA Array Interface, whole and piece by piece, on the GPU (--gpu) or on
+the CPU stand-in.
 
 On the stand-in (the default; NOT A GPU NUMBER) the runtime is tests/cpu/fake_gpu.py's two-device sm_90
 stand-in: torch CPU tensors pose as CUDA tensors, allocations and memsets are host memory, and the
 replay's launches call back into Python and do nothing, so the numbers are fmha_rt's own Python work
-per call without the driver's. Use them to compare versions of the cached path on one machine. With
---gpu the calls run on GPU 0 with CUDA tensors: what `python -m fmha_rt bench --overhead-only`
-measures, plus where it goes.
+per call without the driver's. The rows "... cai" take fake_gpu.py's GPU arrays, which export the
+CUDA Array Interface as CuPy does (a new dict per read, on the legacy default stream, the call's
+stream): their pointers' devices are asked of the stand-in driver, a Python callback per pointer that
+the real driver answers in C. Use the numbers to compare versions of the cached path on one machine.
+With --gpu the calls run on GPU 0 with CUDA tensors, and with CuPy arrays (rows "... cupy") when cupy
+can be imported: what `python -m fmha_rt bench --overhead-only` measures, plus where it goes.
 
     python bench/host_overhead_profile.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--pieces]
                                           [--out FILE]
@@ -49,7 +53,7 @@ from fmha_rt.backend import ffi
 from fmha_rt.bench import machine
 from fmha_rt.torch import caching_workspace
 
-from fake_gpu import StandInRuntime
+from fake_gpu import FakeGpuArray, StandInRuntime
 
 B, S, H, D = 1, 128, 1, 64
 SEQLENS = (48, 80)
@@ -89,33 +93,93 @@ def real_gpu():
         fmha_rt.clear_plan_cache()
 
 
-def calls(device: str) -> dict:
-    """name -> (a zero-argument cached call, its api function name, arguments, options)."""
-    def randn(*shape):
-        return torch.randn(*shape, dtype=torch.float16, device=device)
+class TorchArrays:
+    """The arrays of the torch rows, on `device`."""
 
-    def empty(*shape):
-        return torch.empty(*shape, device=device)
+    def __init__(self, device: str):
+        self.device = device
 
-    q, k, v, dout = (randn(B, S, H, D) for _ in range(4))
-    out, lse = torch.empty_like(q), empty(B, H, S)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def randn(self, *shape):
+        return torch.randn(*shape, dtype=torch.float16, device=self.device)
+
+    def empty(self, *shape, dtype="float16"):
+        return torch.empty(*shape, dtype=getattr(torch, dtype), device=self.device)
+
+    def offsets(self, values):
+        return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+
+class InterfaceArrays:
+    """The stand-in's GPU arrays, read through their CUDA Array Interface (their memory is never read)."""
+
+    def randn(self, *shape):
+        return self.empty(*shape)
+
+    def empty(self, *shape, dtype="float16"):
+        return FakeGpuArray(shape, dtype, stream=1)  # CuPy's stream entry on its default stream
+
+    def offsets(self, values):
+        return self.empty(len(values), dtype="int32")
+
+
+class CupyArrays:
+    """CuPy arrays on GPU 0, read through their CUDA Array Interface."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def randn(self, *shape):
+        return self.cupy.random.standard_normal(shape, dtype=self.cupy.float32).astype(self.cupy.float16)
+
+    def empty(self, *shape, dtype="float16"):
+        return self.cupy.empty(shape, dtype=dtype)
+
+    def offsets(self, values):
+        return self.cupy.asarray(values, dtype=self.cupy.int32)
+
+
+def rows(make, suffix: str = "", workspace=None) -> dict:
+    """name + suffix -> a zero-argument cached call on the arrays `make` makes; with `workspace`
+    (q -> a workspace_alloc) also the backward on that workspace, "mha_bwd torch ws"."""
+    q, k, v, dout = (make.randn(B, S, H, D) for _ in range(4))
+    out, lse = make.randn(B, S, H, D), make.empty(B, H, S, dtype="float32")
+    dq, dk, dv = (make.randn(B, S, H, D) for _ in range(3))
     total = sum(SEQLENS)
-    vq, vk, vv, vdout = (randn(total, H, D) for _ in range(4))
-    vout, vlse = torch.empty_like(vq), empty(H, total)
-    vdq, vdk, vdv = torch.empty_like(vq), torch.empty_like(vk), torch.empty_like(vv)
-    cu = torch.tensor([0, SEQLENS[0], total], dtype=torch.int32, device=device)
-
+    vq, vk, vv, vdout, vout, vdq, vdk, vdv = (make.randn(total, H, D) for _ in range(8))
+    vlse = make.empty(H, total, dtype="float32")
+    cu = make.offsets([0, SEQLENS[0], total])
     longest = max(SEQLENS)
     table = {
-        "mha_fwd": lambda: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse),
-        "mha_bwd": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
-        "mha_bwd torch ws": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
-                                                    workspace_alloc=caching_workspace(q.device)),
-        "mha_varlen_fwd": lambda: fmha_rt.mha_varlen_fwd(vq, vk, vv, cu, cu, longest, longest, out=vout, lse=vlse),
-        "mha_varlen_bwd": lambda: fmha_rt.mha_varlen_bwd(vdout, vq, vk, vv, vout, vlse, cu, cu, longest, longest,
-                                                         dq=vdq, dk=vdk, dv=vdv),
+        f"mha_fwd{suffix}": lambda: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse),
+        f"mha_bwd{suffix}": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
     }
+    if workspace is not None:
+        table["mha_bwd torch ws"] = lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
+                                                            workspace_alloc=workspace(q))
+    table[f"mha_varlen_fwd{suffix}"] = lambda: fmha_rt.mha_varlen_fwd(vq, vk, vv, cu, cu, longest, longest, out=vout,
+                                                                      lse=vlse)
+    table[f"mha_varlen_bwd{suffix}"] = lambda: fmha_rt.mha_varlen_bwd(vdout, vq, vk, vv, vout, vlse, cu, cu, longest,
+                                                                      longest, dq=vdq, dk=vdk, dv=vdv)
+    return table
+
+
+def _cupy():
+    """CuPy when it can be imported: the GPU rows need only torch."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def calls(gpu: bool) -> dict:
+    """name -> a zero-argument cached call (each called twice here: a signature is recorded the second
+    time it is seen)."""
+    table = rows(TorchArrays("cuda" if gpu else "cpu"), workspace=lambda q: caching_workspace(q.device))
+    if not gpu:
+        table.update(rows(InterfaceArrays(), " cai"))
+    elif (cupy := _cupy()) is not None:
+        table.update(rows(CupyArrays(cupy), " cupy"))
     for call in table.values():
         call()
         call()
@@ -180,7 +244,8 @@ class Pieces:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="run on GPU 0 with CUDA tensors (default: the CPU stand-in)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="run on GPU 0 with CUDA tensors, and CuPy arrays when cupy imports (default: the CPU stand-in)")
     parser.add_argument("--calls", type=int, default=5000, help="calls per timed loop")
     parser.add_argument("--rounds", type=int, default=7, help="timed loops per function; the minimum is printed")
     parser.add_argument("--profile", metavar="NAME", help="print a cProfile of NAME's cached call instead")
@@ -191,7 +256,7 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, help="with --gpu: write the numbers here as JSON")
     args = parser.parse_args()
     with real_gpu() if args.gpu else stand_in():
-        table = calls("cuda" if args.gpu else "cpu")
+        table = calls(args.gpu)
         hits = fmha_rt.plan_cache_info()["hits"]
         if args.profile:
             profile = cProfile.Profile()
@@ -229,7 +294,7 @@ def main():
     for name, us in best.items():
         parts = "".join(f"  {piece} {t:5.2f}" for piece, t in pieces.get(name, {}).items())
         b2b = f"  back to back {back_to_back[name]:6.2f}" if batch else ""
-        print(f"  {name:17s} {us:6.2f}{b2b}{parts}")
+        print(f"  {name:20s} {us:6.2f}{b2b}{parts}")
 
 
 if __name__ == "__main__":

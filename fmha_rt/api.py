@@ -467,7 +467,7 @@ def _request(site: _Site, objects: tuple, opts: dict, scalars: tuple, handle: in
                 objects, names = (*objects, seed), (*names, "seed")
             function = (site.name, scalars, (type(window), seed_kind, option_values, types))
         description, imported = signatures(objects, names, handle, buffers.values, buffers.address)
-        # the shim describes torch tensors alone, so only another description can hold NumPy offsets
+        # the shim describes GPU arrays alone (torch tensors, interface arrays): only a tuple can hold NumPy offsets
         if site.offsets and type(description) is not bytes and _host_seqlens(*(objects[i] for i in site.offsets)):
             return None
         return (function, description), objects, names, imported

@@ -1,10 +1,12 @@
 """User arrays in, arrays out: import by DLPack with checks that name the argument, and allocate
-outputs as the same kind of array as the inputs (torch in, torch out; cupy in, cupy out)."""
+outputs as the same kind of array as the inputs (torch in, torch out; cupy in, cupy out). Also what
+the plan cache keys a call's arrays by (`signatures`): one C call where the shim can describe them
+all (torch tensors, arrays with a CUDA Array Interface), else per array."""
 from __future__ import annotations
 
 import sys
 
-from . import backend
+from . import backend, launch
 from .buffers import DeviceBuffer
 from .dlpack import StridedSpan, import_array
 from .errors import FmhaTypeError, FmhaValueError
@@ -105,42 +107,57 @@ def _gpu_device_of(obj):
     return int(device_id) if int(device_type) in _GPU_DLPACK_DEVICES else None
 
 
-def make_describer(tensor_type, second_type=None):
-    """The shim's describe(objects, addresses, capacity) builtin for tensors of these types (describe.c),
-    or None when the first type has no DLPack C exchange API."""
+def make_describer(ops, tensor_types=()):
+    """The shim's describe(objects, addresses, capacity, stream) builtin (describe.c) making its driver
+    calls through `ops` (an fmha_replay_ops pointer): torch tensors of `tensor_types` (torch.Tensor and
+    Parameter, or none) through their DLPack C exchange API when the first type has one, everything
+    else through its CUDA Array Interface."""
     namespace = {}
-    handle = backend.ffi.new("fmha_describer *")
-    status = backend.lib.fmha_describer_init(handle, id(tensor_type), id(second_type) if second_type else 0,
-                                             id(namespace))
-    return namespace["describe"] if status == backend.lib.FMHA_OK else None
+    first, second = (*(id(t) for t in tensor_types), 0, 0)[:2]
+    status = backend.lib.fmha_describer_init(backend.ffi.new("fmha_describer *"), ops, first, second, id(namespace))
+    backend.check(status, "fmha_describer_init")
+    return namespace["describe"]
 
 
-_DESCRIBER: list = []  # [describe or None] once torch is imported: None when its torch lacks the API
+# (the driver calls it makes, the describer): made again when those calls change (a stand-in driver
+# swaps them) or torch is imported after it was made (it knows torch's types from then on).
+_DESCRIBER: tuple = (None, None)
 
 
 def _describer():
-    if not _DESCRIBER and _torch_tensor_types():
-        torch = sys.modules["torch"]
-        _DESCRIBER.append(make_describer(torch.Tensor, torch.nn.Parameter))
-    return _DESCRIBER[0] if _DESCRIBER else None
+    global _DESCRIBER
+    ops = launch.REPLAY_OPS
+    _DESCRIBER = (ops, make_describer(ops, _torch_tensor_types()))
+    return _DESCRIBER[1]
 
 
 def signatures(objects: tuple, names: tuple, stream: int, values, values_address: int):
     """What the plan cache keys a call's arrays by: (description, imported) for `objects` (arrays or None,
-    named by `names`). `values` (a uint64 array at `values_address`) gets every array's data address at
-    its position (0 for None) and zeros after them. A description holds everything of the arrays that
-    the checks and the plan read (their kind, shape, strides, dtype and device), never an address. When
-    every array is a plain torch tensor (or None) the shim describes them all in one call (describe.c,
-    DLPack's C exchange API), as one bytes object. Otherwise it is a tuple: a torch tensor is described
-    from its attributes (~0.5 µs) and anything else is imported as gpu_array would import it, and
-    `imported` keeps that Arg by name so that a call which goes on to validate need not import it
-    twice. Raises whatever an import raises."""
-    describe = _DESCRIBER[0] if _DESCRIBER else _describer()
-    if describe is not None:
-        description = describe(objects, values_address, len(values))
-        if description is not None:
-            return description, _NOTHING_IMPORTED
-    torch_types = _TORCH_TENSOR_TYPES or _torch_tensor_types()
+    named by `names`) used on the stream handle `stream`. `values` (a uint64 array at `values_address`)
+    gets every array's data address at its position (0 for None) and zeros after them. A description
+    holds everything of the arrays that the checks and the plan read (their kind, shape, strides, dtype
+    and device), never an address. When every array is a plain torch tensor, an array with a CUDA Array
+    Interface (version 3) or None, the shim describes them all in one call (describe.c), as one bytes
+    object, and orders `stream` after the interfaces' producer streams. Otherwise it is a tuple: a torch
+    tensor is described from its attributes (~0.5 µs) and anything else is imported as gpu_array would
+    import it (DLPack, which asks the producer to order its work before `stream`), and `imported`
+    keeps that Arg by name so that a call which goes on to validate need not import it twice. Raises
+    whatever an import raises."""
+    ops, describe = _DESCRIBER
+    if ops is not launch.REPLAY_OPS:
+        describe = _describer()
+    description = describe(objects, values_address, len(values), stream)
+    if description is not None:
+        return description, _NOTHING_IMPORTED
+    if not _TORCH_TENSOR_TYPES and _torch_tensor_types():  # torch came after the describer was made
+        _describer()
+        return signatures(objects, names, stream, values, values_address)
+    return _per_array(objects, names, stream, values)
+
+
+def _per_array(objects: tuple, names: tuple, stream: int, values):
+    """signatures' tuple: one description per array, from torch's attributes or a DLPack import."""
+    torch_types = _TORCH_TENSOR_TYPES
     descriptions, imported = [], {}
     for i, (name, obj) in enumerate(zip(names, objects)):
         if obj is None:

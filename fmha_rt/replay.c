@@ -94,7 +94,10 @@ int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, uint64_t 
 }
 
 const fmha_replay_ops *fmha_replay_native_ops(void) {
-    static const fmha_replay_ops native = {fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free,
-                                           fmha_stream_capture_status};
+    static const fmha_replay_ops native = {
+        .launch = fmha_launch_prepared, .memset_d8 = fmha_memset_d8, .mem_alloc = fmha_mem_alloc,
+        .mem_free = fmha_mem_free, .stream_capture_status = fmha_stream_capture_status,
+        .pointer_location = fmha_pointer_location, .event_create = fmha_event_create,
+        .event_record = fmha_event_record, .stream_wait_event = fmha_stream_wait_event};
     return &native;
 }

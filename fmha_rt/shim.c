@@ -41,6 +41,13 @@ typedef void *drv_handle;     /* CUcontext, CUmodule, CUfunction, hipModule_t, h
 #define HIP_ATTR_SHARED_PER_BLOCK_OPTIN 75
 #define CU_FUNC_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
 
+/* Pointer attributes (CUDA) and the event flag both drivers number alike. */
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define EVENT_DISABLE_TIMING 2
+#define DLPACK_CUDA 2
+#define DLPACK_ROCM 10
+
 #define DEFAULT_SHARED_LIMIT (48u * 1024u)
 #define MAX_DEVICES 64
 #define KEY_LEN 160
@@ -75,6 +82,12 @@ struct driver {
     drv_result (*memcpy_dtoh_async)(void *, uint64_t, size_t, uint64_t);
     drv_result (*stream_synchronize)(uint64_t);
     drv_result (*stream_is_capturing)(uint64_t, int *);           /* optional: without it, assume a capture */
+    drv_result (*pointer_get_attributes)(unsigned, const int *, void **, uint64_t); /* CUDA only */
+    drv_result (*hip_pointer_get_attributes)(void *, uint64_t);   /* HIP only */
+    drv_result (*hip_get_last_error)(void);                       /* HIP only: reads and clears it */
+    drv_result (*event_create)(uint64_t *, unsigned);
+    drv_result (*event_record)(uint64_t, uint64_t);
+    drv_result (*stream_wait_event)(uint64_t, uint64_t, unsigned);
 };
 
 struct fmha_kernel {
@@ -147,11 +160,14 @@ static int resolve_entry_points(void) {
     RESOLVE(driver_get_version, "cuDriverGetVersion", "hipDriverGetVersion", 1);
     RESOLVE(get_error_name, "cuGetErrorName", NULL, 0);
     RESOLVE(hip_error_name, NULL, "hipGetErrorName", 0);
+    RESOLVE(hip_get_last_error, NULL, "hipGetLastError", 1);
     RESOLVE(device_get_count, "cuDeviceGetCount", "hipGetDeviceCount", 1);
     RESOLVE(device_get, "cuDeviceGet", NULL, 1);
     RESOLVE(device_get_name, "cuDeviceGetName", "hipDeviceGetName", 1);
     RESOLVE(device_get_attribute, "cuDeviceGetAttribute", "hipDeviceGetAttribute", 1);
     RESOLVE(device_total_mem, "cuDeviceTotalMem_v2", "hipDeviceTotalMem", 1);
+    RESOLVE(pointer_get_attributes, "cuPointerGetAttributes", NULL, 1);
+    RESOLVE(hip_pointer_get_attributes, NULL, "hipPointerGetAttributes", 1);
     RESOLVE(primary_ctx_retain, "cuDevicePrimaryCtxRetain", NULL, 1);
     RESOLVE(ctx_get_current, "cuCtxGetCurrent", NULL, 1);
     RESOLVE(ctx_set_current, "cuCtxSetCurrent", NULL, 1);
@@ -169,6 +185,9 @@ static int resolve_entry_points(void) {
     RESOLVE(memcpy_htod_async, "cuMemcpyHtoDAsync_v2", "hipMemcpyHtoDAsync", 1);
     RESOLVE(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2", "hipMemcpyDtoHAsync", 1);
     RESOLVE(stream_synchronize, "cuStreamSynchronize", "hipStreamSynchronize", 1);
+    RESOLVE(event_create, "cuEventCreate", "hipEventCreateWithFlags", 1);
+    RESOLVE(event_record, "cuEventRecord", "hipEventRecord", 1);
+    RESOLVE(stream_wait_event, "cuStreamWaitEvent", "hipStreamWaitEvent", 1);
     RESOLVE(stream_is_capturing, "cuStreamIsCapturing", "hipStreamIsCapturing", 0);
     if (!cuda) {
         /* hipDeviceProp_t changed layout in HIP 6; the R0600 entry point names the new one. */
@@ -669,4 +688,68 @@ int fmha_stream_capture_status(int device, uint64_t stream, int *status) {
     if (require_init() == FMHA_OK && g.d.stream_is_capturing == NULL)
         return set_error(FMHA_ERR_NO_SYMBOL, "%s has no stream capture query", g.library);
     ON_DEVICE(device, "stream_is_capturing", g.d.stream_is_capturing(stream, status));
+}
+
+/* ---- where a pointer lives, and ordering streams by events ---- */
+
+/* The query needs a current context on CUDA; a thread that never made one current (its arrays came
+   from another thread) asks from device 0's primary context, which sees every device's allocations
+   (unified addressing). cuPointerGetAttributes answers memory type 0 for an address it does not know. */
+static int cuda_pointer_location(uint64_t ptr, int *device, int *memory_type) {
+    drv_handle current = NULL;
+    saved_device saved = {NULL, 0, 0};
+    int s = g.d.ctx_get_current(&current) == 0 && current == NULL ? enter_device(0, &saved) : FMHA_OK;
+    if (s != FMHA_OK) return s;
+    static const int attributes[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+    unsigned int type = 0;
+    void *data[2] = {&type, device};
+    drv_result r = g.d.pointer_get_attributes(2, attributes, data, ptr);
+    leave_device(&saved);
+    if (r != 0) return driver_error(r, "cuPointerGetAttributes", NULL, -1);
+    if (type == 0) return set_error(FMHA_ERR_BAD_ARGUMENT, "0x%llx is not memory the driver knows", (unsigned long long)ptr);
+    *memory_type = (int)type;
+    return FMHA_OK;
+}
+
+/* The leading fields of hipPointerAttribute_t (memory type, device), which every HIP release keeps;
+   `rest` is room for the fields after them, whose layout changed between releases. */
+typedef struct {
+    _Alignas(16) int memory_type;
+    int device;
+    char rest[248];
+} hip_pointer_attributes;
+
+/* A failed query is also the thread's last HIP error, which a framework's next error check would
+   take for its own: it is cleared. */
+static int hip_pointer_location(uint64_t ptr, int *device, int *memory_type) {
+    hip_pointer_attributes a;
+    memset(&a, 0, sizeof a);
+    drv_result r = g.d.hip_pointer_get_attributes(&a, ptr);
+    if (r != 0) {
+        g.d.hip_get_last_error();
+        return driver_error(r, "hipPointerGetAttributes", NULL, -1);
+    }
+    *device = a.device;
+    *memory_type = a.memory_type;
+    return FMHA_OK;
+}
+
+int fmha_pointer_location(uint64_t ptr, int *device_type, int *device, int *memory_type) {
+    int s = require_init();
+    if (s != FMHA_OK) return s;
+    if (device_type == NULL || device == NULL || memory_type == NULL)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_pointer_location: NULL result");
+    int cuda = g.backend == FMHA_BACKEND_CUDA;
+    *device_type = cuda ? DLPACK_CUDA : DLPACK_ROCM;
+    return cuda ? cuda_pointer_location(ptr, device, memory_type) : hip_pointer_location(ptr, device, memory_type);
+}
+
+int fmha_event_create(int device, uint64_t *event) {
+    ON_DEVICE(device, "event_create", g.d.event_create(event, EVENT_DISABLE_TIMING));
+}
+int fmha_event_record(int device, uint64_t event, uint64_t stream) {
+    ON_DEVICE(device, "event_record", g.d.event_record(event, stream));
+}
+int fmha_stream_wait_event(int device, uint64_t stream, uint64_t event) {
+    ON_DEVICE(device, "stream_wait_event", g.d.stream_wait_event(stream, event, 0));
 }

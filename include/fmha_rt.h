@@ -106,6 +106,15 @@ int fmha_stream_synchronize(int device, uint64_t stream);
 /* The capture status of `stream` (0 none, 1 active, 2 invalidated: the driver's enum). FMHA_ERR_NO_SYMBOL
    when the driver lacks the query (callers then assume a capture). */
 int fmha_stream_capture_status(int device, uint64_t stream, int *status);
+/* Where the memory at `ptr` lives: its DLPack device type (2 CUDA, 10 ROCm), the ordinal of the device it
+   was allocated on and the driver's memory type (kept as the driver says it; it only keys, never
+   decides). An error when the driver knows no allocation there (CUDA's FMHA_ERR_BAD_ARGUMENT; HIP's own). */
+int fmha_pointer_location(uint64_t ptr, int *device_type, int *device, int *memory_type);
+/* Events for ordering one stream after another (no timing), on `device` with that device made current,
+   so that the default-stream handles 0, 1 and 2 name that device's streams. */
+int fmha_event_create(int device, uint64_t *event);
+int fmha_event_record(int device, uint64_t event, uint64_t stream);
+int fmha_stream_wait_event(int device, uint64_t stream, uint64_t event);
 
 /* ---- replaying a cached call (fmha_rt/replay.c) ----
    A cached plan's launches with one call's values written in, checked and launched in one call. The
@@ -141,13 +150,18 @@ typedef struct fmha_replay_fill {
     uint64_t offset, nbytes;
 } fmha_replay_fill;
 
-/* The driver calls a replay makes: the shim's own, or stand-ins where there is no GPU. */
+/* The driver calls a replay and the describer (below) make: the shim's own, or stand-ins where there
+   is no GPU. */
 typedef struct fmha_replay_ops {
     int (*launch)(const fmha_launch_config *config, uint64_t stream);
     int (*memset_d8)(int device, uint64_t ptr, unsigned char value, size_t bytes, uint64_t stream);
     int (*mem_alloc)(int device, size_t bytes, uint64_t stream, uint64_t *ptr);
     int (*mem_free)(int device, uint64_t ptr, uint64_t stream);
     int (*stream_capture_status)(int device, uint64_t stream, int *status);
+    int (*pointer_location)(uint64_t ptr, int *device_type, int *device, int *memory_type);
+    int (*event_create)(int device, uint64_t *event);
+    int (*event_record)(int device, uint64_t event, uint64_t stream);
+    int (*stream_wait_event)(int device, uint64_t stream, uint64_t event);
 } fmha_replay_ops;
 
 #define FMHA_REPLAY_MAX_ARGS 4096 /* bytes of one launch's arguments */
@@ -175,7 +189,8 @@ typedef struct fmha_replay_plan {
 int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64_t *values, uint64_t stream,
                 int allocate_workspace, size_t *failed);
 /* The shim's own driver calls (fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free,
-   fmha_stream_capture_status). */
+   fmha_stream_capture_status, fmha_pointer_location, fmha_event_create, fmha_event_record,
+   fmha_stream_wait_event). */
 const fmha_replay_ops *fmha_replay_native_ops(void);
 
 /* ---- fmha_rt's own workspace, kept per stream (fmha_rt/workspaces.c) ----
@@ -203,31 +218,62 @@ int fmha_workspaces_release(void);
 /* How many buffers are kept and their bytes (a held one included). */
 int fmha_workspaces_kept(size_t *count, uint64_t *bytes);
 
-/* ---- describing a call's torch tensors for the plan cache (fmha_rt/describe.c) ----
-   One call reads every tensor of a call through the framework's DLPack C exchange API
-   (`type(tensor).__dlpack_c_exchange_api__`, DLPack >= 1.3) instead of Python attribute reads.
-   Python objects travel as their addresses (CPython's id()). The describing itself is a Python
-   builtin that fmha_describer_init makes:
-       describe(objects, addresses, capacity) -> bytes or None
-   describes the tuple `objects` (each item an accepted tensor or None, at most FMHA_DESCRIBE_MAX_ARRAYS):
-   per item its dtype, rank and device, its shape and strides (never its address), so equal bytes mean
-   equal signatures. It writes the items' data addresses (0 for None) to the uint64 array at the int
-   `addresses` and zeroes the rest of its `capacity` entries (the per-call values that follow them). It
-   returns None, leaving no Python error set, when an item is not a plain accepted tensor (another
-   type, rank above FMHA_DESCRIBE_MAX_NDIM, a negated view, a failed export): the caller describes the
-   call another way. */
+/* ---- ordering a call's stream after an array's producer (fmha_rt/events.c) ----
+   fmha_stream_order makes `consumer` wait for the work queued so far on `producer`, both streams of
+   `device`, without a host synchronization: it records an event on the producer and has the consumer
+   wait on it. Events (without timing) are created on first need and kept in a pool of
+   FMHA_EVENT_POOL slots, each belonging to one (ops, device); a call holds one event from its record
+   to its wait, after which the event may be recorded again (a queued wait keeps the state it saw).
+   FMHA_ERR_OUT_OF_MEMORY when every slot is held; what an event call returned when it failed. */
+#define FMHA_EVENT_POOL 64
+int fmha_stream_order(const fmha_replay_ops *ops, int device, uint64_t producer, uint64_t consumer);
+/* How many events the pool keeps for `ops` (held ones included). */
+int fmha_events_kept(const fmha_replay_ops *ops, size_t *count);
+
+/* ---- describing a call's arrays for the plan cache (fmha_rt/describe.c) ----
+   One C call describes every array of a call: torch tensors through the framework's DLPack C exchange
+   API (`type(tensor).__dlpack_c_exchange_api__`, DLPack >= 1.3), other arrays through their CUDA Array
+   Interface (`__cuda_array_interface__`, version 3), instead of Python attribute reads or a DLPack
+   round trip. Python objects travel as their addresses (CPython's id()). The describing itself is a
+   Python builtin that fmha_describer_init makes:
+       describe(objects, addresses, capacity, stream) -> bytes or None
+   describes the tuple `objects` (at most FMHA_DESCRIBE_MAX_ARRAYS items, each None, a tensor of one of
+   the describer's types or an array with the interface): per item its kind (1 torch, 2 interface),
+   dtype, rank, device type and ordinal, shape and strides in elements, and for the interface its
+   memory type, read-only flag and Python type (kept alive from then on, so that its address stays
+   unique); never an address. Equal bytes mean equal signatures. It writes the items' data addresses
+   (0 for None) to the uint64 array at the int `addresses` and zeroes the rest of its `capacity`
+   entries (the per-call values that follow them).
+   An interface array's device is the driver's answer for its pointer (ops->pointer_location, one
+   query per distinct pointer and call). Its `stream` entry is CAI v3's: absent or None, the data is
+   ready on every stream; an int is the producer's stream (1 the legacy default stream, 2 the
+   per-thread default stream, 0 invalid); when it is not the call's `stream` (the call's 0 is the legacy
+   default stream, which on CUDA is also the driver's 1 and on ROCm its null stream, 0), the call's
+   stream is made to wait for it (fmha_stream_order), once per (device, producer stream), after every
+   item was described.
+   It returns None, leaving no Python error set and having ordered nothing, when an item cannot be
+   described exactly: another type; a torch tensor of rank above FMHA_DESCRIBE_MAX_NDIM, negated or
+   failing its export; an interface of another version (version 2 says nothing about streams: DLPack
+   asks such producers to order their work instead), with a mask, a typestr other than a little-endian
+   float (f2 f4 f8), signed or unsigned int (1, 2, 4, 8 bytes) or bool, negative strides or strides
+   that are not whole elements, a stream of 0 or not an int, a pointer the driver does not know, or
+   anything malformed; a failed stream ordering. The caller then describes the call another way. */
 #define FMHA_DESCRIBE_MAX_NDIM 8
 #define FMHA_DESCRIBE_MAX_ARRAYS 16
-#define FMHA_DESCRIBE_WORDS_PER_ARRAY 18 /* 2 + 2 * FMHA_DESCRIBE_MAX_NDIM */
+#define FMHA_DESCRIBE_WORDS_PER_ARRAY 20 /* 4 + 2 * FMHA_DESCRIBE_MAX_NDIM */
+#define FMHA_DESCRIBE_MAX_TYPES 16       /* Python types of interface arrays kept alive */
 typedef struct fmha_describer {
-    uintptr_t types[2];      /* the accepted Python types (torch.Tensor, torch.nn.Parameter); 0: none */
-    uintptr_t export_fn;     /* the framework's DLPackDLTensorFromPyObjectNoSync */
+    const fmha_replay_ops *ops; /* the driver calls for pointers and stream ordering */
+    uintptr_t types[2];      /* torch.Tensor and torch.nn.Parameter; 0: none */
+    uintptr_t export_fn;     /* the framework's DLPackDLTensorFromPyObjectNoSync; 0: its tensors are refused */
     uintptr_t is_neg;        /* the first type's unbound method that says a tensor holds negated values */
 } fmha_describer;
-/* Fill `d` from the two types (0 for an unused second one) and store the builtin `describe`, bound to
-   a copy of `d`, in the dict at `namespace`. FMHA_ERR_NO_SYMBOL when the first type has no usable
-   exchange API (older frameworks): callers describe tensors another way. */
-int fmha_describer_init(fmha_describer *d, uintptr_t tensor_type, uintptr_t second_type, uintptr_t namespace);
+/* Fill `d` from `ops` and the two tensor types (0 for an unused one; both 0 when torch is not imported)
+   and store the builtin `describe`, bound to a copy of `d`, in the dict at `namespace`. A first type
+   without a usable exchange API (an older torch) leaves export_fn 0: tensors of the two types are then
+   refused (callers describe them another way) and interface arrays described as ever. */
+int fmha_describer_init(fmha_describer *d, const fmha_replay_ops *ops, uintptr_t tensor_type, uintptr_t second_type,
+                        uintptr_t namespace);
 
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);

@@ -1,8 +1,16 @@
 """Shared by every CPU test: workspaces the shim kept for a stand-in runtime (fake_gpu.py) are its host
-memory, reached through its callbacks, so they are released while the test's patches keep it alive."""
+memory, reached through its callbacks, so they are released while the test's patches keep it alive.
+Also the stand-in runtime and driver of the tests that run calls up to the launch (`rt`, `driver`)."""
+import threading
+
 import pytest
 
 import fmha_rt
+from fmha_rt import launch
+from fmha_rt import registry as registry_module
+from fmha_rt.backend import ffi
+
+from fake_gpu import StandInRuntime
 
 
 @pytest.fixture(autouse=True)
@@ -10,3 +18,45 @@ def release_kept_workspaces(monkeypatch):
     """Requests monkeypatch so that its undo (which drops a test's stand-in) runs after the release."""
     yield
     fmha_rt.release_workspaces()
+
+
+class Driver:
+    """Stands in for the driver's launch: records (kernel key, grid, argument bytes, stream, thread)."""
+
+    def __init__(self, monkeypatch):
+        self.kernels, self.launches, self._lock = [], [], threading.Lock()
+        monkeypatch.setattr(launch, "kernel_handle", self.kernel_handle)
+        monkeypatch.setattr(launch, "_launch", self.launch)
+
+    def kernel_handle(self, device, entry):
+        with self._lock:
+            self.kernels.append(entry.key)
+            return ffi.cast("fmha_kernel *", len(self.kernels))
+
+    def launch(self, config, stream):
+        key = self.kernels[int(ffi.cast("uintptr_t", config.kernel)) - 1]
+        self.launches.append((key, tuple(config.grid), bytes(ffi.buffer(config.args, config.args_size)), stream,
+                              threading.get_ident()))
+        return 0
+
+    def take(self):
+        """The launches since the last take, without the thread."""
+        taken, self.launches = self.launches, []
+        return [item[:4] for item in taken]
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
+    monkeypatch.delenv("FMHA_RT_LOG_CONFIG", raising=False)
+    registry_module.reset()
+    runtime = StandInRuntime(monkeypatch)
+    fmha_rt.clear_plan_cache()
+    yield runtime
+    fmha_rt.clear_plan_cache()
+    registry_module.reset()
+
+
+@pytest.fixture
+def driver(monkeypatch, rt):
+    return Driver(monkeypatch)

@@ -1,8 +1,10 @@
 """Host memory posing as GPU memory, so that the public API validates and plans on a machine without a GPU.
 
-`FakeGpuArray` exports host memory through DLPack as a CUDA (or any other device's) array. `StandInRuntime`
-describes two sm_90 devices and serves the runtime's own allocations and memsets from host memory, so a
-call runs exactly as on a GPU machine up to the launch, where the test puts its own executor.
+`FakeGpuArray` exports host memory through DLPack as a CUDA (or any other device's) array, and a GPU
+one also through the CUDA Array Interface (version 3, as CuPy exports it). `StandInRuntime` describes
+two sm_90 devices and serves the runtime's own allocations and memsets from host memory, and the
+driver's pointer queries and events, so a call runs exactly as on a GPU machine up to the launch,
+where the test puts its own executor.
 
 The shim keeps fmha_rt's own workspaces per stream (workspaces.c), and the ones a stand-in allocated
 are its host memory: they must be released while it is alive (tests/cpu/conftest.py does so after
@@ -10,6 +12,7 @@ every test; whoever uses a stand-in outside a test calls fmha_rt.release_workspa
 """
 import contextlib
 import ctypes
+import itertools
 import math
 
 from fmha_rt import backend, launch
@@ -18,6 +21,20 @@ from fmha_rt.dlpack import DLPackExporter
 from fmha_rt.errors import DriverError
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int32": 4, "int64": 8, "uint8": 1}
+# The interface's typestr of each dtype, as NumPy spells it; bfloat16 (ml_dtypes') is a two-byte void.
+TYPESTR = {"float16": "<f2", "bfloat16": "<V2", "float32": "<f4", "float64": "<f8", "int8": "|i1", "int32": "<i4",
+           "int64": "<i8", "uint8": "|u1"}
+DLPACK_DEVICE_TYPES = {"cuda": 2, "rocm": 10}
+MEMORY_TYPE_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
+# Where every fake GPU array's data pointer lives, (DLPack device type, ordinal): what the driver answers
+# for a pointer. Each array enters its own pointer when it is made (a later array at a freed array's
+# address replaces the entry).
+LOCATIONS = {}
+# (device, producer stream, consumer stream) of every ordering a fake array's DLPack export did.
+DLPACK_ORDERS = []
+# Every stand-in's table of driver calls stays allocated (its callbacks go with the stand-in): the shim's
+# event pool knows events by the table's address, which must not come back for another stand-in.
+_ALL_OPS = []
 ALIGN = 256  # device allocations start on 256 bytes
 POISON = 0xFF  # NaN in every float dtype: an element written with anything else shows
 
@@ -45,10 +62,12 @@ def aligned_start(buf) -> int:
 class FakeGpuArray(DLPackExporter):
     """Host memory exported as a GPU array. `strides` (elements) and `offset` make views of `base`.
     With `address`, the array is a bare device address with no memory behind it: for shapes and strides
-    no host could hold, in calls that must never touch the memory."""
+    no host could hold, in calls that must never touch the memory. `stream` is the producer's stream
+    (the interface's `stream` entry; None: ready on every stream), which its DLPack export orders
+    before a consumer's other stream, as CuPy does."""
 
     def __init__(self, shape, dtype="float16", *, device=0, strides=None, offset=0, base=None, read_only=False,
-                 device_type="cuda", address=None):
+                 device_type="cuda", address=None, stream=None):
         self.shape, self.dtype = tuple(shape), dtype
         self.strides = None if strides is None else tuple(strides)
         itemsize = ITEMSIZE[dtype]
@@ -62,7 +81,27 @@ class FakeGpuArray(DLPackExporter):
         self.ptr = start + offset * itemsize
         self.device = (device_type, device)
         self.read_only = read_only
+        self.stream = stream
         self.snapshot = self.contents()
+        if device_type in DLPACK_DEVICE_TYPES:
+            LOCATIONS[self.ptr] = (DLPACK_DEVICE_TYPES[device_type], device)
+
+    @property
+    def __cuda_array_interface__(self):
+        """A new dict on every read, as CuPy's; GPU arrays only (hasattr is False for the others)."""
+        if self.device[0] not in DLPACK_DEVICE_TYPES:
+            raise AttributeError(f"a {self.device[0]} array has no __cuda_array_interface__")
+        itemsize = ITEMSIZE[self.dtype]
+        return {"shape": self.shape, "typestr": TYPESTR[self.dtype], "data": (self.ptr, self.read_only), "version": 3,
+                "strides": None if self.strides is None else tuple(s * itemsize for s in self.strides),
+                "stream": self.stream}
+
+    def order_before_consumer(self, consumer_stream):
+        """As CuPy's export: the consumer's stream waits for the producer's unless they are one. Its
+        interface spells the default stream 1 on either driver, DLPack on ROCm 0."""
+        producer = 0 if self.device[0] == "rocm" and self.stream == 1 else self.stream
+        if producer is not None and producer != consumer_stream:
+            DLPACK_ORDERS.append((self.device[1], self.stream, consumer_stream))
 
     def contents(self) -> bytes:
         """Every byte of the memory behind the array (its whole base; nothing for a bare address)."""
@@ -73,7 +112,7 @@ class FakeGpuArray(DLPackExporter):
 
     def view(self, shape, strides, offset=0, dtype=None):
         return FakeGpuArray(shape, dtype or self.dtype, strides=strides, offset=offset, base=self.base,
-                            device=self.device[1])
+                            device=self.device[1], stream=self.stream)
 
 
 class StandInRuntime:
@@ -91,6 +130,10 @@ class StandInRuntime:
         self.frees = []  # (device, address, stream) of every free, in order
         self.capturing = set()  # streams being captured into a graph, as the capture query reports them
         self.capture_queries = []  # (device, stream) of every capture query
+        self.pointer_queries = []  # every pointer asked where it lives
+        self.stream_events = []  # ("create", device, event), ("record", device, event, stream), ("wait", device,
+        # stream, event) in order
+        self._events = itertools.count(0xE0000)  # event tokens
         self.problems = []  # bad frees: recorded, since buffers free themselves in __del__, which swallows errors
         monkeypatch.setattr(backend, "runtime", lambda: self.runtime)
         monkeypatch.setattr(backend, "mem_alloc", self.mem_alloc)
@@ -133,10 +176,62 @@ class StandInRuntime:
             status[0] = self.capture_status(device, stream)
             return 0
 
+        @ffi.callback("int(uint64_t, int *, int *, int *)", onerror=failed)
+        def replay_pointer_location(ptr, device_type, device, memory_type):
+            return self.pointer_location(ptr, device_type, device, memory_type)
+
+        @ffi.callback("int(int, uint64_t *)", onerror=failed)
+        def replay_event_create(device, event):
+            event[0] = self.event_create(device)
+            return 0
+
+        @ffi.callback("int(int, uint64_t, uint64_t)", onerror=failed)
+        def replay_event_record(device, event, stream):
+            self.note_event("record", device, event, stream)
+            return 0
+
+        @ffi.callback("int(int, uint64_t, uint64_t)", onerror=failed)
+        def replay_stream_wait_event(device, stream, event):
+            self.note_event("wait", device, stream, event)
+            return 0
+
         # alive while the ops point here
-        self._callbacks = (replay_launch, replay_memset, replay_alloc, replay_free, replay_capture_status)
-        fields = ("launch", "memset_d8", "mem_alloc", "mem_free", "stream_capture_status")
-        return ffi.new("fmha_replay_ops *", dict(zip(fields, self._callbacks)))
+        self._callbacks = (replay_launch, replay_memset, replay_alloc, replay_free, replay_capture_status,
+                           replay_pointer_location, replay_event_create, replay_event_record, replay_stream_wait_event)
+        fields = ("launch", "memset_d8", "mem_alloc", "mem_free", "stream_capture_status", "pointer_location",
+                  "event_create", "event_record", "stream_wait_event")
+        _ALL_OPS.append(ffi.new("fmha_replay_ops *", dict(zip(fields, self._callbacks))))
+        return _ALL_OPS[-1]
+
+    def pointer_location(self, ptr, device_type, device, memory_type) -> int:
+        """The driver's answer for `ptr`: where a fake GPU array put it, or 1 (an error) for any other."""
+        self.pointer_queries.append(ptr)
+        if ptr not in LOCATIONS:
+            return 1
+        (device_type[0], device[0]), memory_type[0] = LOCATIONS[ptr], MEMORY_TYPE_DEVICE
+        return 0
+
+    def event_create(self, ordinal) -> int:
+        """A new event token of device `ordinal`."""
+        event = next(self._events)
+        self.note_event("create", ordinal, event)
+        return event
+
+    def note_event(self, what, ordinal, *handles):
+        backend.device(ordinal)  # refuses an ordinal that does not exist, as the driver does
+        self.stream_events.append((what, ordinal, *handles))
+
+    def orderings(self) -> list:
+        """(device, producer stream, consumer stream) of each record that a wait on the same event
+        followed, in order, from stream_events."""
+        recorded, pairs = {}, []
+        for entry in self.stream_events:
+            if entry[0] == "record":
+                recorded[entry[2]] = (entry[1], entry[3])
+            elif entry[0] == "wait":
+                device, producer = recorded.pop(entry[3])
+                pairs.append((device, producer, entry[2]))
+        return pairs
 
     def capture_status(self, ordinal, stream) -> int:
         """The driver's answer: 1 (active) for a stream in `capturing`, else 0 (none)."""
@@ -194,3 +289,5 @@ class StandInRuntime:
         self.memsets.clear()
         self.frees.clear()
         self.capture_queries.clear()
+        self.pointer_queries.clear()
+        self.stream_events.clear()

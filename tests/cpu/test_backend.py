@@ -58,6 +58,16 @@ def test_unknown_backend_name_is_refused():
     assert out["error"][0] == "FmhaValueError" and "FMHA_RT_BACKEND='opencl'" in out["error"][1]
 
 
+def run_on_hip(script: str) -> dict:
+    """The JSON that `script` prints last, run in a fresh process on the HIP runtime (no GPU here)."""
+    if not have_library("amdhip64", "libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"):
+        pytest.fail("the HIP runtime library is not installed: .ci/run installs Debian's libamdhip64-5")
+    env = dict(os.environ, FMHA_RT_BACKEND="hip")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 CAPTURE_PROBE = r"""
 import json
 from fmha_rt import backend, release_workspaces
@@ -75,11 +85,41 @@ print(json.dumps(out))
 def test_the_capture_query_is_resolved_from_the_hip_runtime():
     """hipStreamIsCapturing is found (a missing entry point would answer FMHA_ERR_NO_SYMBOL before the
     device check); with no GPU the query stops at the device, leaving the status as it was."""
-    if not have_library("amdhip64", "libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"):
-        pytest.fail("the HIP runtime library is not installed: .ci/run installs Debian's libamdhip64-5")
-    env = dict(os.environ, FMHA_RT_BACKEND="hip")
-    done = subprocess.run([sys.executable, "-c", CAPTURE_PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_hip(CAPTURE_PROBE)
     assert out["null"] == out["device 0"] == out["bad argument"]
     assert "device 0 does not exist" in out["message"] and out["untouched"] == 7
+
+
+POINTER_PROBE = r"""
+import ctypes, json
+from fmha_rt import arrays, backend, launch
+from fmha_rt.backend import ffi, lib
+backend.runtime()
+host = ctypes.create_string_buffer(64)
+
+
+class Interface:
+    __cuda_array_interface__ = {"shape": (32,), "typestr": "<f2", "data": (ctypes.addressof(host), False), "version": 3}
+
+
+where = ffi.new("int[3]", [-7, -7, -7])
+values = ffi.new("uint64_t[1]")
+out = {"pointer": lib.fmha_pointer_location(ctypes.addressof(host), where, where + 1, where + 2),
+       "message": backend.last_error(), "where": list(where),
+       "create": lib.fmha_event_create(0, ffi.new("uint64_t *")), "record": lib.fmha_event_record(0, 1, 0),
+       "wait": lib.fmha_stream_wait_event(0, 0, 1), "order": lib.fmha_stream_order(launch.REPLAY_OPS, 0, 0x20, 0x10),
+       "described": arrays.make_describer(launch.REPLAY_OPS)((Interface(),), int(ffi.cast("uintptr_t", values)), 1, 0),
+       "driver": lib.FMHA_ERR_DRIVER, "bad argument": lib.FMHA_ERR_BAD_ARGUMENT}
+print(json.dumps(out))
+"""
+
+
+def test_the_pointer_and_event_calls_are_resolved_from_the_hip_runtime():
+    """hipPointerGetAttributes, hipEventCreateWithFlags, hipEventRecord and hipStreamWaitEvent are found
+    (a missing one would fail the runtime's start); with no GPU the pointer query fails as a driver
+    error naming it, the event calls stop at the device, and the describer refuses the array."""
+    out = run_on_hip(POINTER_PROBE)
+    assert out["pointer"] == out["driver"] and out["message"].startswith("hipPointerGetAttributes failed with")
+    assert out["where"] == [10, -7, -7], "ROCm's DLPack device type, nothing else written"
+    assert out["create"] == out["record"] == out["wait"] == out["order"] == out["bad argument"]
+    assert out["described"] is None

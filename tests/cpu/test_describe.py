@@ -1,15 +1,16 @@
-"""The shim's describer of torch tensors (fmha_rt/describe.c), which keys the plan cache: one C call
+"""The shim's describer (fmha_rt/describe.c) on torch tensors, which keys the plan cache: one C call
 reads every tensor of a call through torch's DLPack C exchange API. Equal words must mean equal
 signatures (shape, strides, dtype, device), whatever the data; anything it cannot describe exactly
 (another type, a negated view, a sparse tensor, a rank above its limit) is refused, leaving no Python
 error set, so the caller describes the call from attributes instead. The addresses go to the call's
-value array, and the per-call values after them are zeroed."""
+value array, and the per-call values after them are zeroed. (Arrays with a CUDA Array Interface:
+test_array_interface.py.)"""
 import struct
 
 import numpy as np
 import pytest
 
-from fmha_rt import arrays, plan_cache
+from fmha_rt import arrays, launch, plan_cache
 from fmha_rt.backend import ffi, lib
 
 torch = pytest.importorskip("torch")
@@ -21,16 +22,14 @@ if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
 
 @pytest.fixture
 def describer():
-    describe = arrays.make_describer(torch.Tensor, torch.nn.Parameter)
-    assert describe is not None
-    return describe
+    return arrays.make_describer(launch.REPLAY_OPS, (torch.Tensor, torch.nn.Parameter))
 
 
 def describe(d, *objects, capacity=None):
     """(words, addresses) of `objects`, or None when refused."""
     capacity = len(objects) if capacity is None else capacity
     addresses = ffi.new("uint64_t[]", [0xDEAD] * capacity)  # poisoned: every slot must be written
-    described = d(tuple(objects), int(ffi.cast("uintptr_t", addresses)), capacity)
+    described = d(tuple(objects), int(ffi.cast("uintptr_t", addresses)), capacity, 0)
     if described is None:
         return None
     return list(struct.unpack(f"<{len(described) // 8}q", described)), ffi.unpack(addresses, capacity)
@@ -95,11 +94,13 @@ def test_the_values_after_the_addresses_are_zeroed(describer):
 
 
 def test_describe_refuses_bad_arguments_with_an_error():
-    describe = arrays.make_describer(torch.Tensor)
-    with pytest.raises(TypeError, match="3 arguments"):
-        describe((None,), 0)
-    with pytest.raises(ValueError, match="NULL"):
+    describe = arrays.make_describer(launch.REPLAY_OPS, (torch.Tensor,))
+    with pytest.raises(TypeError, match="4 arguments"):
         describe((None,), 0, 1)
+    with pytest.raises(ValueError, match="NULL"):
+        describe((None,), 0, 1, 0)
+    with pytest.raises(OverflowError):
+        describe((None,), 8, 1, -1)
 
 
 def _signatures(objects: dict, values):
@@ -116,19 +117,26 @@ def test_signatures_key_a_negated_view_apart_from_its_plain_tensor():
     assert type(negated) is tuple and negated[1] is None and list(values) == [x.data_ptr(), 0, 0, 0, 0]
 
 
-def test_init_refuses_a_type_without_the_exchange_api():
-    assert arrays.make_describer(np.ndarray) is None
-    assert lib.fmha_describer_init(ffi.new("fmha_describer *"), id(np.ndarray), 0, id({})) == lib.FMHA_ERR_NO_SYMBOL
+def test_a_type_without_the_exchange_api_is_refused_and_the_rest_still_described():
+    d = ffi.new("fmha_describer *")
+    namespace = {}
+    assert lib.fmha_describer_init(d, launch.REPLAY_OPS, id(np.ndarray), 0, id(namespace)) == lib.FMHA_OK
+    assert d.types[0] == id(np.ndarray) and d.export_fn == 0 and d.is_neg == 0
+    assert describe(namespace["describe"], np.zeros(3)) is None
+    assert describe(namespace["describe"], None, capacity=3) == ([0], [0, 0, 0])
+    assert lib.fmha_describer_init(d, ffi.NULL, 0, 0, id(namespace)) == lib.FMHA_ERR_BAD_ARGUMENT
 
 
 def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch):
-    """A torch without `__dlpack_c_exchange_api__` (the describer is None): the attribute path keys the
-    same tensors, one description per array, with the same addresses and zeros after them."""
+    """A torch without `__dlpack_c_exchange_api__` (the describer refuses its tensors): the attribute
+    path keys the same tensors, one description per array, with the same addresses and zeros after them."""
     x = torch.randn(2, 4, 1, 8, dtype=torch.float16)
     fast_values, slow_values = plan_cache.value_array(2), plan_cache.value_array(2)
     slow_values[4] = 0xDEAD  # stale: the per-call values are zeroed
     fast, _ = _signatures({"q": x, "k": None}, fast_values)
-    monkeypatch.setattr(arrays, "_DESCRIBER", [None])
+    monkeypatch.setattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    monkeypatch.setattr(arrays, "_DESCRIBER", (None, None))  # made again, from the torch without it
     slow, imported = _signatures({"q": x, "k": None}, slow_values)
+    assert arrays._DESCRIBER[0] is launch.REPLAY_OPS
     assert slow == ((x.shape, x.stride(), x.dtype, x.device), None) and imported == {}
     assert list(slow_values) == list(fast_values) == [x.data_ptr(), 0, 0, 0, 0] and slow != fast

@@ -32,48 +32,6 @@ from fake_gpu import FakeGpuArray, StandInRuntime
 B, S, H, D = 2, 64, 4, 64
 
 
-class Driver:
-    """Stands in for the driver's launch: records (kernel key, grid, argument bytes, stream, thread)."""
-
-    def __init__(self, monkeypatch):
-        self.kernels, self.launches, self._lock = [], [], threading.Lock()
-        monkeypatch.setattr(launch, "kernel_handle", self.kernel_handle)
-        monkeypatch.setattr(launch, "_launch", self.launch)
-
-    def kernel_handle(self, device, entry):
-        with self._lock:
-            self.kernels.append(entry.key)
-            return ffi.cast("fmha_kernel *", len(self.kernels))
-
-    def launch(self, config, stream):
-        key = self.kernels[int(ffi.cast("uintptr_t", config.kernel)) - 1]
-        self.launches.append((key, tuple(config.grid), bytes(ffi.buffer(config.args, config.args_size)), stream,
-                              threading.get_ident()))
-        return 0
-
-    def take(self):
-        """The launches since the last take, without the thread."""
-        taken, self.launches = self.launches, []
-        return [item[:4] for item in taken]
-
-
-@pytest.fixture
-def rt(monkeypatch):
-    monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
-    monkeypatch.delenv("FMHA_RT_LOG_CONFIG", raising=False)
-    registry_module.reset()
-    runtime = StandInRuntime(monkeypatch)
-    fmha_rt.clear_plan_cache()
-    yield runtime
-    fmha_rt.clear_plan_cache()
-    registry_module.reset()
-
-
-@pytest.fixture
-def driver(monkeypatch, rt):
-    return Driver(monkeypatch)
-
-
 @pytest.fixture
 def torch_as_cuda(monkeypatch):
     """torch CPU tensors read as CUDA tensors by the validating path (the stand-in's GPU arrays)."""
@@ -419,9 +377,10 @@ def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothin
     warm(bwd(x))
     driver.take()
     rt.reset()
-    aliased = FakeGpuArray(x.q.shape)
+    aliased = FakeGpuArray(x.q.shape, stream=0x20)  # written on another stream: the call's waits for it
     with pytest.raises(FmhaValueError, match="output out overlaps q"):
         fmha_rt.mha_fwd(aliased, x.k, x.v, out=aliased, lse=x.lse)
+    assert [what for what, *_ in rt.stream_events][-2:] == ["record", "wait"], "an ordering, which writes no memory"
     with pytest.raises(FmhaValueError, match="output out overlaps lse"):
         fmha_rt.mha_fwd(x.q, x.k, x.v, out=x.out, lse=x.out.view(x.lse.shape, None, dtype="float32"))
     base = FakeGpuArray((B * S * H * D + 64,))
@@ -437,7 +396,8 @@ def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothin
     with pytest.raises(FmhaValueError, match="bytes, .* are needed"):
         fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
                         workspace_alloc=lambda n, z: rt.workspace(8))
-    assert hits() == 6
+    assert hits() == 6 and all(type(description) is bytes for _, description in api.PLANS._plans), \
+        "the arrays were described by their CUDA Array Interface"
     assert driver.take() == [] and rt.memsets == []
     for array in (x.out, x.lse, x.dq, x.dk, x.dv, aliased):
         assert array.untouched()
