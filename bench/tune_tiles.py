@@ -145,7 +145,9 @@ def pass_key(pass_name, pair):
     return pp.dq_key("bf16", pair, pp.BIAS_NONE, False)
 
 
-def candidate_jobs(passes, dims, out_dir):
+def candidate_jobs(passes, dims, out_dir, shipped):
+    """Build jobs for every candidate of `passes` x `dims`, plus the helper passes they need that are not
+    among the `shipped` kernel keys."""
     jobs = []
     for pass_name in passes:
         for d in dims:
@@ -159,7 +161,8 @@ def candidate_jobs(passes, dims, out_dir):
                 with strategy_for(pass_name):
                     variant = dict(pp.variant_map(ARCH)[pp.dq_convert_key("bf16", d)], family="portable")
                 jobs.append((ARCH, variant, str(out_dir), "dq_convert", d, pp.ROWS_TILE))
-            if pass_name == "bwd_fused":  # its Delta/Lse2 pre-pass, not shipped for ARCH
+            if pass_name == "bwd_fused" and pp.preprocess_key("bf16", d) not in shipped:
+                # its Delta/Lse2 pre-pass, where ARCH does not ship it
                 with tile_override(pass_name, pair, CANDIDATES[pass_name][d][0]):
                     variant = dict(pp.variant_map(ARCH)[pp.preprocess_key("bf16", d)], family="portable")
                 jobs.append((ARCH, variant, str(out_dir), "bwd_pre", d, pp.ROWS_TILE))
@@ -230,7 +233,7 @@ def cmd_build(args):
     shutil.copytree(ROOT / "hsa" / ARCH, hsa / ARCH)
     manifest = json.loads((ROOT / "hsa" / "manifest.json").read_text())
     manifest["kernels"] = [e for e in manifest["kernels"] if e["arch"] == ARCH]
-    jobs = candidate_jobs(args.passes, args.dims, hsa)
+    jobs = candidate_jobs(args.passes, args.dims, hsa, {e["key"] for e in manifest["kernels"]})
     records = shipped_records(args.passes, args.dims, hsa, manifest)
     for record in records:
         print(json.dumps(record), flush=True)
