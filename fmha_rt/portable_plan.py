@@ -193,12 +193,25 @@ BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC
 
 
 # The FUSED strategy (fmha_bwd_fused after the Delta/Lse2 pre-pass): (dK/dV tile, dQ tile) per head-dim
-# pair where it is built; both tiles take one warp count and stage count (the first tile's). Not the
-# default anywhere: bench/tune_tiles.py times it against the two-kernel strategy (pass bwd_fused).
+# pair where it is built; both tiles take one warp count and stage count (the first tile's). Like the
+# two-kernel strategy it has no atomics, so it is deterministic. On sm_90 it is built and chosen only
+# where it measured faster than the two-kernel backward (bench/results/h200_tile_search_v8_fused.json,
+# D=128: +4% at S=4k and 16k without a mask, +2% at 16k causal, even at 4k causal, -6% at 1k causal;
+# D=64 was 10-25% slower): D=128 without bias or dropout (the variants it was timed on), from
+# FUSED_MIN_SEQLEN_K keys. The interpreter builds it for every feature, for the tests against the
+# two-kernel strategy.
 FUSED_TILES = {
     "sm_90": {(128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
     INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
 }
+FUSED_PLAIN_ONLY = {"sm_90"}
+FUSED_MIN_SEQLEN_K = 4096
+
+
+def fused_built(arch, pair, bias_kind, dropout) -> bool:
+    """Whether `arch` has the FUSED strategy's kernel for this head-dim pair and these features."""
+    plain = bias_kind == BIAS_NONE and not dropout
+    return pair in FUSED_TILES.get(arch, {}) and (plain or arch not in FUSED_PLAIN_ONLY)
 
 
 # Variants with a tensor bias or dropout hold one more score-sized tile per key block (bias loads are
@@ -314,7 +327,7 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     constexprs, traits = tiled("bwd_dq", tile)
     out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
                         dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
-    if pair in FUSED_TILES.get(arch, {}):
+    if fused_built(arch, pair, bias_kind, dropout):
         kv, q = FUSED_TILES[arch][pair]
         constexprs = {"BLOCK_M1": kv.block_m, "BLOCK_N1": kv.block_n, "BLOCK_M2": q.block_m, "BLOCK_N2": q.block_n,
                       "BLOCK_DQK": pair[0], "BLOCK_DV": pair[1], **features}
@@ -440,17 +453,22 @@ def dropout_threshold(p: float) -> int:
 
 
 def dq_strategy(problem, arch, requested=None) -> str:
-    """DETERMINISTIC when the problem asks for it (or FUSED, also deterministic, when requested), else
-    `requested` or the arch's default."""
+    """`requested` when given (FUSED or DETERMINISTIC for a deterministic problem); else FUSED where it is
+    built for the problem and its keys reach FUSED_MIN_SEQLEN_K (deterministic too), DETERMINISTIC when
+    the problem asks for it, or the arch's default."""
     if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED):
         raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r} or {DQ_FUSED!r}, "
                              f"got {requested!r}")
+    pair = head_dim_tiles(problem)
+    fused = fused_built(arch, pair, *_features(problem))
     if requested == DQ_FUSED:
-        pair = head_dim_tiles(problem)
-        if pair not in FUSED_TILES.get(arch, {}):
+        if not fused:
             built = ", ".join(_pair_name(*p) for p in FUSED_TILES.get(arch, {})) or "none"
-            raise FmhaNotImplementedError(f"the fused backward is not built for {_pair_name(*pair)} on {arch} "
-                                          f"(built: {built})")
+            plain = " without bias or dropout" if arch in FUSED_PLAIN_ONLY else ""
+            raise FmhaNotImplementedError(f"the fused backward is not built for this problem on {arch} "
+                                          f"(built: {built}{plain})")
+        return DQ_FUSED
+    if requested is None and fused and problem.seqlen_k >= FUSED_MIN_SEQLEN_K:
         return DQ_FUSED
     if problem.deterministic:
         if requested == DQ_ATOMIC:

@@ -18,7 +18,7 @@ import torch
 
 import interpret_exec as ie
 from fmha_rt import portable_plan as pp
-from fmha_rt.errors import FmhaValueError
+from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
 from fmha_rt.problem import BIAS_SHAPES, AttentionProblem
 from fmha_rt.reference import mha_bwd_ref, mha_fwd_ref, mha_varlen_bwd_ref, mha_varlen_fwd_ref, rel_err
 
@@ -383,6 +383,33 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
     tensors["k_strides"] = (64 * 2 * 190, 2 * 190, 190, 1)
     with pytest.raises(FmhaValueError, match="multiple of 8"):
         pp.plan_fwd(problem, "sm_90", tensors)
+
+
+def test_fused_backward_is_chosen_where_it_measured_faster():
+    """sm_90: D=128 without bias or dropout from FUSED_MIN_SEQLEN_K keys, deterministic or not; below that
+    length, at other head dims and with any bias or dropout the two-kernel strategy. Asking for it where
+    it is not built names what is."""
+    long, short = pp.FUSED_MIN_SEQLEN_K, pp.FUSED_MIN_SEQLEN_K - 1
+
+    def strategy(seqlen_k, d=128, **extra):
+        return pp.dq_strategy(AttentionProblem(2, 512, seqlen_k, 4, 2, d, d, "bf16", **extra), "sm_90")
+
+    assert strategy(long) == strategy(long, deterministic=True) == pp.DQ_FUSED
+    assert strategy(long, d=96) == pp.DQ_FUSED  # padded to the 128 tile
+    for other in (strategy(short), strategy(long, d=64), strategy(long, alibi="H"),
+                  strategy(long, bias_shape="11SS"), strategy(long, dropout_p=0.1)):
+        assert other == pp.DQ_DETERMINISTIC
+    for arch in ("gfx942", "gfx950"):
+        assert pp.dq_strategy(AttentionProblem(1, 64, long, 2, 2, 128, 128, "bf16"), arch) == pp.DQ_DETERMINISTIC
+    with pytest.raises(FmhaNotImplementedError, match=r"fused backward is not built .*d128 without bias"):
+        pp.dq_strategy(AttentionProblem(1, 64, 64, 2, 2, 128, 128, "bf16", alibi="H"), "sm_90", pp.DQ_FUSED)
+    problem = AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16")
+    x = torch.zeros(2, long, 4, 128, dtype=torch.float16)
+    tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 512),
+                              delta=x, lse2=x)
+    assert [launch.variant for launch in pp.plan_bwd(problem, "sm_90", tensors)] == [
+        "fmha_bwd_preprocess_bf16_v128", "fmha_bwd_fused_bf16_d128_nobias_nodrop_mha"]
+    assert pp.bwd_workspace(problem, "sm_90").dq_splits == 0
 
 
 @pytest.mark.parametrize("arch", pp.BUILD_ARCHS)
