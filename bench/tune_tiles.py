@@ -10,6 +10,9 @@ with a manifest. It also records each candidate's registers, stack (spilled regi
 memory, read from the cubin with cuobjdump, and lists the shipped kernel of each pass first
 (`shipped_build`), so that `time` compares the candidates with what hsa/ holds now.
 
+Pass `bwd_fused` builds the FUSED strategy's kernel for (dK/dV tile, dQ tile) pairs and its pre-pass,
+and times pre-pass plus fused grid against the shipped two-kernel backward (dQ, then dK/dV).
+
 `time` (GPU) plans a bf16 problem with B*S = 16k tokens and H*D = 2048 for each candidate, swaps the
 candidate's kernel into the pass it belongs to, checks that the pass's outputs agree with the shipped
 tile's (relative error below 1e-2), and times the pass alone on CUDA events (median of repeats). Inputs
@@ -68,14 +71,37 @@ CANDIDATES["bwd_atomic"] = {
     128: [T(32, 64, 4, 3), T(64, 128, 8, 2), T(16, 64, 4, 3), T(32, 128, 8, 3)],
     256: [T(32, 64, 8, 2), T(64, 64, 8, 1)],
 }
+# The FUSED strategy as a whole (the Delta/Lse2 pre-pass, then one grid of dK/dV and dQ programs): each
+# candidate a (dK/dV tile, dQ tile) pair sharing the first one's warps and stages, timed against the
+# shipped two-kernel backward (dQ, then dK/dV), which `time` lists first.
+CANDIDATES["bwd_fused"] = {
+    64: [(T(64, 128, 8, 3), T(128, 64, 8, 3))],
+    128: [(T(64, 128, 8, 3), T(128, 64, 8, 3)), (T(64, 128, 8, 2), T(128, 64, 8, 2))],
+}
 TILE_PASS = {"fwd": "fwd", "bwd_dkdv": "bwd_dkdv", "bwd_dq": "bwd_dq", "bwd_atomic": "bwd_dkdv"}
-OUTPUTS = {"fwd": ("out", "lse"), "bwd_dkdv": ("dk", "dv"), "bwd_dq": ("dq",), "bwd_atomic": ("dk", "dv", "dq")}
+OUTPUTS = {"fwd": ("out", "lse"), "bwd_dkdv": ("dk", "dv"), "bwd_dq": ("dq",), "bwd_atomic": ("dk", "dv", "dq"),
+           "bwd_fused": ("dq", "dk", "dv")}
 # Block products each pass does, in units of the forward's FLOPs (the backward as a whole is 2.5).
-FLOP_SHARE = {"fwd": 1.0, "bwd_dkdv": 1.6, "bwd_dq": 0.9, "bwd_atomic": 2.5}
+FLOP_SHARE = {"fwd": 1.0, "bwd_dkdv": 1.6, "bwd_dq": 0.9, "bwd_atomic": 2.5, "bwd_fused": 2.5}
 
 
-def tile_name(tile: pp.Tile) -> str:
+def tile_name(tile) -> str:
+    """'64x128w8s3'; a fused candidate's pair as '64x128w8s3+128x64'."""
+    if isinstance(tile, tuple):
+        return f"{tile_name(tile[0])}+{tile[1].block_m}x{tile[1].block_n}"
     return f"{tile.block_m}x{tile.block_n}w{tile.num_warps}s{tile.num_stages}"
+
+
+def record_tiles(tile) -> dict:
+    """A record's tile fields: 'tile', and for a fused candidate also 'dq_tile'."""
+    if isinstance(tile, tuple):
+        return {"tile": dataclasses.asdict(tile[0]), "dq_tile": dataclasses.asdict(tile[1])}
+    return {"tile": dataclasses.asdict(tile)}
+
+
+def record_tile(record):
+    """The tile (or fused pair) a record was built with."""
+    return (T(**record["tile"]), T(**record["dq_tile"])) if "dq_tile" in record else T(**record["tile"])
 
 
 @contextlib.contextmanager
@@ -95,12 +121,15 @@ def strategy_for(pass_name):
 
 @contextlib.contextmanager
 def tile_override(pass_name, pair, tile):
-    tiles = pp.TILES[ARCH][TILE_PASS[pass_name]]
-    saved, tiles[pair] = tiles[pair], tile
+    tiles = pp.FUSED_TILES.setdefault(ARCH, {}) if pass_name == "bwd_fused" else pp.TILES[ARCH][TILE_PASS[pass_name]]
+    saved, tiles[pair] = tiles.get(pair), tile
     try:
         yield
     finally:
-        tiles[pair] = saved
+        if saved is None:
+            del tiles[pair]
+        else:
+            tiles[pair] = saved
 
 
 def pass_key(pass_name, pair):
@@ -108,13 +137,17 @@ def pass_key(pass_name, pair):
     timed problems (one query head per key head) run."""
     if pass_name == "fwd":
         return pp.fwd_key("bf16", pair, pp.BIAS_NONE, False)
+    if pass_name == "bwd_fused":
+        return pp.fused_key("bf16", pair, pp.BIAS_NONE, False, pp.single_head_dkdv(ARCH, pair))
     if pass_name in ("bwd_dkdv", "bwd_atomic"):
         strategy = pp.DQ_ATOMIC if pass_name == "bwd_atomic" else pp.DQ_DETERMINISTIC
         return pp.dkdv_key("bf16", pair, pp.BIAS_NONE, False, strategy, pp.single_head_dkdv(ARCH, pair))
     return pp.dq_key("bf16", pair, pp.BIAS_NONE, False)
 
 
-def candidate_jobs(passes, dims, out_dir):
+def candidate_jobs(passes, dims, out_dir, shipped):
+    """Build jobs for every candidate of `passes` x `dims`, plus the helper passes they need that are not
+    among the `shipped` kernel keys."""
     jobs = []
     for pass_name in passes:
         for d in dims:
@@ -128,6 +161,11 @@ def candidate_jobs(passes, dims, out_dir):
                 with strategy_for(pass_name):
                     variant = dict(pp.variant_map(ARCH)[pp.dq_convert_key("bf16", d)], family="portable")
                 jobs.append((ARCH, variant, str(out_dir), "dq_convert", d, pp.ROWS_TILE))
+            if pass_name == "bwd_fused" and pp.preprocess_key("bf16", d) not in shipped:
+                # its Delta/Lse2 pre-pass, where ARCH does not ship it
+                with tile_override(pass_name, pair, CANDIDATES[pass_name][d][0]):
+                    variant = dict(pp.variant_map(ARCH)[pp.preprocess_key("bf16", d)], family="portable")
+                jobs.append((ARCH, variant, str(out_dir), "bwd_pre", d, pp.ROWS_TILE))
     return jobs
 
 
@@ -138,8 +176,8 @@ def _build_candidate(job):
     try:
         entry, _stats = build.build_one((arch, variant, out_dir))
     except SystemExit as exc:  # does not fit shared memory even with one stage
-        return {"pass": pass_name, "d": d, "tile": dataclasses.asdict(tile), "error": str(exc)}, None
-    return {"pass": pass_name, "d": d, "tile": dataclasses.asdict(tile), "key": entry["key"],
+        return {"pass": pass_name, "d": d, **record_tiles(tile), "error": str(exc)}, None
+    return {"pass": pass_name, "d": d, **record_tiles(tile), "key": entry["key"],
             "num_stages_built": entry["traits"]["num_stages"], "shared": entry["shared"],
             **resource_usage(pathlib.Path(out_dir) / entry["file"])}, entry
 
@@ -153,6 +191,13 @@ def shipped_records(passes, dims, hsa, manifest):
         if pass_name == "bwd_atomic":  # not shipped on ARCH
             continue
         for d in dims:
+            if pass_name == "bwd_fused":  # the reference: the shipped two-kernel backward
+                dkdv, dq = (entries[pass_key(p, (d, d))] for p in ("bwd_dkdv", "bwd_dq"))
+                tiles = tuple(T(e["traits"]["block_m"], e["traits"]["block_n"], e["traits"]["num_warps"],
+                                e["traits"]["num_stages"]) for e in (dkdv, dq))
+                records.append({"pass": pass_name, "d": d, **record_tiles(tiles), "key": "two_kernel",
+                                "two_kernel": True, "shipped_build": True})
+                continue
             entry = entries.get(pass_key(pass_name, (d, d)))
             if entry is None:
                 continue
@@ -188,7 +233,7 @@ def cmd_build(args):
     shutil.copytree(ROOT / "hsa" / ARCH, hsa / ARCH)
     manifest = json.loads((ROOT / "hsa" / "manifest.json").read_text())
     manifest["kernels"] = [e for e in manifest["kernels"] if e["arch"] == ARCH]
-    jobs = candidate_jobs(args.passes, args.dims, hsa)
+    jobs = candidate_jobs(args.passes, args.dims, hsa, {e["key"] for e in manifest["kernels"]})
     records = shipped_records(args.passes, args.dims, hsa, manifest)
     for record in records:
         print(json.dumps(record), flush=True)
@@ -256,8 +301,8 @@ def best_tiles(results):
     for (pass_name, d, s, causal), rows in sorted(groups.items()):
         best = min(rows, key=lambda r: r["ms"])
         first = rows[0]  # the shipped kernel comes first (its build in hsa/, else CANDIDATES' first tile)
-        lines.append(f"{pass_name:9s} d{d:<4d} S={s:<6d} causal={int(causal)}  shipped {tile_name(T(**first['tile']))} "
-                     f"{first['tflops']:6.1f}  best {tile_name(T(**best['tile']))} {best['tflops']:6.1f} TFLOP/s")
+        lines.append(f"{pass_name:9s} d{d:<4d} S={s:<6d} causal={int(causal)}  shipped {tile_name(record_tile(first))} "
+                     f"{first['tflops']:6.1f}  best {tile_name(record_tile(best))} {best['tflops']:6.1f} TFLOP/s")
     return lines
 
 
@@ -271,13 +316,15 @@ class PassBench:
                                   head_dim_v=d, dtype="bf16", window_right=0 if causal else -1,
                                   deterministic=deterministic)
         self.strategy = contextlib.nullcontext if deterministic else atomic_dq_strategy
+        # the two-kernel strategy by name: the default at some of these shapes is FUSED
+        self.request = pp.DQ_DETERMINISTIC if deterministic else None
         self.pair, self.causal = (d, d), causal
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn((b, s, h, d), generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
         self.arrays = {"q": q, "k": k, "v": v, "dout": do, "out": torch.empty_like(q), "lse": torch.empty((b, h, s), device="cuda"),
                            "dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
         with self.strategy():
-            ws = pp.bwd_workspace(self.p, ARCH)
+            ws = pp.bwd_workspace(self.p, ARCH, self.request)
         self.zeroed = [r.name for r in ws.regions if r.zero_init]
         self.workspace = torch.zeros(ws.total_bytes // 4 + 1, device="cuda")
         for r in ws.regions:
@@ -289,16 +336,29 @@ class PassBench:
         self.run(self.plan("fwd", None) + self.plan("bwd_dkdv", None)[:1])  # forward, then the pass writing Delta
 
     def plan(self, pass_name, record):
-        planner = pp.plan_fwd if pass_name == "fwd" else pp.plan_bwd
+        if pass_name == "bwd_fused":
+            if record is None or record.get("two_kernel"):
+                return pp.plan_bwd(self.p, ARCH, self.tensors, pp.DQ_DETERMINISTIC)
+            with tile_override(pass_name, self.pair, record_tile(record)):
+                launches = pp.plan_bwd(self.p, ARCH, self.tensors, pp.DQ_FUSED)
+            fused = pass_key(pass_name, self.pair)
+            return [dataclasses.replace(x, variant=record["key"]) if x.variant == fused else x for x in launches]
+        def planner():
+            if pass_name == "fwd":
+                return pp.plan_fwd(self.p, ARCH, self.tensors)
+            return pp.plan_bwd(self.p, ARCH, self.tensors, self.request)
+
         with self.strategy():
             if record is None:
-                return planner(self.p, ARCH, self.tensors)
+                return planner()
             with tile_override(pass_name, self.pair, T(**record["tile"])):
-                launches = planner(self.p, ARCH, self.tensors)
+                launches = planner()
         return [dataclasses.replace(x, variant=record["key"]) if x.variant == pass_key(pass_name, self.pair) else x
                 for x in launches]
 
     def pass_launch(self, pass_name, record):
+        if pass_name == "bwd_fused":  # the whole backward, either strategy
+            return self.plan(pass_name, record)
         key = record["key"] if record else pass_key(pass_name, self.pair)
         if pass_name == "bwd_atomic":  # dK/dV (with dQ atomics) and the dQ conversion
             return [x for x in self.plan(pass_name, record) if x.variant in (key, pp.dq_convert_key("bf16", self.pair[0]))]

@@ -34,7 +34,7 @@ DTYPES = ("fp16", "bf16")
 HEAD_DIM_TILES = (32, 64, 128, 256)
 # (query/key tile, value tile) pairs that have kernels.
 HEAD_DIM_PAIRS = ((32, 32), (64, 64), (128, 128), (256, 256), (256, 128))
-DQ_ATOMIC, DQ_DETERMINISTIC = "atomic", "deterministic"
+DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED = "atomic", "deterministic", "fused"
 WORKSPACE_ALIGN = 256
 MAX_GRID_YZ = 65535
 KERNEL_MODULES = {"fwd": "kernels.portable.fmha_fwd", "bwd": "kernels.portable.fmha_bwd",
@@ -92,6 +92,13 @@ SIGNATURES = {
         lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr"""),
+    "fmha_bwd_fused": _signature(f"""
+        Q *T, K *T, V *T, dO *T, Delta *fp32, Lse2 *fp32, dQ *T, dK *T, dV *T, Bias *T, dS *fp32, Alibi *fp32,
+        PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "do", "dq", "dk", "dv")},
+        stride_ds_b i64, stride_ds_h i64, stride_ds_s i32, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
+        BLOCK_M1 constexpr, BLOCK_N1 constexpr, BLOCK_M2 constexpr, BLOCK_N2 constexpr, BLOCK_DQK constexpr,
+        BLOCK_DV constexpr, BIAS_KIND constexpr, DROPOUT constexpr, GROUP_LOOP constexpr"""),
     "fmha_bwd_dq_convert": _signature(f"""
         DqAcc *fp32, dQ *T, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("dqacc", "dq")},
         seqlen_q i32, head_dim_qk_div8 i32, softmax_scale fp32, is_varlen i32, has_seqstart i32,
@@ -110,7 +117,7 @@ SIGNATURES = {
 }
 KERNEL_SOURCE = {
     "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
-    "fmha_bwd_dq": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
+    "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 
 # -------------------------------------------------------------------------------------- tile configs
@@ -185,6 +192,28 @@ BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC
                        INTERPRET_ARCH: (DQ_ATOMIC, DQ_DETERMINISTIC)}
 
 
+# The FUSED strategy (fmha_bwd_fused after the Delta/Lse2 pre-pass): (dK/dV tile, dQ tile) per head-dim
+# pair where it is built; both tiles take one warp count and stage count (the first tile's). Like the
+# two-kernel strategy it has no atomics, so it is deterministic. On sm_90 it is built and chosen only
+# where it measured faster than the two-kernel backward (bench/results/h200_tile_search_v8_fused.json,
+# D=128: +4% at S=4k and 16k without a mask, +2% at 16k causal, even at 4k causal, -6% at 1k causal;
+# D=64 was 10-25% slower): D=128 without bias or dropout (the variants it was timed on), from
+# FUSED_MIN_SEQLEN_K keys. The interpreter builds it for every feature, for the tests against the
+# two-kernel strategy.
+FUSED_TILES = {
+    "sm_90": {(128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
+    INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
+}
+FUSED_PLAIN_ONLY = {"sm_90"}
+FUSED_MIN_SEQLEN_K = 4096
+
+
+def fused_built(arch, pair, bias_kind, dropout) -> bool:
+    """Whether `arch` has the FUSED strategy's kernel for this head-dim pair and these features."""
+    plain = bias_kind == BIAS_NONE and not dropout
+    return pair in FUSED_TILES.get(arch, {}) and (plain or arch not in FUSED_PLAIN_ONLY)
+
+
 # Variants with a tensor bias or dropout hold one more score-sized tile per key block (bias loads are
 # pipelined like K and V; dropout draws are interleaved through shared memory). Where the plain tile
 # would then overflow shared memory (227 KiB on sm_90), they take this one instead.
@@ -234,6 +263,11 @@ def single_head_dkdv(arch, pair) -> bool:
 
 def dq_key(dtype, pair, bias_kind, dropout):
     return f"fmha_bwd_dq_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+
+
+def fused_key(dtype, pair, bias_kind, dropout, single_head=False):
+    key = f"fmha_bwd_fused_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+    return key + "_mha" if single_head else key
 
 
 def preprocess_key(dtype, dv_tile):
@@ -293,6 +327,15 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     constexprs, traits = tiled("bwd_dq", tile)
     out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
                         dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
+    if fused_built(arch, pair, bias_kind, dropout):
+        kv, q = FUSED_TILES[arch][pair]
+        constexprs = {"BLOCK_M1": kv.block_m, "BLOCK_N1": kv.block_n, "BLOCK_M2": q.block_m, "BLOCK_N2": q.block_n,
+                      "BLOCK_DQK": pair[0], "BLOCK_DV": pair[1], **features}
+        traits = dict(common, block_m=kv.block_m, block_n=kv.block_n, dq_block_m=q.block_m, dq_block_n=q.block_n,
+                      dq_strategy=DQ_FUSED, deterministic=True, **{"pass": "bwd_fused"})
+        for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
+            out.append(_variant(fused_key(dtype, pair, bias_kind, dropout, single_head), "fmha_bwd_fused", dtype, kv,
+                                dict(constexprs, GROUP_LOOP=not single_head), dict(traits, single_head=single_head)))
     return out
 
 
@@ -310,11 +353,13 @@ def variants(arch: str) -> list[dict]:
                 for dropout in (False, True):
                     out.extend(_attention_variants(arch, dtype, pair, bias_kind, dropout))
         for d in HEAD_DIM_TILES:
-            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:  # the deterministic dQ kernel computes Delta itself
-                rows = {"BLOCK_M": ROWS_TILE.block_m}
+            rows = {"BLOCK_M": ROWS_TILE.block_m}
+            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch] or any(p[1] == d for p in FUSED_TILES.get(arch, {})):
+                # the two-kernel strategy's dQ kernel computes Delta and Lse2 itself
                 out.append(_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
                                     dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
-                                                             "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
+                                                             "block_m": ROWS_TILE.block_m}))
+            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:
                 out.append(_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, ROWS_TILE,
                                     dict(rows, BLOCK_DQK=d), {"pass": "bwd_post", "head_dim_qk_tile": d,
                                                               "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
@@ -408,9 +453,23 @@ def dropout_threshold(p: float) -> int:
 
 
 def dq_strategy(problem, arch, requested=None) -> str:
-    """DETERMINISTIC when the problem asks for it, else `requested` or the arch's default."""
-    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC):
-        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r} or {DQ_DETERMINISTIC!r}, got {requested!r}")
+    """`requested` when given (FUSED or DETERMINISTIC for a deterministic problem); else FUSED where it is
+    built for the problem and its keys reach FUSED_MIN_SEQLEN_K (deterministic too), DETERMINISTIC when
+    the problem asks for it, or the arch's default."""
+    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED):
+        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r} or {DQ_FUSED!r}, "
+                             f"got {requested!r}")
+    pair = head_dim_tiles(problem)
+    fused = fused_built(arch, pair, *_features(problem))
+    if requested == DQ_FUSED:
+        if not fused:
+            built = ", ".join(_pair_name(*p) for p in FUSED_TILES.get(arch, {})) or "none"
+            plain = " without bias or dropout" if arch in FUSED_PLAIN_ONLY else ""
+            raise FmhaNotImplementedError(f"the fused backward is not built for this problem on {arch} "
+                                          f"(built: {built}{plain})")
+        return DQ_FUSED
+    if requested is None and fused and problem.seqlen_k >= FUSED_MIN_SEQLEN_K:
+        return DQ_FUSED
     if problem.deterministic:
         if requested == DQ_ATOMIC:
             raise FmhaValueError("a deterministic backward cannot use the atomic dQ strategy")
@@ -808,7 +867,7 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         ds_args = {"dS": a.required("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
                    "write_dbias": 1}
 
-    if strategy == DQ_ATOMIC:
+    if strategy in (DQ_ATOMIC, DQ_FUSED):
         pre = {"Out": a.required("out"), "dO": a.required("dout"), "CuSeqlensQ": varlen["CuSeqlensQ"],
                "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **lse_args, **delta_args,
                "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
@@ -823,13 +882,21 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
                                _ordered(key, "fmha_bwd_dq", dq)))
 
-    tile = tile_for(arch, "bwd_dkdv", pair, kind, dropout)
-    dkdv = {**attention, **dqacc_args, **ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"),
-            "dV": a.required("dv")}
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
-    key = dkdv_key(problem.dtype, pair, kind, dropout, strategy, single_head)
-    grid = _grid(_cdiv(problem.seqlen_k, tile.block_n), problem)
-    launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_dkdv", dkdv)))
+    outputs = {**ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"), "dV": a.required("dv")}
+    if strategy == DQ_FUSED:
+        kv, q = FUSED_TILES[arch][pair]
+        fused = {**attention, **outputs, **rows["dq"], "dQ": a.required("dq")}
+        key = fused_key(problem.dtype, pair, kind, dropout, single_head)
+        blocks = _cdiv(problem.seqlen_k, kv.block_n) + _cdiv(problem.seqlen_q, q.block_m) * problem.kv_group_size
+        grid = _grid(blocks, problem)
+        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_fused", fused)))
+    else:
+        tile = tile_for(arch, "bwd_dkdv", pair, kind, dropout)
+        dkdv = {**attention, **dqacc_args, **outputs}
+        key = dkdv_key(problem.dtype, pair, kind, dropout, strategy, single_head)
+        grid = _grid(_cdiv(problem.seqlen_k, tile.block_n), problem)
+        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_dkdv", dkdv)))
 
     if strategy == DQ_ATOMIC:
         convert = {**dqacc_args, **rows["dq"], "dQ": a.required("dq"), "CuSeqlensQ": varlen["CuSeqlensQ"],

@@ -10,6 +10,9 @@ Passes, in launch order, for the DETERMINISTIC dQ strategy (what the shipped arc
    query head per key head (MHA) without the loop over the group's heads, which spills less.
 3. fmha_bwd_dbias (with a tensor bias): sums dS over the bias's broadcast dims in a fixed order.
 
+The FUSED strategy runs fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_fused: the dK/dV and dQ
+programs of the deterministic strategy in one grid, then fmha_bwd_dbias.
+
 The ATOMIC strategy (built for the interpreter, and for any arch where it measures faster) runs
 fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
 atomics, then fmha_bwd_dq_convert scaling that workspace into dQ, then fmha_bwd_dbias.
@@ -188,7 +191,8 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
 
 
 @triton.jit
-def fmha_bwd_dkdv(
+def _dkdv_program(
+    n_block, hk, b,
     Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
@@ -209,9 +213,8 @@ def fmha_bwd_dkdv(
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
     GROUP_LOOP: tl.constexpr,
 ):
-    n_block = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
+    """dK and dV of key block n_block of kv head hk, batch entry b (fmha_bwd_dkdv, and the key-block
+    programs of fmha_bwd_fused)."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     n0 = n_block * BLOCK_N
@@ -278,6 +281,42 @@ def fmha_bwd_dkdv(
 
 
 @triton.jit
+def fmha_bwd_dkdv(
+
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    delta_stride_b, delta_stride_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
+    GROUP_LOOP: tl.constexpr,
+):
+    _dkdv_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
+        SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
+        stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s,
+        stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+        stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+        stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8,
+        head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
+        has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP)
+
+
+@triton.jit
 def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n, offs_dqk, offs_dv,
                   dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2, Bias_rows,
                   stride_bias_s, q_local, slope_log2, seed, row_counters, drop_threshold, drop_scale,
@@ -301,7 +340,8 @@ def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n
 
 
 @triton.jit
-def fmha_bwd_dq(
+def _dq_program(
+    m_block, h, b,
     Q, K, V, Out, dO, Lse, Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
@@ -318,10 +358,10 @@ def fmha_bwd_dq(
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    DELTA_IN: tl.constexpr,
 ):
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    """dQ of query block m_block of query head h, batch entry b (fmha_bwd_dq, which also writes Delta and
+    Lse2, and the query-block programs of fmha_bwd_fused, which read them: DELTA_IN)."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     m0 = m_block * BLOCK_M
@@ -345,13 +385,19 @@ def fmha_bwd_dq(
                 + offs_m[:, None] * stride_q_s + offs_dqk[None, :], mask=q_ok[:, None] & dqk_ok[None, :], other=0.0)
     do = tl.load(dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h
                  + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
-    o = tl.load(Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h
-                + offs_m[:, None] * stride_o_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
-    rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
-    tl.store(Delta + rows_out, delta, mask=q_ok)
-    tl.store(Lse2 + rows_out, lse2, mask=q_ok)  # the dK/dV pass reads it ready, without the -inf test
+    if DELTA_IN:  # written by the pre-pass (the fused grid's dK/dV programs run beside this one)
+        rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
+        delta = tl.load(Delta + rows_out, mask=q_ok, other=0.0)
+        lse2 = tl.load(Lse2 + rows_out, mask=q_ok, other=float("inf"))
+    else:
+        o = tl.load(Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h
+                    + offs_m[:, None] * stride_o_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
+        rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
+        tl.store(Delta + rows_out, delta, mask=q_ok)
+        tl.store(Lse2 + rows_out, lse2, mask=q_ok)  # the dK/dV pass reads it ready, without the -inf test
     K_rows = K + b64 * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk64 * stride_k_h
     V_rows = V + b64 * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk64 * stride_v_h
     Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h + tl.cast(m0, tl.int64) * stride_bias_s
@@ -373,6 +419,100 @@ def fmha_bwd_dq(
     tl.store(dQ + b64 * stride_dq_b + q_row0 * stride_dq_s + h64 * stride_dq_h
              + offs_m[:, None] * stride_dq_s + offs_dqk[None, :], (dq * softmax_scale).to(dQ.dtype.element_ty),
              mask=q_ok[:, None] & dqk_ok[None, :])
+
+
+@triton.jit
+def fmha_bwd_dq(
+
+    Q, K, V, Out, dO, Lse, Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_o_b, stride_o_s, stride_o_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dq_b, stride_dq_s, stride_dq_h,
+    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    _dq_program(
+        tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        Q, K, V, Out, dO, Lse, Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
+        SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
+        stride_v_b, stride_v_s, stride_v_h, stride_o_b, stride_o_s, stride_o_h, stride_do_b, stride_do_s,
+        stride_do_h, stride_dq_b, stride_dq_s, stride_dq_h, lse_stride_b, lse_stride_h, delta_stride_b,
+        delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
+        num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left,
+        window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale, philox_seed,
+        philox_offset, philox_from_ptr, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False)
+
+
+@triton.jit
+def fmha_bwd_fused(
+    Q, K, V, dO, Delta, Lse2, dQ, dK, dV, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dq_b, stride_dq_s, stride_dq_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    delta_stride_b, delta_stride_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    GROUP_LOOP: tl.constexpr,
+):
+    """dK/dV and dQ in one grid, after fmha_bwd_preprocess has written Delta and Lse2: per (kv head,
+    batch entry), first one program per key block (BLOCK_N1 keys, BLOCK_M1 query rows per step), then
+    one per query block of each query head of the group (BLOCK_M2 rows, BLOCK_N2 keys per step). The
+    two kinds share the warp count; the hardware fills one kind's last wave with the other's programs,
+    where two launches each end in a part-empty wave. Deterministic like the two-kernel strategy:
+    every output tile has one program, which accumulates in a fixed order."""
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    key_programs = tl.cdiv(seqlen_k, BLOCK_N1)
+    if pid < key_programs:
+        # dQ stands in for the atomic strategy's accumulator, which DQ_ATOMIC=False never touches
+        _dkdv_program(
+            pid, hk, b, Q, K, V, dO, Lse2, Delta, dK, dV, dQ, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ,
+            CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s,
+            stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b,
+            stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, 0, 0, 0, stride_ds_b, stride_ds_h,
+            stride_ds_s, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s,
+            alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+            softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+            write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP)
+    else:
+        query_programs = tl.cdiv(seqlen_q, BLOCK_M2)
+        t = pid - key_programs
+        g = t // query_programs
+        # Out and Lse are read only when DELTA_IN is off: dO and Delta stand in for them
+        _dq_program(
+            query_programs - 1 - (t - g * query_programs), hk * kv_group_size + g, b, Q, K, V, dO, dO, Delta,
+            Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+            stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
+            stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_do_b, stride_do_s, stride_do_h,
+            stride_dq_b, stride_dq_s, stride_dq_h, delta_stride_b, delta_stride_h, delta_stride_b,
+            delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
+            num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2,
+            window_left, window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale,
+            philox_seed, philox_offset, philox_from_ptr, BLOCK_M2, BLOCK_N2, BLOCK_DQK, BLOCK_DV, BIAS_KIND,
+            DROPOUT, True)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 
 import interpret_exec as ie
 from fmha_rt import portable_plan as pp
-from fmha_rt.errors import FmhaValueError
+from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
 from fmha_rt.problem import BIAS_SHAPES, AttentionProblem
 from fmha_rt.reference import mha_bwd_ref, mha_fwd_ref, mha_varlen_bwd_ref, mha_varlen_fwd_ref, rel_err
 
@@ -91,6 +91,10 @@ MASK_CASES = {
     "padded_d100_causal_bottomright_sq_gt_sk": (1, 48, 30, 2, 1, 100, 100, (-1, 0), True, pp.DQ_DETERMINISTIC),
     "padded_d13_v40_only_qk_pads": (1, 36, 36, 2, 2, 13, 40, (-1, -1), False, pp.DQ_DETERMINISTIC),
     "padded_d40_v5_only_v_pads": (1, 36, 44, 2, 1, 40, 5, (-1, 0), True, pp.DQ_ATOMIC),
+    # the FUSED strategy: dK/dV and dQ programs in one grid after the Delta/Lse2 pre-pass
+    "fused_gqa_d64_causal_topleft": (1, 40, 56, 4, 2, 64, 64, (-1, 0), False, pp.DQ_FUSED),
+    "fused_d128_causal_bottomright_sq_lt_sk": (2, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_FUSED),
+    "fused_mqa_d32_sliding_window": (1, 45, 45, 3, 1, 32, 32, (7, 3), False, pp.DQ_FUSED),
 }
 
 
@@ -169,6 +173,32 @@ def test_dropout_matches_reference_given_the_kernel_mask():
     _check_fwd_bwd(problem, inputs, gen, ref_extra={"dropout_p": DROP_P, "dropout_keep": keep})
 
 
+@pytest.mark.parametrize("extra", [{"bias_shape": "1HSS", "bias_grad": True}, {"alibi": "BH"},
+                                   {"dropout_p": DROP_P}], ids=["bias", "alibi", "dropout"])
+def test_fused_backward_equals_the_two_kernel_one(extra):
+    """The FUSED strategy runs the two-kernel strategy's dK/dV and dQ programs (with the interpreter's
+    tiles, the same ones) in one grid, so their results agree bit for bit, with every score term."""
+    b, sq, sk, hq, hk, d = 2, 36, 48, 4, 2, 32
+    problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True,
+                               **extra)
+    gen = _gen(50)
+    inputs = _inputs(gen, b, sq, sk, hq, hk, d, d)
+    if "bias_shape" in extra:
+        inputs["bias"] = _randn(gen, 1, hq, sq, sk)
+    if "alibi" in extra:
+        inputs["alibi"] = torch.rand((b, hq), generator=gen) * 0.5
+    if "dropout_p" in extra:
+        inputs.update(philox_seed=321, philox_offset=8)
+    out, lse = ie.forward(problem, inputs)
+    dout = _randn(gen, *out.shape)
+    two = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_DETERMINISTIC)
+    fused = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_FUSED)
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), two, fused):
+        if x is not None:
+            assert not torch.isnan(y).any(), name
+            assert torch.equal(x, y), name
+
+
 def test_dropout_mask_depends_on_seed_and_offset_only():
     problem = _dropout_problem()
     first = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": 0})
@@ -220,7 +250,7 @@ def _varlen_case(gen, lens_q, lens_k, hq, hk, d, gaps):
 
 @pytest.mark.parametrize("d", [32, 13])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC])
+@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC, pp.DQ_FUSED])
 def test_varlen_with_empty_and_single_row_sequences(padded, strategy, d):
     lens_q, lens_k = [0, 1, 37, 20, 9], [6, 0, 44, 20, 1]
     hq, hk = 4, 2
@@ -353,6 +383,33 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
     tensors["k_strides"] = (64 * 2 * 190, 2 * 190, 190, 1)
     with pytest.raises(FmhaValueError, match="multiple of 8"):
         pp.plan_fwd(problem, "sm_90", tensors)
+
+
+def test_fused_backward_is_chosen_where_it_measured_faster():
+    """sm_90: D=128 without bias or dropout from FUSED_MIN_SEQLEN_K keys, deterministic or not; below that
+    length, at other head dims and with any bias or dropout the two-kernel strategy. Asking for it where
+    it is not built names what is."""
+    long, short = pp.FUSED_MIN_SEQLEN_K, pp.FUSED_MIN_SEQLEN_K - 1
+
+    def strategy(seqlen_k, d=128, **extra):
+        return pp.dq_strategy(AttentionProblem(2, 512, seqlen_k, 4, 2, d, d, "bf16", **extra), "sm_90")
+
+    assert strategy(long) == strategy(long, deterministic=True) == pp.DQ_FUSED
+    assert strategy(long, d=96) == pp.DQ_FUSED  # padded to the 128 tile
+    for other in (strategy(short), strategy(long, d=64), strategy(long, alibi="H"),
+                  strategy(long, bias_shape="11SS"), strategy(long, dropout_p=0.1)):
+        assert other == pp.DQ_DETERMINISTIC
+    for arch in ("gfx942", "gfx950"):
+        assert pp.dq_strategy(AttentionProblem(1, 64, long, 2, 2, 128, 128, "bf16"), arch) == pp.DQ_DETERMINISTIC
+    with pytest.raises(FmhaNotImplementedError, match=r"fused backward is not built .*d128 without bias"):
+        pp.dq_strategy(AttentionProblem(1, 64, 64, 2, 2, 128, 128, "bf16", alibi="H"), "sm_90", pp.DQ_FUSED)
+    problem = AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16")
+    x = torch.zeros(2, long, 4, 128, dtype=torch.float16)
+    tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 512),
+                              delta=x, lse2=x)
+    assert [launch.variant for launch in pp.plan_bwd(problem, "sm_90", tensors)] == [
+        "fmha_bwd_preprocess_bf16_v128", "fmha_bwd_fused_bf16_d128_nobias_nodrop_mha"]
+    assert pp.bwd_workspace(problem, "sm_90").dq_splits == 0
 
 
 @pytest.mark.parametrize("arch", pp.BUILD_ARCHS)
