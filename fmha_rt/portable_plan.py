@@ -194,24 +194,27 @@ BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC
 
 # The FUSED strategy (fmha_bwd_fused after the Delta/Lse2 pre-pass): (dK/dV tile, dQ tile) per head-dim
 # pair where it is built; both tiles take one warp count and stage count (the first tile's). Like the
-# two-kernel strategy it has no atomics, so it is deterministic. On sm_90 it is built and chosen only
-# where it measured faster than the two-kernel backward (bench/results/h200_tile_search_v8_fused.json,
-# D=128: +4% at S=4k and 16k without a mask, +2% at 16k causal, even at 4k causal, -6% at 1k causal;
-# D=64 was 10-25% slower): D=128 without bias or dropout (the variants it was timed on), from
-# FUSED_MIN_SEQLEN_K keys. The interpreter builds it for every feature, for the tests against the
-# two-kernel strategy.
+# two-kernel strategy it has no atomics, so it is deterministic. On the archs of FUSED_MEASURED_ONLY it is
+# built and chosen only where it measured faster than the two-kernel backward: on sm_90 D=128 without
+# bias or dropout, one query head per key head, from FUSED_MIN_SEQLEN_K keys (pass alone,
+# bench/results/h200_tile_search_v8_fused.json: +4% at S=4k and 16k without a mask, +2% at 16k causal,
+# even at 4k causal, -6% at 1k causal; D=64 10-25% slower; whole backward, bench/results/h200_v8_bwd:
+# GQA 16/2 4-12% slower, its dK/dV programs each loop over 8 query heads and outlast the grid). The
+# interpreter builds it for every feature and head count, for the tests against the two-kernel strategy.
 FUSED_TILES = {
     "sm_90": {(128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
     INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
 }
-FUSED_PLAIN_ONLY = {"sm_90"}
+FUSED_MEASURED_ONLY = {"sm_90"}
 FUSED_MIN_SEQLEN_K = 4096
 
 
-def fused_built(arch, pair, bias_kind, dropout) -> bool:
-    """Whether `arch` has the FUSED strategy's kernel for this head-dim pair and these features."""
-    plain = bias_kind == BIAS_NONE and not dropout
-    return pair in FUSED_TILES.get(arch, {}) and (plain or arch not in FUSED_PLAIN_ONLY)
+def fused_built(arch, pair, bias_kind, dropout, single_head) -> bool:
+    """Whether `arch` has the FUSED strategy's kernel for this head-dim pair, these features and this
+    dK/dV form (single_head: one query head per key head)."""
+    if pair not in FUSED_TILES.get(arch, {}):
+        return False
+    return arch not in FUSED_MEASURED_ONLY or (bias_kind == BIAS_NONE and not dropout and single_head)
 
 
 # Variants with a tensor bias or dropout hold one more score-sized tile per key block (bias loads are
@@ -327,13 +330,15 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     constexprs, traits = tiled("bwd_dq", tile)
     out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
                         dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
-    if fused_built(arch, pair, bias_kind, dropout):
+    if pair in FUSED_TILES.get(arch, {}):
         kv, q = FUSED_TILES[arch][pair]
         constexprs = {"BLOCK_M1": kv.block_m, "BLOCK_N1": kv.block_n, "BLOCK_M2": q.block_m, "BLOCK_N2": q.block_n,
                       "BLOCK_DQK": pair[0], "BLOCK_DV": pair[1], **features}
         traits = dict(common, block_m=kv.block_m, block_n=kv.block_n, dq_block_m=q.block_m, dq_block_n=q.block_n,
                       dq_strategy=DQ_FUSED, deterministic=True, **{"pass": "bwd_fused"})
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
+            if not fused_built(arch, pair, bias_kind, dropout, single_head):
+                continue
             out.append(_variant(fused_key(dtype, pair, bias_kind, dropout, single_head), "fmha_bwd_fused", dtype, kv,
                                 dict(constexprs, GROUP_LOOP=not single_head), dict(traits, single_head=single_head)))
     return out
@@ -460,11 +465,13 @@ def dq_strategy(problem, arch, requested=None) -> str:
         raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r} or {DQ_FUSED!r}, "
                              f"got {requested!r}")
     pair = head_dim_tiles(problem)
-    fused = fused_built(arch, pair, *_features(problem))
+    single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
+    fused = fused_built(arch, pair, *_features(problem), single_head)
     if requested == DQ_FUSED:
         if not fused:
             built = ", ".join(_pair_name(*p) for p in FUSED_TILES.get(arch, {})) or "none"
-            plain = " without bias or dropout" if arch in FUSED_PLAIN_ONLY else ""
+            plain = (" without bias or dropout, one query head per key head" if arch in FUSED_MEASURED_ONLY
+                     else "")
             raise FmhaNotImplementedError(f"the fused backward is not built for this problem on {arch} "
                                           f"(built: {built}{plain})")
         return DQ_FUSED

@@ -386,22 +386,22 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
 
 
 def test_fused_backward_is_chosen_where_it_measured_faster():
-    """sm_90: D=128 without bias or dropout from FUSED_MIN_SEQLEN_K keys, deterministic or not; below that
-    length, at other head dims and with any bias or dropout the two-kernel strategy. Asking for it where
-    it is not built names what is."""
+    """sm_90: D=128 without bias or dropout, one query head per key head, from FUSED_MIN_SEQLEN_K keys,
+    deterministic or not; below that length, at other head dims, for GQA/MQA and with any bias or
+    dropout the two-kernel strategy. Asking for it where it is not built names what is."""
     long, short = pp.FUSED_MIN_SEQLEN_K, pp.FUSED_MIN_SEQLEN_K - 1
 
-    def strategy(seqlen_k, d=128, **extra):
-        return pp.dq_strategy(AttentionProblem(2, 512, seqlen_k, 4, 2, d, d, "bf16", **extra), "sm_90")
+    def strategy(seqlen_k, d=128, heads_k=4, **extra):
+        return pp.dq_strategy(AttentionProblem(2, 512, seqlen_k, 4, heads_k, d, d, "bf16", **extra), "sm_90")
 
     assert strategy(long) == strategy(long, deterministic=True) == pp.DQ_FUSED
     assert strategy(long, d=96) == pp.DQ_FUSED  # padded to the 128 tile
-    for other in (strategy(short), strategy(long, d=64), strategy(long, alibi="H"),
-                  strategy(long, bias_shape="11SS"), strategy(long, dropout_p=0.1)):
+    for other in (strategy(short), strategy(long, d=64), strategy(long, heads_k=2), strategy(long, heads_k=1),
+                  strategy(long, alibi="H"), strategy(long, bias_shape="11SS"), strategy(long, dropout_p=0.1)):
         assert other == pp.DQ_DETERMINISTIC
     for arch in ("gfx942", "gfx950"):
         assert pp.dq_strategy(AttentionProblem(1, 64, long, 2, 2, 128, 128, "bf16"), arch) == pp.DQ_DETERMINISTIC
-    with pytest.raises(FmhaNotImplementedError, match=r"fused backward is not built .*d128 without bias"):
+    with pytest.raises(FmhaNotImplementedError, match=r"fused backward is not built .*d128 without bias or dropout, one"):
         pp.dq_strategy(AttentionProblem(1, 64, 64, 2, 2, 128, 128, "bf16", alibi="H"), "sm_90", pp.DQ_FUSED)
     problem = AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16")
     x = torch.zeros(2, long, 4, 128, dtype=torch.float16)

@@ -194,12 +194,12 @@ def test_deterministic_backward_is_bitwise_equal_over_runs_and_streams():
         assert all(torch.equal(a, b) for a, b in zip(first, r))
 
 
-@pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fused_backward_at_long_keys_matches_float64_and_is_bitwise_reproducible(heads, causal):
-    """D=128 from 4096 keys takes the fused backward (one grid of dK/dV and dQ programs): against a float64
-    autograd reference computed on the GPU, and bitwise equal over runs and on a second stream."""
-    (hq, hk), B, S, D = heads, 1, 4096, 128
+def test_fused_backward_at_long_keys_matches_float64_and_is_bitwise_reproducible(causal):
+    """MHA at D=128 from 4096 keys takes the fused backward (one grid of dK/dV and dQ programs): against a
+    float64 autograd reference computed on the GPU, and bitwise equal over runs and on a second stream."""
+    hq = hk = 3
+    B, S, D = 1, 4096, 128
     gen = torch.Generator(device="cuda").manual_seed(20 + hq + causal)
     q, k, v, dout = (rand((B, S, h, D), torch.bfloat16, gen) for h in (hq, hk, hk, hq))
     out, lse = fmha_rt.mha_fwd(q, k, v, causal=causal)
