@@ -38,7 +38,6 @@ import json
 import pathlib
 import pstats
 import sys
-import time
 
 import pytest
 import torch
@@ -51,6 +50,7 @@ from fmha_rt import api, arrays, backend, launch, plan_cache
 from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi
 from fmha_rt.bench import machine
+from fmha_rt.bench.timing import host_us_per_call
 from fmha_rt.torch import caching_workspace
 
 from fake_gpu import FakeGpuArray, StandInRuntime
@@ -186,22 +186,6 @@ def calls(gpu: bool) -> dict:
     return table
 
 
-def per_call_us(call, n: int, batch: int = 0, sync=None) -> float:
-    """Wall-clock µs per call over n calls. With batch > 0, `sync` (the GPU's) runs every `batch` calls
-    outside the timed region, so the launch queue never fills and the figure is the host's own time;
-    back to back (batch 0) a call also waits whenever the GPU is slower than the host."""
-    batch = batch or n
-    spent = 0.0
-    for done in range(0, n, batch):
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
-        for _ in range(min(batch, n - done)):
-            call()
-        spent += time.perf_counter() - start
-    return spent / n * 1e6
-
-
 class Pieces:
     """Catches the internals of one cached call (its key request, plan, replay arguments and the C
     replay's) so that each piece can be timed alone."""
@@ -235,10 +219,10 @@ class Pieces:
         replay = self.seen["replay"]
         plan, launch_args = self.seen["launch"]
         return {
-            "key": per_call_us(lambda: api._request(*request), n),
-            "lookup": per_call_us(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
-            "replay": per_call_us(lambda: plan_cache.replay(*replay), n, batch, sync),
-            "C replay": per_call_us(lambda: plan.launch(*launch_args), n, batch, sync),
+            "key": host_us_per_call(lambda: api._request(*request), n),
+            "lookup": host_us_per_call(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
+            "replay": host_us_per_call(lambda: plan_cache.replay(*replay), n, batch, sync),
+            "C replay": host_us_per_call(lambda: plan.launch(*launch_args), n, batch, sync),
         }
 
 
@@ -260,7 +244,7 @@ def main():
         hits = fmha_rt.plan_cache_info()["hits"]
         if args.profile:
             profile = cProfile.Profile()
-            profile.runcall(per_call_us, table[args.profile], args.calls)
+            profile.runcall(host_us_per_call, table[args.profile], args.calls)
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
             return
         sync, batch = (torch.cuda.synchronize, args.batch) if args.gpu else (None, 0)
@@ -268,9 +252,9 @@ def main():
         back_to_back = dict.fromkeys(table, float("inf"))
         for _ in range(args.rounds):
             for name, call in table.items():
-                best[name] = min(best[name], per_call_us(call, args.calls, batch, sync))
+                best[name] = min(best[name], host_us_per_call(call, args.calls, batch, sync))
                 if batch:
-                    back_to_back[name] = min(back_to_back[name], per_call_us(call, args.calls, 0, sync))
+                    back_to_back[name] = min(back_to_back[name], host_us_per_call(call, args.calls, 0, sync))
         cached = fmha_rt.plan_cache_info()["hits"] - hits
         loops = 2 if batch else 1
         assert cached == loops * args.rounds * args.calls * len(table), "a timed call missed the plan cache"

@@ -13,7 +13,9 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's fmha_rt
+from fmha_rt.bench.timing import host_us_per_call  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -27,16 +29,7 @@ BATCH = 100
 def per_call_us(fn, n, batch=0, sync=None):
     for _ in range(1000):
         fn()
-    batch = batch or n
-    spent = 0.0
-    for done in range(0, n, batch):
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
-        for _ in range(min(batch, n - done)):
-            fn()
-        spent += time.perf_counter() - start
-    return spent / n * 1e6
+    return host_us_per_call(fn, n, batch, sync)
 
 
 def main():

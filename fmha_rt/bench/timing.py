@@ -111,6 +111,22 @@ def host_overhead_us(call, device, *, calls, before_each=None):
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def host_us_per_call(call, n: int, batch: int = 0, sync=None) -> float:
+    """Wall-clock µs per call over n calls of a cached call. With batch > 0, `sync` (the GPU's) runs
+    every `batch` calls outside the timed region, so the launch queue never fills and the figure is the
+    host's own time; back to back (batch 0) a call also waits whenever the GPU is slower than the host."""
+    batch = batch or n
+    spent = 0.0
+    for done in range(0, n, batch):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        for _ in range(min(batch, n - done)):
+            call()
+        spent += time.perf_counter() - start
+    return spent / n * 1e6
+
+
 def one_call_us(call, device):
     """Host microseconds of one call (the GPU's work is waited for outside the timed region)."""
     device.synchronize()
