@@ -34,7 +34,7 @@ DTYPES = ("fp16", "bf16")
 HEAD_DIM_TILES = (32, 64, 128, 256)
 # (query/key tile, value tile) pairs that have kernels.
 HEAD_DIM_PAIRS = ((32, 32), (64, 64), (128, 128), (256, 256), (256, 128))
-DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED = "atomic", "deterministic", "fused"
+DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_SINGLE = "atomic", "deterministic", "fused", "single"
 WORKSPACE_ALIGN = 256
 MAX_GRID_YZ = 65535
 KERNEL_MODULES = {"fwd": "kernels.portable.fmha_fwd", "bwd": "kernels.portable.fmha_bwd",
@@ -93,12 +93,14 @@ SIGNATURES = {
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr"""),
     "fmha_bwd_fused": _signature(f"""
-        Q *T, K *T, V *T, dO *T, Delta *fp32, Lse2 *fp32, dQ *T, dK *T, dV *T, Bias *T, dS *fp32, Alibi *fp32,
-        PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "do", "dq", "dk", "dv")},
-        stride_ds_b i64, stride_ds_h i64, stride_ds_s i32, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, dK *T, dV *T, Bias *T,
+        dS *fp32, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
+        {_strides("q", "k", "v", "o", "do", "dq", "dk", "dv")}, stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
+        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
         BLOCK_M1 constexpr, BLOCK_N1 constexpr, BLOCK_M2 constexpr, BLOCK_N2 constexpr, BLOCK_DQK constexpr,
-        BLOCK_DV constexpr, BIAS_KIND constexpr, DROPOUT constexpr, GROUP_LOOP constexpr"""),
+        BLOCK_DV constexpr, BIAS_KIND constexpr, DROPOUT constexpr, GROUP_LOOP constexpr,
+        DELTA_INLINE constexpr"""),
     "fmha_bwd_dq_convert": _signature(f"""
         DqAcc *fp32, dQ *T, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("dqacc", "dq")},
         seqlen_q i32, head_dim_qk_div8 i32, softmax_scale fp32, is_varlen i32, has_seqstart i32,
@@ -209,6 +211,24 @@ FUSED_MEASURED_ONLY = {"sm_90"}
 FUSED_MIN_SEQLEN_K = 4096
 
 
+# The SINGLE strategy: the whole backward as one launch of fmha_bwd_fused with DELTA_INLINE (every
+# program computes Delta and Lse2 of the rows it visits; the dK/dV programs load O once more per step).
+# For problems too small to fill the GPU, where a call's cost is the host's and a second launch is ~4 µs
+# of it: up to SINGLE_MAX_SCORES score elements (B * Hq * Sq * Sk), no bias or dropout, head dims up to
+# 128. Tiles: the two-kernel strategy's where both passes take one warp count, else FUSED's.
+SINGLE_TILES = {
+    "sm_90": {(32, 32): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)), (64, 64): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)),
+              (128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
+    INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
+}
+SINGLE_MAX_SCORES = 1 << 22
+
+
+def single_built(arch, pair, bias_kind, dropout) -> bool:
+    """Whether `arch` has the SINGLE strategy's kernel for this head-dim pair and these features."""
+    return pair in SINGLE_TILES.get(arch, {}) and bias_kind == BIAS_NONE and not dropout
+
+
 def fused_built(arch, pair, bias_kind, dropout, single_head) -> bool:
     """Whether `arch` has the FUSED strategy's kernel for this head-dim pair, these features and this
     dK/dV form (single_head: one query head per key head)."""
@@ -268,8 +288,9 @@ def dq_key(dtype, pair, bias_kind, dropout):
     return f"fmha_bwd_dq_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
 
 
-def fused_key(dtype, pair, bias_kind, dropout, single_head=False):
-    key = f"fmha_bwd_fused_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+def fused_key(dtype, pair, bias_kind, dropout, single_head=False, strategy=DQ_FUSED):
+    """fmha_bwd_fused's variants: 'fmha_bwd_fused_...' (FUSED) or 'fmha_bwd_single_...' (SINGLE)."""
+    key = f"fmha_bwd_{strategy}_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
     return key + "_mha" if single_head else key
 
 
@@ -330,17 +351,21 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     constexprs, traits = tiled("bwd_dq", tile)
     out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
                         dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
-    if pair in FUSED_TILES.get(arch, {}):
-        kv, q = FUSED_TILES[arch][pair]
+    for strategy, tiles in ((DQ_FUSED, FUSED_TILES), (DQ_SINGLE, SINGLE_TILES)):
+        if pair not in tiles.get(arch, {}):
+            continue
+        kv, q = tiles[arch][pair]
         constexprs = {"BLOCK_M1": kv.block_m, "BLOCK_N1": kv.block_n, "BLOCK_M2": q.block_m, "BLOCK_N2": q.block_n,
-                      "BLOCK_DQK": pair[0], "BLOCK_DV": pair[1], **features}
+                      "BLOCK_DQK": pair[0], "BLOCK_DV": pair[1], "DELTA_INLINE": strategy == DQ_SINGLE, **features}
         traits = dict(common, block_m=kv.block_m, block_n=kv.block_n, dq_block_m=q.block_m, dq_block_n=q.block_n,
-                      dq_strategy=DQ_FUSED, deterministic=True, **{"pass": "bwd_fused"})
+                      dq_strategy=strategy, deterministic=True, **{"pass": f"bwd_{strategy}"})
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
-            if not fused_built(arch, pair, bias_kind, dropout, single_head):
-                continue
-            out.append(_variant(fused_key(dtype, pair, bias_kind, dropout, single_head), "fmha_bwd_fused", dtype, kv,
-                                dict(constexprs, GROUP_LOOP=not single_head), dict(traits, single_head=single_head)))
+            built = (fused_built(arch, pair, bias_kind, dropout, single_head) if strategy == DQ_FUSED
+                     else single_built(arch, pair, bias_kind, dropout))
+            if built:
+                key = fused_key(dtype, pair, bias_kind, dropout, single_head, strategy)
+                out.append(_variant(key, "fmha_bwd_fused", dtype, kv, dict(constexprs, GROUP_LOOP=not single_head),
+                                    dict(traits, single_head=single_head)))
     return out
 
 
@@ -458,15 +483,23 @@ def dropout_threshold(p: float) -> int:
 
 
 def dq_strategy(problem, arch, requested=None) -> str:
-    """`requested` when given (FUSED or DETERMINISTIC for a deterministic problem); else FUSED where it is
-    built for the problem and its keys reach FUSED_MIN_SEQLEN_K (deterministic too), DETERMINISTIC when
-    the problem asks for it, or the arch's default."""
-    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED):
-        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r} or {DQ_FUSED!r}, "
-                             f"got {requested!r}")
+    """`requested` when given (FUSED, SINGLE or DETERMINISTIC for a deterministic problem); else SINGLE where
+    it is built for the problem and the problem has at most SINGLE_MAX_SCORES score elements, FUSED where
+    it is built and the keys reach FUSED_MIN_SEQLEN_K (both deterministic too), DETERMINISTIC when the
+    problem asks for it, or the arch's default."""
+    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_SINGLE):
+        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r}, {DQ_FUSED!r} or "
+                             f"{DQ_SINGLE!r}, got {requested!r}")
     pair = head_dim_tiles(problem)
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     fused = fused_built(arch, pair, *_features(problem), single_head)
+    single = single_built(arch, pair, *_features(problem))
+    if requested == DQ_SINGLE:
+        if not single:
+            built = ", ".join(_pair_name(*p) for p in SINGLE_TILES.get(arch, {})) or "none"
+            raise FmhaNotImplementedError(f"the one-launch backward is not built for this problem on {arch} "
+                                          f"(built: {built}, without bias or dropout)")
+        return DQ_SINGLE
     if requested == DQ_FUSED:
         if not fused:
             built = ", ".join(_pair_name(*p) for p in FUSED_TILES.get(arch, {})) or "none"
@@ -475,6 +508,9 @@ def dq_strategy(problem, arch, requested=None) -> str:
             raise FmhaNotImplementedError(f"the fused backward is not built for this problem on {arch} "
                                           f"(built: {built}{plain})")
         return DQ_FUSED
+    scores = problem.batch * problem.heads_q * problem.seqlen_q * problem.seqlen_k
+    if requested is None and single and scores <= SINGLE_MAX_SCORES:
+        return DQ_SINGLE
     if requested is None and fused and problem.seqlen_k >= FUSED_MIN_SEQLEN_K:
         return DQ_FUSED
     if problem.deterministic:
@@ -834,7 +870,7 @@ def plan_dropout_mask(problem, arch, tensors) -> list:
 def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     """Launches of the backward, in order: dQ (which also writes Delta and Lse2), dK/dV, dbias for the
     deterministic strategy; preprocess (Delta), dK/dV with atomic dQ, dQ conversion, dbias for the atomic
-    one.
+    one; preprocess, the fused grid, dbias for the fused one; the fused grid alone for the single one.
 
     tensors: as plan_fwd plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per region of
     bwd_workspace(problem, arch) named after it (delta, lse2, dq_acc, ds): the caller carves them out of one
@@ -882,7 +918,7 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         key = preprocess_key(problem.dtype, pair[1])
         launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
                                _ordered(key, "fmha_bwd_preprocess", pre)))
-    else:  # first: the dQ kernel writes the Delta and Lse2 that dK/dV reads
+    elif strategy == DQ_DETERMINISTIC:  # first: the dQ kernel writes the Delta and Lse2 that dK/dV reads
         tile = tile_for(arch, "bwd_dq", pair, kind, dropout)
         dq = {**attention, **rows["o"], **rows["dq"], "Out": a.required("out"), "dQ": a.required("dq")}
         key = dq_key(problem.dtype, pair, kind, dropout)
@@ -891,10 +927,10 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
 
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     outputs = {**ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"), "dV": a.required("dv")}
-    if strategy == DQ_FUSED:
-        kv, q = FUSED_TILES[arch][pair]
-        fused = {**attention, **outputs, **rows["dq"], "dQ": a.required("dq")}
-        key = fused_key(problem.dtype, pair, kind, dropout, single_head)
+    if strategy in (DQ_FUSED, DQ_SINGLE):
+        kv, q = (FUSED_TILES if strategy == DQ_FUSED else SINGLE_TILES)[arch][pair]
+        fused = {**attention, **outputs, **rows["dq"], **rows["o"], "Out": a.required("out"), "dQ": a.required("dq")}
+        key = fused_key(problem.dtype, pair, kind, dropout, single_head, strategy)
         blocks = _cdiv(problem.seqlen_k, kv.block_n) + _cdiv(problem.seqlen_q, q.block_m) * problem.kv_group_size
         grid = _grid(blocks, problem)
         launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_fused", fused)))

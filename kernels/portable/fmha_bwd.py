@@ -76,16 +76,19 @@ def fmha_bwd_preprocess(
 
 @triton.jit
 def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_rows, dO_rows, Lse2_rows,
-                      Delta_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
-                      stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2,
+                      Delta_rows, O_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                      stride_q_s, stride_do_s, stride_o_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2,
                       slope_log2, seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale,
                       write_dbias, needs_mask,
                       BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                      DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr):
+                      DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr,
+                      DELTA_INLINE: tl.constexpr):
     """Adds one query block's share to dK, dV of the program's key block (scores transposed:
     keys are rows, queries columns). ROWS_COMPLETE: every row of the block exists (a mask-free block
     of the nested loops), so its loads need no row mask. That mask is the larger part of the loop's
-    integer work: one predicate per 16-byte copy, recomputed every step (NOTES.md, v7)."""
+    integer work: one predicate per 16-byte copy, recomputed every step (NOTES.md, v7).
+    DELTA_INLINE (the one-launch backward, for problems too small to fill the GPU): Delta comes from
+    this block's rows of O and dO, and Lse2 from the LSE, which Lse2_rows then points to."""
     rows = m0 + offs_m
     q_ok = rows < sq
     m0_64 = tl.cast(m0, tl.int64)
@@ -101,6 +104,11 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
         do = tl.load(do_ptrs, mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
         lse2 = tl.load(Lse2_rows + rows, mask=q_ok, other=float("inf"))
         delta = tl.load(Delta_rows + rows, mask=q_ok, other=0.0)
+    if DELTA_INLINE:
+        o = tl.load(O_rows + m0_64 * stride_o_s + offs_m[:, None] * stride_o_s + offs_dv[None, :],
+                    mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        lse2 = _log2_lse(Lse2_rows, rows, q_ok)
 
     sT, scale = scores(tl.dot(k, qT), rows[None, :], keys[:, None], q_ok[None, :], off, left, right, sk,
                        Bias_rows + m0_64 * stride_bias_s, stride_bias_s, offs_m[None, :], slope_log2, scale_log2,
@@ -131,14 +139,15 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
 
 @triton.jit
 def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta,
-                     DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                     stride_o_b, stride_o_s, stride_o_h,
                      stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
                      delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, needs_mask,
                      BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROWS_COMPLETE: tl.constexpr):
+                     ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr):
     """_dkdv_query_block for query head h: the head's row pointers, then the block."""
     h64 = h.to(tl.int64)
     slope_log2 = 0.0
@@ -150,55 +159,61 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
         dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h,
         Lse2 + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
         Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
+        Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h,
         DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h,
         Bias + b64 * stride_bias_b + h64 * stride_bias_h, dS + b64 * stride_ds_b + h64 * stride_ds_h,
         offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
-        stride_q_s, stride_do_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
+        stride_q_s, stride_do_s, stride_o_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
         seed, philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE)
+        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE)
 
 
 @triton.jit
 def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64, q_row0, sq, sk, off, left, right,
-                     Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
-                     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                     stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+                     stride_ds_b, stride_ds_h, stride_ds_s,
                      delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DELTA_INLINE: tl.constexpr):
     """Query head h's share of the key block: the mask-free query blocks, then the masked ones, each
     loop body compiled for its case."""
     for blk in range(full_lo, full_hi):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse2,
-            Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
-            stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+            Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
+            stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b,
+            stride_dqacc_s, stride_dqacc_h,
             stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h,
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
             seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
-            BLOCK_N, True)
+            BLOCK_N, True, DELTA_INLINE)
     for t in range(0, (full_lo - lo) + (hi - full_hi)):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0, sq, sk,
-            off, left, right, Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
-            stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_dqacc_b,
+            off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
+            dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b,
+            stride_o_s, stride_o_h, stride_dqacc_b,
             stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
             delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
             scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
-            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False)
+            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(
     n_block, hk, b,
-    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    Q, K, V, dO, Lse2, Delta, Out, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h,
     stride_do_b, stride_do_s, stride_do_h,
+    stride_o_b, stride_o_s, stride_o_h,
     stride_dk_b, stride_dk_s, stride_dk_h,
     stride_dv_b, stride_dv_s, stride_dv_h,
     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
@@ -211,10 +226,10 @@ def _dkdv_program(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
-    GROUP_LOOP: tl.constexpr,
+    GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr,
 ):
     """dK and dV of key block n_block of kv head hk, batch entry b (fmha_bwd_dkdv, and the key-block
-    programs of fmha_bwd_fused)."""
+    programs of fmha_bwd_fused). With DELTA_INLINE, Lse2 and delta_stride_* are the LSE's, and Out is read."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     n0 = n_block * BLOCK_N
@@ -252,25 +267,28 @@ def _dkdv_program(
             blk = lo + (t - g * blocks_per_head)
             dk, dv = _dkdv_head_block(
                 dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off, left,
-                right, Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                 stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
-                stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+                stride_ds_b, stride_ds_h, stride_ds_s,
                 delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
-                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False)
+                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE)
     else:
         # Without GROUP_LOOP (Hq == Hk) the loop has one step, which the compiler folds away: no loop around
         # the two inner loops keeps their state live (7-17% faster at 128 wide on the H200: NOTES.md, v5).
         for g in range(0, kv_group_size if GROUP_LOOP else 1):
             dk, dv = _dkdv_head_loops(
                 dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, sq, sk,
-                off, left, right, Q, dO, Lse2, Delta, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
-                dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
-                stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+                off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
+                dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+                stride_ds_b, stride_ds_h, stride_ds_s,
                 delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
-                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N)
+                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
+                DELTA_INLINE)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
              + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),
@@ -304,16 +322,17 @@ def fmha_bwd_dkdv(
     GROUP_LOOP: tl.constexpr,
 ):
     _dkdv_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),  # dO stands in for Out, read only with DELTA_INLINE
+        Q, K, V, dO, Lse2, Delta, dO, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
         SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
-        stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s,
+        stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_do_b, stride_do_s,
+        stride_do_h, stride_dk_b, stride_dk_s,
         stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
         stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
         stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8,
         head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
         has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP)
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False)
 
 
 @triton.jit
@@ -455,17 +474,18 @@ def fmha_bwd_dq(
 
 @triton.jit
 def fmha_bwd_fused(
-    Q, K, V, dO, Delta, Lse2, dQ, dK, dV, Bias, dS, Alibi, PhiloxSeedOffset,
+    Q, K, V, Out, dO, Lse, Delta, Lse2, dQ, dK, dV, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h,
+    stride_o_b, stride_o_s, stride_o_h,
     stride_do_b, stride_do_s, stride_do_h,
     stride_dq_b, stride_dq_s, stride_dq_h,
     stride_dk_b, stride_dk_s, stride_dk_h,
     stride_dv_b, stride_dv_s, stride_dv_h,
     stride_ds_b, stride_ds_h, stride_ds_s,
-    delta_stride_b, delta_stride_h,
+    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -473,9 +493,11 @@ def fmha_bwd_fused(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    GROUP_LOOP: tl.constexpr,
+    GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr,
 ):
-    """dK/dV and dQ in one grid, after fmha_bwd_preprocess has written Delta and Lse2: per (kv head,
+    """dK/dV and dQ in one grid, after fmha_bwd_preprocess has written Delta and Lse2 (or, with
+    DELTA_INLINE, the whole backward in one launch: each program computes Delta and Lse2 of the rows it
+    visits from O, dO and the LSE, which costs the dK/dV programs a load of O per step): per (kv head,
     batch entry), first one program per key block (BLOCK_N1 keys, BLOCK_M1 query rows per step), then
     one per query block of each query head of the group (BLOCK_M2 rows, BLOCK_N2 keys per step). The
     two kinds share the warp count; the hardware fills one kind's last wave with the other's programs,
@@ -487,32 +509,38 @@ def fmha_bwd_fused(
     key_programs = tl.cdiv(seqlen_k, BLOCK_N1)
     if pid < key_programs:
         # dQ stands in for the atomic strategy's accumulator, which DQ_ATOMIC=False never touches
+        if DELTA_INLINE:
+            rows_lse, rows_stride_b, rows_stride_h = Lse, lse_stride_b, lse_stride_h
+        else:
+            rows_lse, rows_stride_b, rows_stride_h = Lse2, delta_stride_b, delta_stride_h
         _dkdv_program(
-            pid, hk, b, Q, K, V, dO, Lse2, Delta, dK, dV, dQ, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ,
-            CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s,
-            stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b,
+            pid, hk, b, Q, K, V, dO, rows_lse, Delta, Out, dK, dV, dQ, Bias, dS, Alibi, PhiloxSeedOffset,
+            CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b,
+            stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h,
+            stride_o_b, stride_o_s, stride_o_h, stride_dk_b,
             stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, 0, 0, 0, stride_ds_b, stride_ds_h,
-            stride_ds_s, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s,
+            stride_ds_s, rows_stride_b, rows_stride_h, stride_bias_b, stride_bias_h, stride_bias_s,
             alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
             softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
             write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP)
+            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP, DELTA_INLINE)
     else:
         query_programs = tl.cdiv(seqlen_q, BLOCK_M2)
         t = pid - key_programs
         g = t // query_programs
-        # Out and Lse are read only when DELTA_IN is off: dO and Delta stand in for them
+        # with DELTA_INLINE the dQ program computes Delta and Lse2 as in the two-kernel strategy (and writes
+        # them to the workspace, where nothing reads them)
         _dq_program(
-            query_programs - 1 - (t - g * query_programs), hk * kv_group_size + g, b, Q, K, V, dO, dO, Delta,
+            query_programs - 1 - (t - g * query_programs), hk * kv_group_size + g, b, Q, K, V, Out, dO, Lse,
             Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
             stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
-            stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_do_b, stride_do_s, stride_do_h,
-            stride_dq_b, stride_dq_s, stride_dq_h, delta_stride_b, delta_stride_h, delta_stride_b,
+            stride_v_h, stride_o_b, stride_o_s, stride_o_h, stride_do_b, stride_do_s, stride_do_h,
+            stride_dq_b, stride_dq_s, stride_dq_h, lse_stride_b, lse_stride_h, delta_stride_b,
             delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
             num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2,
             window_left, window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale,
             philox_seed, philox_offset, philox_from_ptr, BLOCK_M2, BLOCK_N2, BLOCK_DQK, BLOCK_DV, BIAS_KIND,
-            DROPOUT, True)
+            DROPOUT, not DELTA_INLINE)
 
 
 @triton.jit

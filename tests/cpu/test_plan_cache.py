@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, arrays, executor, launch, plan_cache
+from fmha_rt import api, arrays, executor, launch, plan_cache, portable_plan
 from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi, lib
 from fmha_rt.errors import DriverError, FmhaTypeError, FmhaValueError
@@ -30,6 +30,14 @@ from fmha_rt.packing import Pointer
 from fake_gpu import FakeGpuArray, StandInRuntime
 
 B, S, H, D = 2, 64, 4, 64
+
+
+@pytest.fixture(autouse=True)
+def two_launch_backward(monkeypatch):
+    """These problems are small enough for the one-launch backward; the tests here replay the two-kernel
+    one (dQ, then dK/dV: patched pointers in two launches, logging, per-stream buffers), except
+    test_one_launch_backward_hit_launches_what_an_uncached_call_launches, which sets the limit back."""
+    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)
 
 
 @pytest.fixture
@@ -161,6 +169,20 @@ def test_a_hit_launches_what_an_uncached_call_of_its_arrays_launches(monkeypatch
     reads_q = next(i for i, args in enumerate(second_args) if second.q.ptr in (args.get("Q"), args.get("UnalignedArray")))
     assert second.q.ptr not in (first_args[reads_q].get("Q"), first_args[reads_q].get("UnalignedArray"))
     assert all(a != b for a, b in zip(first_args, second_args))
+
+
+@pytest.mark.parametrize("case", ["bwd", "bwd GQA", "varlen bwd"])
+def test_one_launch_backward_hit_launches_what_an_uncached_call_launches(monkeypatch, rt, driver, case):
+    """The small problems of CASES with the one-launch backward (this module's fixture turns it off):
+    one launch of the fused grid, replayed like any other plan."""
+    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", 1 << 22)
+    make, shape, options = CASES[case]
+    x = Inputs(rt, **shape)
+    driver.take()
+    launched = uncached(monkeypatch, driver, make(x, **options))
+    assert [key[:len("fmha_bwd_single_")] for key, *_ in launched] == ["fmha_bwd_single_"], launched
+    fmha_rt.clear_plan_cache()
+    test_a_hit_launches_what_an_uncached_call_of_its_arrays_launches(monkeypatch, rt, driver, case)
 
 
 def test_dropout_by_value_patches_the_seed_and_offset_of_each_call(monkeypatch, rt, driver):

@@ -199,6 +199,33 @@ def test_fused_backward_equals_the_two_kernel_one(extra):
             assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("heads,window,bottom_right", [((4, 2), (-1, 0), True), ((3, 3), (9, 4), False),
+                                                       ((4, 1), (-1, -1), False)], ids=["gqa_causal_br", "mha_window", "mqa"])
+def test_one_launch_backward_equals_the_two_kernel_one(heads, window, bottom_right):
+    """The SINGLE strategy (one launch: the fused grid with every program computing its rows' Delta and
+    Lse2) runs the two-kernel strategy's programs with the interpreter's tiles, the same ones, and computes
+    Delta and Lse2 by the same formulas, so the results agree bit for bit; small problems take it by
+    default."""
+    (hq, hk), b, sq, sk, d = heads, 2, 40, 52, 64
+    problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=window[0], window_right=window[1],
+                               bottom_right=bottom_right)
+    assert pp.dq_strategy(problem, pp.INTERPRET_ARCH) == pp.DQ_SINGLE
+    x = torch.zeros(b, sq, hq, d)
+    tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(b, hq, sq), delta=x, lse2=x)
+    assert [launch.variant for launch in pp.plan_bwd(problem, pp.INTERPRET_ARCH, tensors)] == [
+        pp.fused_key("fp16", (64, 64), pp.BIAS_NONE, False, hq == hk and pp.single_head_dkdv(pp.INTERPRET_ARCH, (64, 64)),
+                     pp.DQ_SINGLE)], "one launch"
+    gen = _gen(51)
+    inputs = _inputs(gen, b, sq, sk, hq, hk, d, d)
+    out, lse = ie.forward(problem, inputs)
+    dout = _randn(gen, *out.shape)
+    two = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_DETERMINISTIC)
+    single = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_SINGLE)
+    for name, x, y in zip(("dq", "dk", "dv"), two, single):
+        assert not torch.isnan(y).any(), name
+        assert torch.equal(x, y), name
+
+
 def test_dropout_mask_depends_on_seed_and_offset_only():
     problem = _dropout_problem()
     first = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": 0})
@@ -423,8 +450,11 @@ def test_plan_grids_agree_with_the_variants_tiles(arch):
                                   alibi=torch.zeros(4), philox_seed=1, delta=x, lse2=x, ds=x)
         for launch in pp.plan_fwd(problem, arch, tensors) + pp.plan_bwd(problem, arch, tensors):
             ce = variants[launch.variant]["constexprs"]
-            rows = ce["BLOCK_N"] if "dkdv" in launch.variant else ce["BLOCK_M"]
-            assert launch.grid[0] == -(-300 // rows), launch.variant
+            if "BLOCK_M1" in ce:  # the fused grid: the key-block programs, then the query-block ones
+                assert launch.grid[0] == -(-300 // ce["BLOCK_N1"]) + -(-300 // ce["BLOCK_M2"]), launch.variant
+            else:
+                rows = ce["BLOCK_N"] if "dkdv" in launch.variant else ce["BLOCK_M"]
+                assert launch.grid[0] == -(-300 // rows), launch.variant
             assert list(launch.args) == [n for n, k in variants[launch.variant]["signature"].items()
                                          if k != "constexpr"]
 
@@ -439,7 +469,7 @@ def test_dkdv_drops_its_query_head_loop_where_one_query_head_shares_each_key_hea
         problem = AttentionProblem(1, 64, 64, hq, hk, d, d, "fp16")
         tensors = ie.with_strides(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(1, hq, 64),
                                   delta=x, lse2=x)
-        (dkdv,) = [launch for launch in pp.plan_bwd(problem, arch, tensors) if "dkdv" in launch.variant]
+        (dkdv,) = [launch for launch in pp.plan_bwd(problem, arch, tensors, pp.DQ_DETERMINISTIC) if "dkdv" in launch.variant]
         single = hq == hk and arch in pp.DKDV_SINGLE_HEAD and (d, d) not in pp.DKDV_FLAT_LOOP.get(arch, ())
         assert dkdv.variant.endswith("_mha") == single, (arch, d, hq, hk, dkdv.variant)
         v = variants[dkdv.variant]

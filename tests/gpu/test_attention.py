@@ -174,12 +174,14 @@ def test_varlen_with_empty_and_single_token_sequences():
         assert_close(n, got, want)
 
 
-def test_deterministic_backward_is_bitwise_equal_over_runs_and_streams():
-    B, S, H, D = 2, 1024, 8, 128
-    gen = torch.Generator(device="cuda").manual_seed(16)
+@pytest.mark.parametrize("B,S,H,D,kernel", [(2, 1024, 8, 128, "fmha_bwd_dkdv_"), (2, 256, 4, 64, "fmha_bwd_single_")],
+                         ids=["two_kernels", "one_launch"])
+def test_deterministic_backward_is_bitwise_equal_over_runs_and_streams(B, S, H, D, kernel):
+    gen = torch.Generator(device="cuda").manual_seed(16 + D)
     q, k, v, dout = (rand((B, S, H, D), torch.bfloat16, gen) for _ in range(4))
     out, lse = fmha_rt.mha_fwd(q, k, v, causal=True)
     first = fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    assert fmha_rt.last_launch_info()["kernel"].startswith(kernel)
     for _ in range(9):
         again = fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
