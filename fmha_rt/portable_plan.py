@@ -215,13 +215,15 @@ FUSED_MIN_SEQLEN_K = 4096
 # program computes Delta and Lse2 of the rows it visits; the dK/dV programs load O once more per step).
 # For problems too small to fill the GPU, where a call's cost is the host's and a second launch is ~4 µs
 # of it: up to SINGLE_MAX_SCORES score elements (B * Hq * Sq * Sk), no bias or dropout, head dims up to
-# 128. Tiles: the two-kernel strategy's where both passes take one warp count, else FUSED's.
+# 128. Tiles: the two-kernel strategy's where both passes take one warp count, else FUSED's. The limit
+# is the largest measured point where it was faster (bench/results/h200_single_launch_crossover.json,
+# GPU time per call: 0.81-0.97x the two-kernel backward up to 2^20 scores, 1.01-1.24x at 2^22).
 SINGLE_TILES = {
     "sm_90": {(32, 32): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)), (64, 64): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)),
               (128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
     INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
 }
-SINGLE_MAX_SCORES = 1 << 22
+SINGLE_MAX_SCORES = 1 << 20
 
 
 def single_built(arch, pair, bias_kind, dropout) -> bool:

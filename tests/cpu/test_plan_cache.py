@@ -175,7 +175,7 @@ def test_a_hit_launches_what_an_uncached_call_of_its_arrays_launches(monkeypatch
 def test_one_launch_backward_hit_launches_what_an_uncached_call_launches(monkeypatch, rt, driver, case):
     """The small problems of CASES with the one-launch backward (this module's fixture turns it off):
     one launch of the fused grid, replayed like any other plan."""
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", 1 << 22)
+    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", 1 << 20)
     make, shape, options = CASES[case]
     x = Inputs(rt, **shape)
     driver.take()
