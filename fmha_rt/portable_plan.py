@@ -217,7 +217,7 @@ FUSED_MIN_SEQLEN_K = 4096
 # of it: up to SINGLE_MAX_SCORES score elements (B * Hq * Sq * Sk), no bias or dropout, head dims up to
 # 128. Tiles: the two-kernel strategy's where both passes take one warp count, else FUSED's. The limit
 # is the largest measured point where it was faster (bench/results/h200_single_launch_crossover.json,
-# GPU time per call: 0.81-0.97x the two-kernel backward up to 2^20 scores, 1.01-1.24x at 2^22).
+# GPU time per call: 0.83-0.95x the two-kernel backward up to 2^20 scores, 1.01-1.24x at 2^22).
 SINGLE_TILES = {
     "sm_90": {(32, 32): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)), (64, 64): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)),
               (128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
@@ -559,14 +559,17 @@ def _carve(wanted):
 def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     """Workspace of plan_bwd and plan_head_padding: regions at 256-byte aligned offsets.
 
-    fp32: delta and lse2 [B, Hq, Sq] (always: Delta = rowsum(dO * O) and the LSE in the log2 domain, which
-    the first pass writes for dK/dV), dq_acc [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
+    fp32: delta and lse2 [B, Hq, Sq] (Delta = rowsum(dO * O) and the LSE in the log2 domain, which the first
+    pass writes for dK/dV; every strategy but SINGLE, whose programs keep their own), dq_acc
+    [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
     ds [B, Hq, Sq, ceil8(Sk)] (tensor bias with gradient, zeroed: masked blocks are never written).
     Then, in the problem's dtype, one '<name>_padded' buffer per tensor of padded_tensors(problem,
     'bwd') (head dims that are not multiples of 8).
     """
     strategy = dq_strategy(problem, arch, dq_strategy_request)
-    wanted = [("delta", _delta_shape(problem), False, "fp32"), ("lse2", _delta_shape(problem), False, "fp32")]
+    wanted = []
+    if strategy != DQ_SINGLE:
+        wanted += [("delta", _delta_shape(problem), False, "fp32"), ("lse2", _delta_shape(problem), False, "fp32")]
     if strategy == DQ_ATOMIC:
         wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True, "fp32"))
     if problem.bias_grad:
@@ -888,11 +891,13 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     varlen, shape, mask = a.varlen(), a.shape(), a.mask()
     rows = {arg: a.rows(name, arg) for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"),
                                                       ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
-    delta = workspace.region("delta")
-    delta_strides = _contiguous_strides(delta.shape)
-    # lse2 has delta's shape, so one pair of strides serves both
-    delta_args = {"Delta": a.required("delta"), "Lse2": a.required("lse2"),
-                  "delta_stride_b": 0 if problem.varlen else delta_strides[0], "delta_stride_h": delta_strides[-2]}
+    if strategy == DQ_SINGLE:  # its programs compute Delta and Lse2 and keep them: no workspace
+        delta_args = {"Delta": None, "Lse2": None, "delta_stride_b": 0, "delta_stride_h": 0}
+    else:
+        delta_strides = _contiguous_strides(workspace.region("delta").shape)
+        # lse2 has delta's shape, so one pair of strides serves both
+        delta_args = {"Delta": a.required("delta"), "Lse2": a.required("lse2"),
+                      "delta_stride_b": 0 if problem.varlen else delta_strides[0], "delta_stride_h": delta_strides[-2]}
     lse_args = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
     launches = []
 

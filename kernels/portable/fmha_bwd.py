@@ -13,6 +13,11 @@ Passes, in launch order, for the DETERMINISTIC dQ strategy (what the shipped arc
 The FUSED strategy runs fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_fused: the dK/dV and dQ
 programs of the deterministic strategy in one grid, then fmha_bwd_dbias.
 
+The SINGLE strategy (problems too small to fill the GPU, where a second launch costs more host time
+than it saves GPU time) is fmha_bwd_fused alone with DELTA_INLINE: every program computes Delta and
+Lse2 of the rows it visits and keeps them in registers, so the backward is one launch and needs no
+workspace.
+
 The ATOMIC strategy (built for the interpreter, and for any arch where it measures faster) runs
 fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
 atomics, then fmha_bwd_dq_convert scaling that workspace into dQ, then fmha_bwd_dbias.
@@ -377,10 +382,11 @@ def _dq_program(
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    DELTA_IN: tl.constexpr,
+    DELTA_IN: tl.constexpr, DELTA_OUT: tl.constexpr,
 ):
-    """dQ of query block m_block of query head h, batch entry b (fmha_bwd_dq, which also writes Delta and
-    Lse2, and the query-block programs of fmha_bwd_fused, which read them: DELTA_IN)."""
+    """dQ of query block m_block of query head h, batch entry b (fmha_bwd_dq, which computes Delta and
+    Lse2 and writes them for its dK/dV pass: DELTA_OUT; and the query-block programs of fmha_bwd_fused,
+    which read them from the pre-pass, DELTA_IN, or compute them for themselves with DELTA_INLINE)."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     m0 = m_block * BLOCK_M
@@ -414,9 +420,10 @@ def _dq_program(
                     other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
-        rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
-        tl.store(Delta + rows_out, delta, mask=q_ok)
-        tl.store(Lse2 + rows_out, lse2, mask=q_ok)  # the dK/dV pass reads it ready, without the -inf test
+        if DELTA_OUT:
+            rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
+            tl.store(Delta + rows_out, delta, mask=q_ok)
+            tl.store(Lse2 + rows_out, lse2, mask=q_ok)  # the dK/dV pass reads it ready, without the -inf test
     K_rows = K + b64 * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk64 * stride_k_h
     V_rows = V + b64 * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk64 * stride_v_h
     Bias_rows = Bias + b64 * stride_bias_b + h64 * stride_bias_h + tl.cast(m0, tl.int64) * stride_bias_s
@@ -469,7 +476,8 @@ def fmha_bwd_dq(
         delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
         num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left,
         window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale, philox_seed,
-        philox_offset, philox_from_ptr, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False)
+        philox_offset, philox_from_ptr, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False,
+        True)
 
 
 @triton.jit
@@ -528,8 +536,8 @@ def fmha_bwd_fused(
         query_programs = tl.cdiv(seqlen_q, BLOCK_M2)
         t = pid - key_programs
         g = t // query_programs
-        # with DELTA_INLINE the dQ program computes Delta and Lse2 as in the two-kernel strategy (and writes
-        # them to the workspace, where nothing reads them)
+        # with DELTA_INLINE the dQ program computes Delta and Lse2 as in the two-kernel strategy and keeps
+        # them: the one-launch backward has no workspace
         _dq_program(
             query_programs - 1 - (t - g * query_programs), hk * kv_group_size + g, b, Q, K, V, Out, dO, Lse,
             Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
@@ -540,7 +548,7 @@ def fmha_bwd_fused(
             num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2,
             window_left, window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale,
             philox_seed, philox_offset, philox_from_ptr, BLOCK_M2, BLOCK_N2, BLOCK_DQK, BLOCK_DV, BIAS_KIND,
-            DROPOUT, not DELTA_INLINE)
+            DROPOUT, not DELTA_INLINE, False)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, backend, executor
+from fmha_rt import api, backend, executor, portable_plan
 from fmha_rt.dlpack import DLPackExporter
 from fmha_rt.errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
 
@@ -129,11 +129,11 @@ def _cases():
         ("bwd dq aliases dout", lambda: _bwd_alias(q, k, v, out, lse), FmhaValueError, "overlaps"),
         ("bwd deterministic int", lambda: fmha_rt.mha_bwd(FakeGpuArray(out.shape), q, k, v, out, lse, deterministic=1),
          FmhaTypeError, "deterministic"),
-        ("bwd workspace callback raises", lambda: _bwd_ws(q, k, v, out, lse, lambda n, z: 1 / 0), FmhaValueError,
+        ("bwd workspace callback raises", lambda: _bwd_ws(lambda n, z: 1 / 0), FmhaValueError,
          "workspace_alloc"),
-        ("bwd workspace too small", lambda: _bwd_ws(q, k, v, out, lse, lambda n, z: FakeGpuArray((8,), "uint8")),
+        ("bwd workspace too small", lambda: _bwd_ws(lambda n, z: FakeGpuArray((8,), "uint8")),
          FmhaValueError, "bytes"),
-        ("bwd workspace on another device", lambda: _bwd_ws(q, k, v, out, lse, lambda n, z: FakeGpuArray((n,), "uint8", device=1)),
+        ("bwd workspace on another device", lambda: _bwd_ws(lambda n, z: FakeGpuArray((n,), "uint8", device=1)),
          FmhaValueError, "GPU 1"),
         ("varlen cu_seqlens int64", lambda: _varlen(cu_dtype="int64"), FmhaTypeError, "cu_seqlens_q"),
         ("varlen cu_seqlens half on host", lambda: _varlen(cu_host=True), FmhaValueError, "all as NumPy arrays"),
@@ -162,7 +162,12 @@ def _bwd_alias(q, k, v, out, lse):
     return fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dout)
 
 
-def _bwd_ws(q, k, v, out, lse, alloc):
+def _bwd_ws(alloc):
+    """A backward with workspace_alloc on a problem past SINGLE_MAX_SCORES: the one-launch backward of
+    smaller ones needs no workspace and never calls it."""
+    q, k, v = qkv(B=1, Sq=1024, Sk=1024)
+    assert 4 * 1024 * 1024 > portable_plan.SINGLE_MAX_SCORES
+    out, lse = FakeGpuArray(q.shape), FakeGpuArray((1, 4, 1024), "float32")
     return fmha_rt.mha_bwd(FakeGpuArray(out.shape), q, k, v, out, lse, dq=FakeGpuArray(q.shape),
                            dk=FakeGpuArray(k.shape), dv=FakeGpuArray(v.shape), workspace_alloc=alloc)
 
@@ -216,15 +221,21 @@ def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):
     assert launches[0].args["kv_group_size"] == 4 and launches[0].args["window_right"] == 0
 
 
-def test_workspace_sizes_match_hand_computed_values():
+def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     """delta and lse2 are fp32 [B, Hq, Sq], each rounded up to 256 bytes; the deterministic dQ needs
-    nothing more."""
+    nothing more. The one-launch backward (small problems) keeps Delta and Lse2 in its programs and
+    needs no workspace at all, unless a bias gradient asks for dS."""
     q, k, v = qkv(B=3, Sq=100, Sk=64, Hq=4, Hk=4)
+    bias = FakeGpuArray((1, 1, 100, 64))
+    ds_bytes = 3 * 4 * 100 * 64 * 4  # dS, fp32 [B, Hq, Sq, ceil8(Sk)], zeroed
+    assert 3 * 4 * 100 * 64 <= portable_plan.SINGLE_MAX_SCORES
+    assert fmha_rt.bwd_workspace_bytes(q, k, v) == 0
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 0
+    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 100 * 4 // 256) * 256 == 9728
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 9728
-    bias = FakeGpuArray((1, 1, 100, 64))
-    # a tensor bias with gradient adds dS, fp32 [B, Hq, Sq, ceil8(Sk)], zeroed
-    assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 9728 + 3 * 4 * 100 * 64 * 4
+    # a tensor bias with gradient adds dS (the one-launch backward takes no bias)
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 9728 + ds_bytes
 
 
 @pytest.mark.parametrize("mask_type,causal,window,alignment,expected", [

@@ -1027,8 +1027,9 @@ patches = pytest.MonkeyPatch()
 StandInRuntime(patches)
 patches.setattr(launch, "kernel_handle", lambda device, entry: ffi.NULL)
 patches.setattr(launch, "_launch", lambda config, stream: 0)
-q, k, v, out, dout, dq, dk, dv = (FakeGpuArray((1, 64, 2, 64)) for _ in range(8))
-lse = FakeGpuArray((1, 2, 64), "float32")
+# past SINGLE_MAX_SCORES: the one-launch backward of smaller problems needs no workspace
+q, k, v, out, dout, dq, dk, dv = (FakeGpuArray((1, 1024, 2, 64)) for _ in range(8))
+lse = FakeGpuArray((1, 2, 1024), "float32")
 for _ in range(3):
     fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, stream=0x10)
 count, nbytes = ffi.new("size_t *"), ffi.new("uint64_t *")

@@ -196,6 +196,31 @@ def test_deterministic_backward_is_bitwise_equal_over_runs_and_streams(B, S, H, 
         assert all(torch.equal(a, b) for a, b in zip(first, r))
 
 
+@pytest.mark.parametrize("Hq,Hk,D,opts", [(4, 4, 64, {}), (8, 2, 128, {"causal": True}), (3, 1, 32, {"window": (20, 5)})],
+                         ids=["mha_d64", "gqa_d128_causal", "mqa_d32_window"])
+def test_one_launch_backward_takes_no_workspace(Hq, Hk, D, opts):
+    """A problem too small to fill the GPU takes the one-launch backward, whose programs keep Delta and
+    Lse2 themselves: workspace_alloc is never asked, and the gradients match the float64 reference."""
+    B, Sq, Sk = 2, 200, 232
+    asked = []
+
+    def alloc(nbytes, zero_init):
+        asked.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    q, k, v, dout, out, lse, dq, dk, dv = run_case("bf16", B, Sq, Sk, Hq, Hk, D, D, opts, seed=30 + D)
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, **opts) == 0
+    grads = [nan_like(t.shape, torch.bfloat16) for t in (q, k, v)]
+    fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], workspace_alloc=alloc, **opts)
+    kernels = fmha_rt.last_launch_info()["kernels"]
+    assert asked == [] and len(kernels) == 1 and kernels[0].startswith(f"fmha_bwd_single_bf16_d{D}"), kernels
+    ref_opts = mask_kwargs(opts, Sq, Sk)
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref_opts)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert_close(name, got, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, (dq, dk, dv)))  # as without the callback
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_backward_at_long_keys_matches_float64_and_is_bitwise_reproducible(causal):
     """MHA at D=128 from 4096 keys takes the fused backward (one grid of dK/dV and dQ programs): against a
