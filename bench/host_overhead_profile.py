@@ -15,7 +15,8 @@ can be imported: what `python -m fmha_rt bench --overhead-only` measures, plus w
     python bench/host_overhead_profile.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--pieces]
                                           [--out FILE]
 
-Shape as the GPU bench's overhead point: B=1 H=1 S=128 D=64 fp16, varlen as two sequences (48, 80).
+Shape as the GPU bench's overhead point: B=1 H=1 S=128 D=64 fp16, varlen as two sequences (48, 80);
+the rows "mha_bwd 2 launches" at S=1056, past the one-launch backward's limit (SINGLE_MAX_SCORES).
 Outputs (out/lse, dq/dk/dv) are given, as fmha_rt.torch gives them; the backward's workspace comes
 from fmha_rt's own allocator (the buffer the shim keeps for the stream, taken in the replay), and in the row
 "mha_bwd torch ws" from fmha_rt.torch.caching_workspace, as fmha_rt.torch's backward takes it
@@ -57,6 +58,7 @@ from fake_gpu import FakeGpuArray, StandInRuntime
 
 B, S, H, D = 1, 128, 1, 64
 SEQLENS = (48, 80)
+S_TWO_LAUNCHES = 1056  # B*H*S*S past portable_plan.SINGLE_MAX_SCORES: the backward is two launches
 
 
 @contextlib.contextmanager
@@ -149,9 +151,13 @@ def rows(make, suffix: str = "", workspace=None) -> dict:
     vlse = make.empty(H, total, dtype="float32")
     cu = make.offsets([0, SEQLENS[0], total])
     longest = max(SEQLENS)
+    big = [make.randn(B, S_TWO_LAUNCHES, H, D) for _ in range(8)]  # q k v dout out dq dk dv
+    big_lse = make.empty(B, H, S_TWO_LAUNCHES, dtype="float32")
     table = {
         f"mha_fwd{suffix}": lambda: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse),
         f"mha_bwd{suffix}": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
+        f"mha_bwd 2 launches{suffix}": lambda: fmha_rt.mha_bwd(*big[3:4], *big[:3], big[4], big_lse, dq=big[5],
+                                                                dk=big[6], dv=big[7]),
     }
     if workspace is not None:
         table["mha_bwd torch ws"] = lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
@@ -278,7 +284,7 @@ def main():
     for name, us in best.items():
         parts = "".join(f"  {piece} {t:5.2f}" for piece, t in pieces.get(name, {}).items())
         b2b = f"  back to back {back_to_back[name]:6.2f}" if batch else ""
-        print(f"  {name:20s} {us:6.2f}{b2b}{parts}")
+        print(f"  {name:25s} {us:6.2f}{b2b}{parts}")
 
 
 if __name__ == "__main__":

@@ -376,10 +376,13 @@ def test_workspace_layout_matches_hand_computed_sizes():
     varlen = AttentionProblem(3, 50, 50, 3, 3, 64, 64, "fp16", varlen=True, total_q=101, total_k=90,
                               deterministic=True)
     for arch in pp.BUILD_ARCHS:
-        ws = pp.bwd_workspace(varlen, arch)
+        ws = pp.bwd_workspace(varlen, arch, pp.DQ_DETERMINISTIC)
         assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [("delta", 0, 4 * 3 * 101),
                                                                       ("lse2", 1280, 4 * 3 * 101)]
         assert ws.total_bytes == 2560 and not ws.needs_zeroing and ws.dq_splits == 0
+        # by default a problem this small takes the one-launch backward where it is built: no workspace
+        single = pp.dq_strategy(varlen, arch) == pp.DQ_SINGLE
+        assert single == (arch == "sm_90") and (pp.bwd_workspace(varlen, arch).total_bytes == 0) == single
     with pytest.raises(FmhaValueError):
         pp.bwd_workspace(varlen, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
 
