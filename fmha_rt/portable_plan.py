@@ -196,7 +196,7 @@ BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC
 
 # The FUSED strategy (fmha_bwd_fused after the Delta/Lse2 pre-pass): (dK/dV tile, dQ tile) per head-dim
 # pair where it is built; both tiles take one warp count and stage count (the first tile's). Like the
-# two-kernel strategy it has no atomics, so it is deterministic. On the archs of FUSED_MEASURED_ONLY it is
+# two-kernel strategy it has no atomics, so it is deterministic. On the archs of MEASURED_ONLY it is
 # built and chosen only where it measured faster than the two-kernel backward: on sm_90 D=128 without
 # bias or dropout, one query head per key head, from FUSED_MIN_SEQLEN_K keys (pass alone,
 # bench/results/h200_tile_search_v8_fused.json: +4% at S=4k and 16k without a mask, +2% at 16k causal,
@@ -207,7 +207,8 @@ FUSED_TILES = {
     "sm_90": {(128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
     INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
 }
-FUSED_MEASURED_ONLY = {"sm_90"}
+# Archs where FUSED and SINGLE are built only for the problems where they measured faster.
+MEASURED_ONLY = {"sm_90"}
 FUSED_MIN_SEQLEN_K = 4096
 
 
@@ -217,7 +218,10 @@ FUSED_MIN_SEQLEN_K = 4096
 # of it: up to SINGLE_MAX_SCORES score elements (B * Hq * Sq * Sk), no bias or dropout, head dims up to
 # 128. Tiles: the two-kernel strategy's where both passes take one warp count, else FUSED's. The limit
 # is the largest measured point where it was faster (bench/results/h200_single_launch_crossover.json,
-# GPU time per call: 0.83-0.95x the two-kernel backward up to 2^20 scores, 1.01-1.24x at 2^22).
+# GPU time per call: 0.83-0.95x the two-kernel backward up to 2^20 scores, 1.01-1.24x at 2^22). On the
+# archs of MEASURED_ONLY, one query head per key head only: with GQA/MQA each dK/dV program loops over
+# the group's heads at the wider tile, and the one launch took 1.2-1.9x the GPU time of the two-kernel
+# backward (bench/results/h200_single_launch_gqa.json), far more than the launch it saves.
 SINGLE_TILES = {
     "sm_90": {(32, 32): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)), (64, 64): (Tile(32, 128, 4, 3), Tile(64, 64, 4, 3)),
               (128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
@@ -226,9 +230,12 @@ SINGLE_TILES = {
 SINGLE_MAX_SCORES = 1 << 20
 
 
-def single_built(arch, pair, bias_kind, dropout) -> bool:
-    """Whether `arch` has the SINGLE strategy's kernel for this head-dim pair and these features."""
-    return pair in SINGLE_TILES.get(arch, {}) and bias_kind == BIAS_NONE and not dropout
+def single_built(arch, pair, bias_kind, dropout, single_head) -> bool:
+    """Whether `arch` has the SINGLE strategy's kernel for this head-dim pair, these features and this
+    dK/dV form (single_head: one query head per key head)."""
+    if pair not in SINGLE_TILES.get(arch, {}) or bias_kind != BIAS_NONE or dropout:
+        return False
+    return arch not in MEASURED_ONLY or single_head
 
 
 def fused_built(arch, pair, bias_kind, dropout, single_head) -> bool:
@@ -236,7 +243,7 @@ def fused_built(arch, pair, bias_kind, dropout, single_head) -> bool:
     dK/dV form (single_head: one query head per key head)."""
     if pair not in FUSED_TILES.get(arch, {}):
         return False
-    return arch not in FUSED_MEASURED_ONLY or (bias_kind == BIAS_NONE and not dropout and single_head)
+    return arch not in MEASURED_ONLY or (bias_kind == BIAS_NONE and not dropout and single_head)
 
 
 # Variants with a tensor bias or dropout hold one more score-sized tile per key block (bias loads are
@@ -363,7 +370,7 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
                       dq_strategy=strategy, deterministic=True, **{"pass": f"bwd_{strategy}"})
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
             built = (fused_built(arch, pair, bias_kind, dropout, single_head) if strategy == DQ_FUSED
-                     else single_built(arch, pair, bias_kind, dropout))
+                     else single_built(arch, pair, bias_kind, dropout, single_head))
             if built:
                 key = fused_key(dtype, pair, bias_kind, dropout, single_head, strategy)
                 out.append(_variant(key, "fmha_bwd_fused", dtype, kv, dict(constexprs, GROUP_LOOP=not single_head),
@@ -495,21 +502,16 @@ def dq_strategy(problem, arch, requested=None) -> str:
     pair = head_dim_tiles(problem)
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     fused = fused_built(arch, pair, *_features(problem), single_head)
-    single = single_built(arch, pair, *_features(problem))
-    if requested == DQ_SINGLE:
-        if not single:
-            built = ", ".join(_pair_name(*p) for p in SINGLE_TILES.get(arch, {})) or "none"
-            raise FmhaNotImplementedError(f"the one-launch backward is not built for this problem on {arch} "
-                                          f"(built: {built}, without bias or dropout)")
-        return DQ_SINGLE
-    if requested == DQ_FUSED:
-        if not fused:
-            built = ", ".join(_pair_name(*p) for p in FUSED_TILES.get(arch, {})) or "none"
-            plain = (" without bias or dropout, one query head per key head" if arch in FUSED_MEASURED_ONLY
-                     else "")
-            raise FmhaNotImplementedError(f"the fused backward is not built for this problem on {arch} "
-                                          f"(built: {built}{plain})")
-        return DQ_FUSED
+    single = single_built(arch, pair, *_features(problem), single_head)
+    for strategy, built, tiles, name, always in ((DQ_SINGLE, single, SINGLE_TILES, "one-launch", " without bias or dropout"),
+                                                 (DQ_FUSED, fused, FUSED_TILES, "fused", "")):
+        if requested == strategy:
+            if not built:
+                pairs = ", ".join(_pair_name(*p) for p in tiles.get(arch, {})) or "none"
+                plain = " without bias or dropout, one query head per key head" if arch in MEASURED_ONLY else always
+                raise FmhaNotImplementedError(f"the {name} backward is not built for this problem on {arch} "
+                                              f"(built: {pairs}{plain})")
+            return strategy
     scores = problem.batch * problem.heads_q * problem.seqlen_q * problem.seqlen_k
     if requested is None and single and scores <= SINGLE_MAX_SCORES:
         return DQ_SINGLE

@@ -40,6 +40,7 @@ PROBLEMS = {
     "window_br_fp16": problem(dtype="fp16", window_left=32, window_right=8, bottom_right=True),
     "d192_dv128": problem(head_dim_qk=192, head_dim_v=128, heads_k=1),
     "varlen": problem(varlen=True, total_q=300, total_k=280, batch=3),
+    "mha_one_launch": problem(heads_k=4),  # small enough for the one-launch backward, which has no workspace
 }
 
 
@@ -144,11 +145,11 @@ def test_program_matches_the_plan(name, build):
             [(r.offset, r.nbytes) for r in ws.regions if r.zero_init]
 
 
-@pytest.mark.parametrize("single_max_scores,workspace", [(1 << 20, []), (-1, ["workspace"])],
-                         ids=["one_launch", "two_kernels"])
-def test_backward_operands_and_results(monkeypatch, single_max_scores, workspace):
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", single_max_scores)
-    program = launch_program.backward(PROBLEMS["varlen"], ARCH)
+@pytest.mark.parametrize("heads_k,workspace", [(4, []), (2, ["workspace"])], ids=["one_launch_mha", "two_kernels_gqa"])
+def test_backward_operands_and_results(heads_k, workspace):
+    p = problem(varlen=True, total_q=300, total_k=280, batch=3, heads_k=heads_k)
+    assert (portable_plan.dq_strategy(p, ARCH) == portable_plan.DQ_SINGLE) == (not workspace)
+    program = launch_program.backward(p, ARCH)
     names = [b.name for b in program.buffers]
     assert names == ["dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "dq", "dk", "dv",
                      *workspace]

@@ -226,6 +226,20 @@ def test_one_launch_backward_equals_the_two_kernel_one(heads, window, bottom_rig
         assert torch.equal(x, y), name
 
 
+def test_one_launch_backward_is_built_for_mha_only_on_measured_archs():
+    """On sm_90 the one-launch backward exists for one query head per key head: with GQA/MQA its dK/dV
+    programs each loop over the group's heads and it measured slower than two launches, so a small GQA
+    problem takes the two-kernel backward, and asking for SINGLE names what is built."""
+    mha = AttentionProblem(2, 128, 128, 4, 4, 64, 64, "bf16")
+    gqa = AttentionProblem(2, 128, 128, 8, 2, 64, 64, "bf16")
+    assert pp.dq_strategy(mha, "sm_90") == pp.DQ_SINGLE
+    assert pp.dq_strategy(gqa, "sm_90") == pp.DQ_DETERMINISTIC
+    assert pp.dq_strategy(gqa, pp.INTERPRET_ARCH) == pp.DQ_SINGLE  # the interpreter builds every form
+    with pytest.raises(FmhaNotImplementedError, match="one-launch backward is not built .* one query head per key"):
+        pp.dq_strategy(gqa, "sm_90", pp.DQ_SINGLE)
+    assert all(k.endswith("_mha") for k in pp.variant_map("sm_90") if k.startswith("fmha_bwd_single_"))
+
+
 def test_dropout_mask_depends_on_seed_and_offset_only():
     problem = _dropout_problem()
     first = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": 0})

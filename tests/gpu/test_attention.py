@@ -196,11 +196,11 @@ def test_deterministic_backward_is_bitwise_equal_over_runs_and_streams(B, S, H, 
         assert all(torch.equal(a, b) for a, b in zip(first, r))
 
 
-@pytest.mark.parametrize("Hq,Hk,D,opts", [(4, 4, 64, {}), (8, 2, 128, {"causal": True}), (3, 1, 32, {"window": (20, 5)})],
-                         ids=["mha_d64", "gqa_d128_causal", "mqa_d32_window"])
+@pytest.mark.parametrize("Hq,Hk,D,opts", [(4, 4, 64, {}), (8, 8, 128, {"causal": True}), (3, 3, 32, {"window": (20, 5)})],
+                         ids=["d64", "d128_causal", "d32_window"])
 def test_one_launch_backward_takes_no_workspace(Hq, Hk, D, opts):
-    """A problem too small to fill the GPU takes the one-launch backward, whose programs keep Delta and
-    Lse2 themselves: workspace_alloc is never asked, and the gradients match the float64 reference."""
+    """An MHA problem too small to fill the GPU takes the one-launch backward, whose programs keep Delta
+    and Lse2 themselves: workspace_alloc is never asked, and the gradients match the float64 reference."""
     B, Sq, Sk = 2, 200, 232
     asked = []
 
