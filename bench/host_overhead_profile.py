@@ -151,13 +151,12 @@ def rows(make, suffix: str = "", workspace=None) -> dict:
     vlse = make.empty(H, total, dtype="float32")
     cu = make.offsets([0, SEQLENS[0], total])
     longest = max(SEQLENS)
-    big = [make.randn(B, S_TWO_LAUNCHES, H, D) for _ in range(8)]  # q k v dout out dq dk dv
-    big_lse = make.empty(B, H, S_TWO_LAUNCHES, dtype="float32")
+    bq, bk, bv, bdout, bout, bdq, bdk, bdv = (make.randn(B, S_TWO_LAUNCHES, H, D) for _ in range(8))
+    blse = make.empty(B, H, S_TWO_LAUNCHES, dtype="float32")
     table = {
         f"mha_fwd{suffix}": lambda: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse),
         f"mha_bwd{suffix}": lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv),
-        f"mha_bwd 2 launches{suffix}": lambda: fmha_rt.mha_bwd(*big[3:4], *big[:3], big[4], big_lse, dq=big[5],
-                                                                dk=big[6], dv=big[7]),
+        f"mha_bwd 2 launches{suffix}": lambda: fmha_rt.mha_bwd(bdout, bq, bk, bv, bout, blse, dq=bdq, dk=bdk, dv=bdv),
     }
     if workspace is not None:
         table["mha_bwd torch ws"] = lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,

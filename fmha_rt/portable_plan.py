@@ -503,15 +503,17 @@ def dq_strategy(problem, arch, requested=None) -> str:
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     fused = fused_built(arch, pair, *_features(problem), single_head)
     single = single_built(arch, pair, *_features(problem), single_head)
-    for strategy, built, tiles, name, always in ((DQ_SINGLE, single, SINGLE_TILES, "one-launch", " without bias or dropout"),
-                                                 (DQ_FUSED, fused, FUSED_TILES, "fused", "")):
-        if requested == strategy:
-            if not built:
-                pairs = ", ".join(_pair_name(*p) for p in tiles.get(arch, {})) or "none"
-                plain = " without bias or dropout, one query head per key head" if arch in MEASURED_ONLY else always
-                raise FmhaNotImplementedError(f"the {name} backward is not built for this problem on {arch} "
-                                              f"(built: {pairs}{plain})")
-            return strategy
+    if requested in (DQ_SINGLE, DQ_FUSED):
+        single_asked = requested == DQ_SINGLE
+        if not (single if single_asked else fused):
+            pairs = ", ".join(_pair_name(*p) for p in (SINGLE_TILES if single_asked else FUSED_TILES).get(arch, {}))
+            if arch in MEASURED_ONLY:
+                what = " without bias or dropout, one query head per key head"
+            else:
+                what = " without bias or dropout" if single_asked else ""
+            raise FmhaNotImplementedError(f"the {'one-launch' if single_asked else 'fused'} backward is not built "
+                                          f"for this problem on {arch} (built: {pairs or 'none'}{what})")
+        return requested
     scores = problem.batch * problem.heads_q * problem.seqlen_q * problem.seqlen_k
     if requested is None and single and scores <= SINGLE_MAX_SCORES:
         return DQ_SINGLE
