@@ -3,7 +3,8 @@ driver's launch with the same kernel and argument path) and torch's cost for a t
 
     python bench/launch_overhead.py [--launches N] [--out results.json]
 
-Wall clock per launch over N back-to-back launches of the self-test axpy on one 128-thread block.
+Wall clock per launch over N back-to-back launches of the self-test axpy on one 128-thread block, and
+per call of the same kernel launched as a graph of one and of two nodes whose arguments are set per call.
 """
 import argparse
 import datetime
@@ -24,6 +25,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 # fills, so they are the host's own cost; the others are back to back and wait whenever the GPU runs
 # the tiny kernel slower than the host issues it.
 BATCH = 100
+# The floor of a cached call launched as a graph (fmha_rt/launch_graphs.c): set the arguments of a graph's
+# N kernel nodes and launch it, per call; against N times c_floor_batched for N launches one by one.
+GRAPH_NODES = (1, 2)
 
 
 def per_call_us(fn, n, batch=0, sync=None):
@@ -54,7 +58,7 @@ def main():
         {**dict.fromkeys(("global_scratch", "profile_scratch"), None), **kernel_args}))
 
     results = {"packed": [], "packed_batched": [], "pack_and_launch": [], "c_floor": [], "c_floor_batched": [],
-               "torch_sdpa_tiny": []}
+               **{f"c_floor_graph_{n}_nodes_batched": [] for n in GRAPH_NODES}, "torch_sdpa_tiny": []}
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp) / "axpy.cubin"
         cubin.write_bytes(gzip.decompress((registry().root / entry.file).read_bytes()))
@@ -74,6 +78,10 @@ def main():
             floor = subprocess.run([str(exe), str(cubin), entry.symbol, str(args.launches), str(BATCH)], check=True,
                                    capture_output=True, text=True)
             results["c_floor_batched"].append(float(floor.stdout))
+            for nodes in GRAPH_NODES:
+                floor = subprocess.run([str(exe), str(cubin), entry.symbol, str(args.launches), str(BATCH), str(nodes)],
+                                       check=True, capture_output=True, text=True)
+                results[f"c_floor_graph_{nodes}_nodes_batched"].append(float(floor.stdout))
             sdpa = torch.nn.functional.scaled_dot_product_attention
             results["torch_sdpa_tiny"].append(per_call_us(lambda: sdpa(q, q, q), args.launches // 4))
             torch.cuda.synchronize()

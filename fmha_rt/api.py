@@ -715,11 +715,13 @@ def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
 
 
 def release_workspaces() -> None:
-    """Free the workspaces kept per stream for backwards without a workspace_alloc (each on its own
-    stream, after the work queued there, so its streams must still exist); the next such call on a
-    stream allocates anew. Call it before destroying a stream such calls ran on: a later stream may
-    get the same handle, and its calls would take the buffer without waiting for the old stream's."""
+    """Free what fmha_rt keeps per stream: the workspaces of backwards without a workspace_alloc (each
+    on its own stream, after the work queued there, so its streams must still exist; the next such
+    call on a stream allocates anew) and the launch graphs of cached calls (made again on next use).
+    Call it before destroying a stream such calls ran on: a later stream may get the same handle, and
+    its calls would take the buffer without waiting for the old stream's."""
     backend.check(backend.lib.fmha_workspaces_release(), "fmha_workspaces_release")
+    backend.check(backend.lib.fmha_launch_graphs_release(), "fmha_launch_graphs_release")
 
 
 def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):

@@ -13,7 +13,8 @@ and packing: `replay` reads its pointers, allocates the outputs that are missing
 workspace from the caller's workspace_alloc, if given) and launches the plan with one C call
 (replay.c): that checks what depends on the pointers (no output overlapping an input, alignment), takes
 our own workspace (kept per stream: workspaces.c), writes the values into copies of the templates,
-zeroes the regions that must start at zero and launches. A hit builds no launch objects: BoundLaunches,
+zeroes the regions that must start at zero and launches, as one CUDA graph kept per plan and stream
+(launch_graphs.c) where it can. A hit builds no launch objects: BoundLaunches,
 the plan's launches read like planned ones, are made only where launches are logged. Whatever
 follows from the signature alone is worked out once, when the plan is recorded (ReplayProgram): the
 pairs of arrays to compare and the distances between their addresses at which they would overlap,
@@ -198,6 +199,11 @@ class BoundLaunches(Ready):
         self.plan.launch(self.array, stream, self.allocate, thread_buffers().failed)
 
 
+# Names of the replay plans' launch graphs (launch_graphs.c): never reused in a process, so a graph kept
+# for a plan that is gone is never launched for another. next() on a count is atomic under the GIL.
+_GRAPH_IDS = itertools.count(1)
+
+
 class ReplayProgram:
     """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
 
@@ -219,7 +225,8 @@ class ReplayProgram:
             "device": device, "launch_count": len(templates), "launches": self.launches,
             "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
             "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
-            "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes, "value_count": len(index)})
+            "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes, "value_count": len(index),
+            "graph_id": next(_GRAPH_IDS)})
 
 
 @dataclasses.dataclass(frozen=True)

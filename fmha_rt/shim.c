@@ -88,6 +88,14 @@ struct driver {
     drv_result (*event_create)(uint64_t *, unsigned);
     drv_result (*event_record)(uint64_t, uint64_t);
     drv_result (*stream_wait_event)(uint64_t, uint64_t, unsigned);
+    /* Graphs (CUDA only, optional: without them a replay launches one by one). */
+    drv_result (*graph_create)(drv_handle *, unsigned);
+    drv_result (*graph_add_kernel_node)(drv_handle *, drv_handle, const drv_handle *, size_t, const void *);
+    drv_result (*graph_instantiate)(drv_handle *, drv_handle, unsigned long long);
+    drv_result (*graph_exec_kernel_node_set_params)(drv_handle, drv_handle, const void *);
+    drv_result (*graph_launch)(drv_handle, uint64_t);
+    drv_result (*graph_exec_destroy)(drv_handle);
+    drv_result (*graph_destroy)(drv_handle);
 };
 
 struct fmha_kernel {
@@ -189,6 +197,13 @@ static int resolve_entry_points(void) {
     RESOLVE(event_record, "cuEventRecord", "hipEventRecord", 1);
     RESOLVE(stream_wait_event, "cuStreamWaitEvent", "hipStreamWaitEvent", 1);
     RESOLVE(stream_is_capturing, "cuStreamIsCapturing", "hipStreamIsCapturing", 0);
+    RESOLVE(graph_create, "cuGraphCreate", NULL, 0);
+    RESOLVE(graph_add_kernel_node, "cuGraphAddKernelNode_v2", NULL, 0);
+    RESOLVE(graph_instantiate, "cuGraphInstantiateWithFlags", NULL, 0);
+    RESOLVE(graph_exec_kernel_node_set_params, "cuGraphExecKernelNodeSetParams_v2", NULL, 0);
+    RESOLVE(graph_launch, "cuGraphLaunch", NULL, 0);
+    RESOLVE(graph_exec_destroy, "cuGraphExecDestroy", NULL, 0);
+    RESOLVE(graph_destroy, "cuGraphDestroy", NULL, 0);
     if (!cuda) {
         /* hipDeviceProp_t changed layout in HIP 6; the R0600 entry point names the new one. */
         RESOLVE(get_device_properties, NULL, "hipGetDevicePropertiesR0600", 0);
@@ -650,6 +665,139 @@ int fmha_launch_prepared(const fmha_launch_config *c, uint64_t stream) {
     if (c == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_launch_prepared: NULL config");
     return fmha_launch(c->kernel, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1], c->block[2],
                        c->dynamic_shared_bytes, stream, c->args, c->args_size);
+}
+
+/* ---- launch graphs ---- */
+
+/* CUDA_KERNEL_NODE_PARAMS_v2: the function, its launch shape, the arguments as a packed buffer in
+   `extra`; kern and ctx unused (NULL) since func is given. */
+typedef struct {
+    drv_handle func;
+    unsigned int grid[3], block[3], shared_bytes;
+    void **kernel_params;
+    void **extra;
+    drv_handle kern, ctx;
+} cuda_kernel_node_params;
+
+typedef struct launch_graph {
+    int device;
+    size_t count;
+    drv_handle graph, exec;
+    drv_handle nodes[FMHA_LAUNCH_GRAPH_MAX_NODES];
+    char kernels[FMHA_LAUNCH_GRAPH_MAX_NODES * KEY_LEN]; /* their keys, for messages */
+} launch_graph;
+
+/* The node parameters of a launch config; `extra` is the caller's array of five. */
+static cuda_kernel_node_params node_params(const fmha_launch_config *c, void **extra) {
+    extra[0] = LAUNCH_PARAM_BUFFER_POINTER;
+    extra[1] = c->args;
+    extra[2] = LAUNCH_PARAM_BUFFER_SIZE;
+    extra[3] = (void *)&c->args_size;
+    extra[4] = CUDA_LAUNCH_PARAM_END;
+    return (cuda_kernel_node_params){c->kernel->function, {c->grid[0], c->grid[1], c->grid[2]},
+                                     {c->block[0], c->block[1], c->block[2]}, c->dynamic_shared_bytes, NULL, extra,
+                                     NULL, NULL};
+}
+
+static int graph_free(launch_graph *lg) {
+    drv_result r = 0;
+    if (lg->exec != NULL) r = g.d.graph_exec_destroy(lg->exec);
+    if (lg->graph != NULL) g.d.graph_destroy(lg->graph);
+    int device = lg->device;
+    free(lg);
+    return r ? driver_error(r, "cuGraphExecDestroy", NULL, device) : FMHA_OK;
+}
+
+int fmha_graph_create(int device, const fmha_launch_config *launches, size_t count, void **graph) {
+    int s = check_ordinal(device);
+    if (s != FMHA_OK) return s;
+    if (g.d.graph_create == NULL || g.d.graph_add_kernel_node == NULL || g.d.graph_instantiate == NULL ||
+        g.d.graph_exec_kernel_node_set_params == NULL || g.d.graph_launch == NULL || g.d.graph_exec_destroy == NULL ||
+        g.d.graph_destroy == NULL)
+        return set_error(FMHA_ERR_NO_SYMBOL, "%s has no graph entry points", g.library);
+    if (launches == NULL || graph == NULL || count == 0 || count > FMHA_LAUNCH_GRAPH_MAX_NODES)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_graph_create: NULL argument or %zu launches", count);
+    for (size_t i = 0; i < count; ++i) {
+        const fmha_kernel *k = launches[i].kernel;
+        if (k == NULL || k->device != device || launches[i].dynamic_shared_bytes > k->shared_limit)
+            return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_graph_create: launch %zu's kernel is not on device %d "
+                             "or asks for more shared memory than its limit", i, device);
+    }
+    launch_graph *lg = calloc(1, sizeof *lg);
+    if (lg == NULL) return set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory making a launch graph");
+    lg->device = device;
+    lg->count = count;
+    for (size_t i = 0; i < count; ++i) {
+        size_t used = strlen(lg->kernels);
+        snprintf(lg->kernels + used, sizeof lg->kernels - used, "%s%s", i ? "', '" : "", launches[i].kernel->key);
+    }
+    saved_device saved;
+    if ((s = enter_device(device, &saved)) != FMHA_OK) {
+        free(lg);
+        return s;
+    }
+    const char *call = "cuGraphCreate";
+    const char *kernel = NULL;
+    drv_result r = g.d.graph_create(&lg->graph, 0);
+    for (size_t i = 0; r == 0 && i < count; ++i) {
+        void *extra[5];
+        cuda_kernel_node_params params = node_params(&launches[i], extra);
+        call = "cuGraphAddKernelNode";
+        kernel = launches[i].kernel->key;
+        r = g.d.graph_add_kernel_node(&lg->nodes[i], lg->graph, i ? &lg->nodes[i - 1] : NULL, i ? 1 : 0, &params);
+    }
+    if (r == 0) {
+        call = "cuGraphInstantiateWithFlags";
+        kernel = lg->kernels;
+        r = g.d.graph_instantiate(&lg->exec, lg->graph, 0);
+    }
+    leave_device(&saved);
+    if (r != 0) {
+        s = driver_error(r, call, kernel, device);
+        char message[sizeof t_error];
+        snprintf(message, sizeof message, "%s", t_error);
+        graph_free(lg);
+        return set_error(s, "%s", message);
+    }
+    *graph = lg;
+    return FMHA_OK;
+}
+
+int fmha_graph_launch(void *graph, const fmha_launch_config *launches, size_t count, uint64_t stream,
+                      size_t *failed) {
+    launch_graph *lg = graph;
+    if (lg == NULL || launches == NULL || failed == NULL || count != lg->count)
+        return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_graph_launch: NULL argument or not the graph's launches");
+    saved_device saved;
+    int s = enter_device(lg->device, &saved);
+    if (s != FMHA_OK) return s;
+    drv_result r = 0;
+    for (size_t i = 0; r == 0 && i < count; ++i) {
+        void *extra[5];
+        cuda_kernel_node_params params = node_params(&launches[i], extra);
+        r = g.d.graph_exec_kernel_node_set_params(lg->exec, lg->nodes[i], &params);
+        if (r != 0) {
+            *failed = i;
+            s = driver_error(r, "cuGraphExecKernelNodeSetParams", launches[i].kernel->key, lg->device);
+        }
+    }
+    if (r == 0 && (r = g.d.graph_launch(lg->exec, stream)) != 0) {
+        *failed = 0;
+        s = driver_error(r, "cuGraphLaunch", lg->kernels, lg->device);
+    }
+    leave_device(&saved);
+    return s;
+}
+
+int fmha_graph_destroy(void *graph) {
+    if (graph == NULL) return set_error(FMHA_ERR_BAD_ARGUMENT, "fmha_graph_destroy: NULL graph");
+    launch_graph *lg = graph;
+    saved_device saved;
+    int s = enter_device(lg->device, &saved);
+    if (s != FMHA_OK) return s;
+    s = graph_free(lg);
+    leave_device(&saved);
+    return s;
 }
 
 /* ---- memory ---- */

@@ -26,6 +26,7 @@ REPLAY_SOURCE = SOURCE.with_name("replay.c")
 DESCRIBE_SOURCE = SOURCE.with_name("describe.c")
 WORKSPACES_SOURCE = SOURCE.with_name("workspaces.c")
 EVENTS_SOURCE = SOURCE.with_name("events.c")
+LAUNCH_GRAPHS_SOURCE = SOURCE.with_name("launch_graphs.c")
 XLA_FFI_HEADER = pathlib.Path("xla", "ffi", "api", "c_api.h")
 # The handler asks XLA for the call's device; headers older than that query are not used.
 XLA_FFI_REQUIRED = "XLA_FFI_DeviceOrdinal_Get"
@@ -65,7 +66,8 @@ def make_builder() -> cffi.FFI:
     builder = cffi.FFI()
     builder.cdef(header_cdef(text))
     include_dirs = [str(HEADER.parent)]
-    sources = [os.path.relpath(s) for s in (REPLAY_SOURCE, WORKSPACES_SOURCE, EVENTS_SOURCE, DESCRIBE_SOURCE)]
+    sources = [os.path.relpath(s) for s in (REPLAY_SOURCE, WORKSPACES_SOURCE, EVENTS_SOURCE, LAUNCH_GRAPHS_SOURCE,
+                                                  DESCRIBE_SOURCE)]
     if xla_include is not None:
         builder.cdef(header_cdef(text, "CDEF XLA_FFI"))
         include_dirs.append(str(xla_include))

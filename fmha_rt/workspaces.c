@@ -31,15 +31,6 @@ static struct {
     slot slots[FMHA_WORKSPACE_CACHE_STREAMS];
 } g_cache = {PTHREAD_MUTEX_INITIALIZER, {{0}}};
 
-/* Whether the buffer must not outlive the call: a graph being captured on the stream would keep its
-   address. The null stream is never captured (both drivers refuse to begin a capture on it, and HIP
-   refuses the query), so it needs no driver call; a failed query counts as a capture. */
-static int capturing(const fmha_replay_ops *ops, int device, uint64_t stream) {
-    if (stream == 0) return 0;
-    int status = 0;
-    return ops->stream_capture_status(device, stream, &status) != FMHA_OK || status != 0;
-}
-
 /* The stream's slot, claimed if it has none yet, now held by the caller; NULL when another call holds
    it or every slot belongs to another stream. */
 static slot *hold(const fmha_replay_ops *ops, int device, uint64_t stream) {
@@ -87,11 +78,10 @@ static uint64_t unhold(slot *s) {
     return drop;
 }
 
-int fmha_workspace_take(const fmha_replay_ops *ops, int device, uint64_t stream, uint64_t bytes,
+int fmha_workspace_take(const fmha_replay_ops *ops, int device, uint64_t stream, uint64_t bytes, int capturing,
                         fmha_workspace_lease *lease) {
     if (ops == NULL || lease == NULL) return FMHA_ERR_BAD_ARGUMENT;
-    slot *s = bytes <= FMHA_WORKSPACE_CACHE_MAX_BYTES && !capturing(ops, device, stream) ? hold(ops, device, stream)
-                                                                                        : NULL;
+    slot *s = bytes <= FMHA_WORKSPACE_CACHE_MAX_BYTES && !capturing ? hold(ops, device, stream) : NULL;
     lease->slot = s;
     lease->ptr = 0;
     if (s == NULL) return ops->mem_alloc(device, bytes, stream, &lease->ptr);

@@ -115,6 +115,17 @@ int fmha_pointer_location(uint64_t ptr, int *device_type, int *device, int *memo
 int fmha_event_create(int device, uint64_t *event);
 int fmha_event_record(int device, uint64_t event, uint64_t stream);
 int fmha_stream_wait_event(int device, uint64_t stream, uint64_t event);
+/* A CUDA graph of `count` kernel nodes, one per launch config, each after the one before (their grids,
+   blocks and shared memory fixed; their arguments those of `launches` until set again), instantiated on
+   `device`. FMHA_ERR_NO_SYMBOL where the driver has no graphs (HIP here: not implemented). */
+int fmha_graph_create(int device, const fmha_launch_config *launches, size_t count, void **graph);
+/* Set every node's arguments to those of `launches` (the configs it was created from, patched) and
+   launch the graph on `stream`. *failed: the node whose arguments were refused, or 0 when the launch
+   itself failed (the error then names every kernel of the graph). */
+int fmha_graph_launch(void *graph, const fmha_launch_config *launches, size_t count, uint64_t stream,
+                      size_t *failed);
+/* Free a graph (launches still queued complete: the driver frees it after them). */
+int fmha_graph_destroy(void *graph);
 
 /* ---- replaying a cached call (fmha_rt/replay.c) ----
    A cached plan's launches with one call's values written in, checked and launched in one call. The
@@ -162,6 +173,11 @@ typedef struct fmha_replay_ops {
     int (*event_create)(int device, uint64_t *event);
     int (*event_record)(int device, uint64_t event, uint64_t stream);
     int (*stream_wait_event)(int device, uint64_t stream, uint64_t event);
+    /* Launch graphs (fmha_graph_create, fmha_graph_launch, fmha_graph_destroy); NULL: one by one. */
+    int (*graph_create)(int device, const fmha_launch_config *launches, size_t count, void **graph);
+    int (*graph_launch)(void *graph, const fmha_launch_config *launches, size_t count, uint64_t stream,
+                        size_t *failed);
+    int (*graph_destroy)(void *graph);
 } fmha_replay_ops;
 
 #define FMHA_REPLAY_MAX_ARGS 4096 /* bytes of one launch's arguments */
@@ -180,6 +196,7 @@ typedef struct fmha_replay_plan {
     uint32_t workspace_value; /* the workspace's value index */
     uint64_t workspace_bytes;
     uint32_t value_count; /* entries of a call's values, at most FMHA_REPLAY_MAX_VALUES */
+    uint64_t graph_id;    /* names the plan's launch graphs (launch_graphs.c), never reused; 0: none */
 } fmha_replay_plan;
 
 /* Run `plan` with `values` on `stream`. Returns FMHA_OK; FMHA_ERR_OVERLAP or FMHA_ERR_MISALIGNED with
@@ -190,7 +207,7 @@ int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64
                 int allocate_workspace, size_t *failed);
 /* The shim's own driver calls (fmha_launch_prepared, fmha_memset_d8, fmha_mem_alloc, fmha_mem_free,
    fmha_stream_capture_status, fmha_pointer_location, fmha_event_create, fmha_event_record,
-   fmha_stream_wait_event). */
+   fmha_stream_wait_event, and on CUDA fmha_graph_create, fmha_graph_launch, fmha_graph_destroy). */
 const fmha_replay_ops *fmha_replay_native_ops(void);
 
 /* ---- fmha_rt's own workspace, kept per stream (fmha_rt/workspaces.c) ----
@@ -207,8 +224,9 @@ typedef struct fmha_workspace_lease {
     uint64_t ptr;     /* the workspace */
     void *slot;       /* the cache entry it belongs to; NULL: a buffer of its own */
 } fmha_workspace_lease;
-/* A workspace of at least `bytes` on `device` for work queued on `stream`, until fmha_workspace_give. */
-int fmha_workspace_take(const fmha_replay_ops *ops, int device, uint64_t stream, uint64_t bytes,
+/* A workspace of at least `bytes` on `device` for work queued on `stream`, until fmha_workspace_give;
+   `capturing`: the stream is being captured (fmha_stream_capturing), so the buffer is the call's own. */
+int fmha_workspace_take(const fmha_replay_ops *ops, int device, uint64_t stream, uint64_t bytes, int capturing,
                         fmha_workspace_lease *lease);
 /* Hand a workspace back once the work that uses it is queued on the stream it was taken for. */
 void fmha_workspace_give(const fmha_replay_ops *ops, int device, uint64_t stream, const fmha_workspace_lease *lease);
@@ -217,6 +235,34 @@ void fmha_workspace_give(const fmha_replay_ops *ops, int device, uint64_t stream
 int fmha_workspaces_release(void);
 /* How many buffers are kept and their bytes (a held one included). */
 int fmha_workspaces_kept(size_t *count, uint64_t *bytes);
+
+/* Whether `stream` is being captured into a graph (what it queues must not outlive the call, and is
+   launched one by one). The null stream is never captured (both drivers refuse to begin a capture on
+   it, and HIP refuses the query), so it needs no driver call; a failed query counts as a capture. */
+int fmha_stream_capturing(const fmha_replay_ops *ops, int device, uint64_t stream);
+
+/* ---- launch graphs of cached calls (fmha_rt/launch_graphs.c) ----
+   A replay launches its plan's kernels as one graph whose nodes' arguments it sets per call: on an
+   H200 host one driver launch costs ~3.7 us, setting two nodes and launching them as a graph ~2.5-3.2
+   (NOTES.md, host v10). Per (ops, plan graph_id, device, stream) one graph is kept, made on the plan's
+   first replay on that stream: launches of one graph are ordered after its earlier launches whatever
+   their stream, so graphs are not shared between streams. The replay launches one by one instead for
+   plans with graph_id 0 or more than FMHA_LAUNCH_GRAPH_MAX_NODES launches, while the stream is being
+   captured, while another call holds the stream's graph of that plan, when the ops have no graphs or
+   making one failed. FMHA_LAUNCH_GRAPH_SLOTS graphs at most, the least recently used one freed for a
+   new one. */
+#define FMHA_LAUNCH_GRAPH_SLOTS 64
+#define FMHA_LAUNCH_GRAPH_MAX_NODES 4
+/* Launch `launches` (the plan's, with this call's arguments) as the kept graph of (ops, plan, stream);
+   `capturing` as for fmha_workspace_take. *taken 0: nothing was launched (FMHA_OK returned), launch them one by one. Else FMHA_OK, or what a
+   graph call returned with *failed the index of the launch it names. */
+int fmha_launch_graph_run(const fmha_replay_ops *ops, const fmha_replay_plan *plan, const fmha_launch_config *launches,
+                          uint64_t stream, int capturing, int *taken, size_t *failed);
+/* Free every kept graph (one a call holds when that call is done with it). Returns FMHA_OK or the first
+   failed free's status. */
+int fmha_launch_graphs_release(void);
+/* How many graphs are kept (a held one and those whose making failed included). */
+int fmha_launch_graphs_kept(size_t *count);
 
 /* ---- ordering a call's stream after an array's producer (fmha_rt/events.c) ----
    fmha_stream_order makes `consumer` wait for the work queued so far on `producer`, both streams of

@@ -8,7 +8,9 @@ where the test puts its own executor.
 
 The shim keeps fmha_rt's own workspaces per stream (workspaces.c), and the ones a stand-in allocated
 are its host memory: they must be released while it is alive (tests/cpu/conftest.py does so after
-every test; whoever uses a stand-in outside a test calls fmha_rt.release_workspaces()).
+every test; whoever uses a stand-in outside a test calls fmha_rt.release_workspaces()), and so must the
+launch graphs of cached calls (the same call frees them), which are the stand-in's tokens: a graph's
+launch runs its nodes' launches in order through the same path as launches one by one.
 """
 import contextlib
 import ctypes
@@ -115,6 +117,12 @@ class FakeGpuArray(DLPackExporter):
                             device=self.device[1], stream=self.stream)
 
 
+def launch_shape(config) -> tuple:
+    """What a graph node fixes of a launch: its kernel, grid, block and shared memory."""
+    return (int(ffi.cast("uintptr_t", config.kernel)), tuple(config.grid), tuple(config.block),
+            config.dynamic_shared_bytes)
+
+
 class StandInRuntime:
     """Two sm_90 devices whose memory is host memory. Allocations up to `limit` bytes succeed; larger ones
     fail as the driver fails when out of memory. A memset must land inside memory this object handed out
@@ -142,6 +150,10 @@ class StandInRuntime:
         monkeypatch.setattr(backend, "device_scope", self.device_scope)
         monkeypatch.setattr(backend, "copy_to_device", self.copy_to_device)
         self.callback_errors = []  # exceptions raised inside the replay's calls back into Python
+        self.graphs = {}  # token -> (device, the launch shape of each node) of every live launch graph
+        self.graph_events = []  # ("create", token, device, nodes), ("launch", token, stream), ("destroy", token)
+        self.graph_failures = {"create": 0, "launch": 0}  # how many of the next such calls fail
+        self._graph_tokens = itertools.count(0x6A0000)
         monkeypatch.setattr(launch, "REPLAY_OPS", self._replay_ops())
 
     def _replay_ops(self):
@@ -195,13 +207,58 @@ class StandInRuntime:
             self.note_event("wait", device, stream, event)
             return 0
 
+        @ffi.callback("int(int, fmha_launch_config *, size_t, void **)", onerror=failed)
+        def replay_graph_create(device, launches, count, graph):
+            if self.take_failure("create"):
+                return 1
+            token = next(self._graph_tokens)
+            self.graphs[token] = (device, [launch_shape(launches[i]) for i in range(count)])
+            self.graph_events.append(("create", token, device, count))
+            graph[0] = ffi.cast("void *", token)
+            return 0
+
+        @ffi.callback("int(void *, fmha_launch_config *, size_t, uint64_t, size_t *)", onerror=failed)
+        def replay_graph_launch(graph, launches, count, stream, failed_node):
+            token = int(ffi.cast("uintptr_t", graph))
+            if [launch_shape(launches[i]) for i in range(count)] != self.graphs[token][1]:
+                raise AssertionError("a graph launched with launches it was not made from")
+            self.graph_events.append(("launch", token, stream))
+            if self.take_failure("launch"):
+                failed_node[0] = 0
+                return 1
+            for i in range(count):  # the nodes, in order, as the launches a test's executor sees
+                status = launch._launch(launches[i], stream)
+                if status:
+                    failed_node[0] = i
+                    return status
+            return 0
+
+        @ffi.callback("int(void *)", onerror=failed)
+        def replay_graph_destroy(graph):
+            token = int(ffi.cast("uintptr_t", graph))
+            del self.graphs[token]
+            self.graph_events.append(("destroy", token))
+            return 0
+
         # alive while the ops point here
         self._callbacks = (replay_launch, replay_memset, replay_alloc, replay_free, replay_capture_status,
-                           replay_pointer_location, replay_event_create, replay_event_record, replay_stream_wait_event)
+                           replay_pointer_location, replay_event_create, replay_event_record, replay_stream_wait_event,
+                           replay_graph_create, replay_graph_launch, replay_graph_destroy)
         fields = ("launch", "memset_d8", "mem_alloc", "mem_free", "stream_capture_status", "pointer_location",
-                  "event_create", "event_record", "stream_wait_event")
+                  "event_create", "event_record", "stream_wait_event", "graph_create", "graph_launch", "graph_destroy")
         _ALL_OPS.append(ffi.new("fmha_replay_ops *", dict(zip(fields, self._callbacks))))
         return _ALL_OPS[-1]
+
+    def take_failure(self, call) -> bool:
+        """Whether this graph call fails (graph_failures[call] more of them do)."""
+        if self.graph_failures[call] == 0:
+            return False
+        self.graph_failures[call] -= 1
+        return True
+
+    def graph_launches(self) -> list:
+        """(token, stream) of every graph launch, in order."""
+        return [event[1:] for event in self.graph_events if event[0] == "launch"]
 
     def pointer_location(self, ptr, device_type, device, memory_type) -> int:
         """The driver's answer for `ptr`: where a fake GPU array put it, or 1 (an error) for any other."""

@@ -603,6 +603,19 @@ def test_a_plan_of_another_runtime_is_not_used(monkeypatch, rt, driver):
     assert hits() == 0
 
 
+def call_inside_first_launch(monkeypatch, driver, call):
+    """From now on the driver makes `call` from inside the first launch it records after its last take."""
+    record = driver.launch
+
+    def reentering(config, stream):
+        record(config, stream)
+        if len(driver.launches) == 1:
+            call()
+        return 0
+
+    monkeypatch.setattr(launch, "_launch", reentering)
+
+
 def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeypatch, rt, driver):
     """The replay writes each call's values into its own copy of the templates, from its own copy of the
     values: a cached call made on the same thread while another is inside its first launch (as a launch
@@ -612,15 +625,7 @@ def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeyp
     warm(bwd(outer, deterministic=True))
     warm(fwd(inner))
     driver.take()
-    record = driver.launch
-
-    def reentering(config, stream):
-        record(config, stream)
-        if len(driver.launches) == 1:
-            fwd(inner)()
-        return 0
-
-    monkeypatch.setattr(launch, "_launch", reentering)
+    call_inside_first_launch(monkeypatch, driver, fwd(inner))
     templates = [entry[0].replay_program.templates for entry in api.PLANS._plans.values()]
     before = [bytes(ffi.buffer(t)) for program in templates for t in program]
     bwd(outer, deterministic=True)()
@@ -873,7 +878,7 @@ def test_a_workspace_above_the_cap_is_allocated_and_freed_around_each_call(rt):
     rt.limit = cap + 1
     lease = ffi.new("fmha_workspace_lease *")
     for nbytes, kept_after in ((cap + 1, (0, 0)), (cap, (1, cap))):
-        assert lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x10, nbytes, lease) == lib.FMHA_OK
+        assert lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x10, nbytes, 0, lease) == lib.FMHA_OK
         assert lease.ptr in rt.allocations and (lease.slot == ffi.NULL) == (nbytes > cap)
         lib.fmha_workspace_give(launch.REPLAY_OPS, 0, 0x10, lease)
         assert kept() == kept_after
@@ -996,7 +1001,7 @@ def test_take_and_give_hand_a_streams_buffer_to_one_holder_at_a_time(rt):
     def work():
         lease = ffi.new("fmha_workspace_lease *")
         for i in range(300):
-            if lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x50, 1024 + i % 3, lease) != lib.FMHA_OK:
+            if lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x50, 1024 + i % 3, 0, lease) != lib.FMHA_OK:
                 errors.append("take failed")
                 return
             with lock:

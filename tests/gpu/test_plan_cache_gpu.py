@@ -109,3 +109,42 @@ def test_refused_hits_write_nothing():
     torch.cuda.synchronize()
     assert torch.isnan(poisoned).all(), "a refused hit wrote its output"
     assert fmha_rt.plan_cache_info()["hits"] == 2
+
+
+def test_two_launch_backward_hits_run_as_one_graph_per_stream_bitwise_the_uncached_calls(monkeypatch):
+    """A hit launches its plan as a graph kept per (plan, stream) whose nodes get this call's arguments:
+    a backward of two launches (past the one-launch limit) on two streams, fresh inputs every call."""
+    from fmha_rt.backend import ffi, lib
+
+    fmha_rt.clear_plan_cache()
+    fmha_rt.release_workspaces()
+    shape = (1, 1056, 4, 64)  # 1 * 4 * 1056^2 scores: above SINGLE_MAX_SCORES, so dQ then dK/dV
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def backward(q, k, v, dout, stream):
+        grads = tuple(nan_like(t.shape, t.dtype) for t in (q, k, v))
+        stream.wait_stream(torch.cuda.current_stream())  # the inputs and the poison were written there
+        out, lse = fmha_rt.mha_fwd(q, k, v, causal=True, stream=stream)
+        fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], causal=True,
+                        deterministic=True, stream=stream)
+        stream.synchronize()
+        return grads
+
+    def fresh(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return [rand(shape, torch.bfloat16, gen) for _ in range(4)]
+
+    for _ in range(2):  # seen, then recorded
+        backward(*fresh(20), streams[0])
+    assert len(fmha_rt.last_launch_info()["kernels"]) == 2
+    for seed in range(21, 27):
+        args = fresh(seed)
+        stream = streams[seed % 2]
+        got = backward(*args, stream)
+        want = uncached(monkeypatch, lambda: backward(*args, stream))
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert not torch.isnan(g).any() and torch.equal(g, w), f"seed {seed}: {name} differs from the uncached call"
+    kept = ffi.new("size_t *")
+    assert lib.fmha_launch_graphs_kept(kept) == lib.FMHA_OK and kept[0] >= 4  # fwd and bwd, on both streams
+    fmha_rt.release_workspaces()
+    assert lib.fmha_launch_graphs_kept(kept) == lib.FMHA_OK and kept[0] == 0
