@@ -10,7 +10,9 @@ CUDA Array Interface as CuPy does (a new dict per read, on the legacy default st
 stream): their pointers' devices are asked of the stand-in driver, a Python callback per pointer that
 the real driver answers in C. Use the numbers to compare versions of the cached path on one machine.
 With --gpu the calls run on GPU 0 with CUDA tensors, and with CuPy arrays (rows "... cupy") when cupy
-can be imported: what `python -m fmha_rt bench --overhead-only` measures, plus where it goes.
+can be imported: what `python -m fmha_rt bench --overhead-only` measures, plus where it goes (with
+--pieces also what one CuPy array's description costs outside fmha_rt: CuPy's interface dict, and the
+driver's pointer query).
 
     python bench/host_overhead_profile.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--pieces]
                                           [--out FILE]
@@ -231,6 +233,20 @@ class Pieces:
         }
 
 
+def array_pieces(n: int) -> dict:
+    """What describing one CuPy array costs outside fmha_rt's C: CuPy making its CUDA Array Interface
+    dict, and the driver's answer to where a pointer lives (asked through cffi, as the key asks it in C)."""
+    cupy = _cupy()
+    if cupy is None:
+        return {}
+    a = cupy.empty((B, S, H, D), dtype=cupy.float16)
+    kind, device, memory = (ffi.new("int *") for _ in range(3))
+    ptr = a.data.ptr
+    return {"cupy __cuda_array_interface__": host_us_per_call(lambda: a.__cuda_array_interface__, n),
+            "pointer location query": host_us_per_call(
+                lambda: backend.lib.fmha_pointer_location(ptr, kind, device, memory), n)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true",
@@ -265,6 +281,7 @@ def main():
         assert cached == loops * args.rounds * args.calls * len(table), "a timed call missed the plan cache"
         pieces = ({name: Pieces(call).timings(args.calls, batch, sync) for name, call in table.items()}
                   if args.pieces else {})
+        per_array = array_pieces(args.calls * 10) if args.pieces and args.gpu else {}
         if args.gpu:
             torch.cuda.synchronize()
     if args.out is not None and args.gpu:
@@ -273,7 +290,7 @@ def main():
                                            "varlen_seqlens": list(SEQLENS), "dtype": "float16"}),
                   "command": ["python", "bench/host_overhead_profile.py",
                               *(pathlib.Path(a).name if a == str(args.out) else a for a in sys.argv[1:])],
-                  "us_per_call": best, "pieces_us": pieces,
+                  "us_per_call": best, "pieces_us": pieces, "per_array_us": per_array,
                   **({"us_per_call_back_to_back": back_to_back} if batch else {})}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
@@ -284,6 +301,8 @@ def main():
         parts = "".join(f"  {piece} {t:5.2f}" for piece, t in pieces.get(name, {}).items())
         b2b = f"  back to back {back_to_back[name]:6.2f}" if batch else ""
         print(f"  {name:25s} {us:6.2f}{b2b}{parts}")
+    for name, us in per_array.items():
+        print(f"  per array: {name} {us:.2f}")
 
 
 if __name__ == "__main__":
