@@ -11,8 +11,8 @@ stream): their pointers' devices are asked of the stand-in driver, a Python call
 the real driver answers in C. Use the numbers to compare versions of the cached path on one machine.
 With --gpu the calls run on GPU 0 with CUDA tensors, and with CuPy arrays (rows "... cupy") when cupy
 can be imported: what `python -m fmha_rt bench --overhead-only` measures, plus where it goes (with
---pieces also what one CuPy array's description costs outside fmha_rt: CuPy's interface dict, and the
-driver's pointer query).
+--pieces also what describing CuPy arrays costs: CuPy's interface dict, the driver's pointer query,
+and five arrays described from their attributes against the same through their interface).
 
     python bench/host_overhead_profile.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--pieces]
                                           [--out FILE]
@@ -234,17 +234,24 @@ class Pieces:
 
 
 def array_pieces(n: int) -> dict:
-    """What describing one CuPy array costs outside fmha_rt's C: CuPy making its CUDA Array Interface
-    dict, and the driver's answer to where a pointer lives (asked through cffi, as the key asks it in C)."""
+    """What describing CuPy arrays costs: CuPy making one array's CUDA Array Interface dict, the driver's
+    answer to where a pointer lives (asked through cffi, as the interface path asks it in C), and the
+    describer on five arrays read from their attributes (how CuPy arrays are described) against the
+    same five read through their interface (how they were before, and how other arrays are)."""
     cupy = _cupy()
     if cupy is None:
         return {}
-    a = cupy.empty((B, S, H, D), dtype=cupy.float16)
+    five = tuple(cupy.empty((B, S, H, D), dtype=cupy.float16) for _ in range(5))
+    a, values = five[0], plan_cache.value_array(len(five))
     kind, device, memory = (ffi.new("int *") for _ in range(3))
-    ptr = a.data.ptr
+    ptr, address = a.data.ptr, int(ffi.cast("uintptr_t", values))
+    by_attributes = arrays.make_describer(launch.REPLAY_OPS, (), cupy.ndarray)
+    by_interface = arrays.make_describer(launch.REPLAY_OPS, (), None)
     return {"cupy __cuda_array_interface__": host_us_per_call(lambda: a.__cuda_array_interface__, n),
             "pointer location query": host_us_per_call(
-                lambda: backend.lib.fmha_pointer_location(ptr, kind, device, memory), n)}
+                lambda: backend.lib.fmha_pointer_location(ptr, kind, device, memory), n),
+            "describe 5 cupy arrays, attributes": host_us_per_call(lambda: by_attributes(five, address, 5, 0), n),
+            "describe 5 cupy arrays, interface": host_us_per_call(lambda: by_interface(five, address, 5, 0), n)}
 
 
 def main():

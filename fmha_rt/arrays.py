@@ -47,6 +47,13 @@ def _torch_tensor_types() -> tuple:
     return _TORCH_TENSOR_TYPES
 
 
+def _cupy_array_type():
+    """cupy.ndarray once cupy is imported (this module never imports it), else None: the describer reads
+    its arrays' attributes instead of their CUDA Array Interface."""
+    cupy = sys.modules.get("cupy")
+    return getattr(cupy, "ndarray", None) if cupy is not None else None
+
+
 def _is_plain_torch_tensor(obj) -> bool:
     torch = sys.modules.get("torch")
     return (torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
@@ -95,7 +102,8 @@ class Arg:
         return self._span
 
 
-_GPU_DLPACK_DEVICES = (2, 10)  # kDLCUDA, kDLROCM
+_DLPACK_CUDA, _DLPACK_ROCM = 2, 10
+_GPU_DLPACK_DEVICES = (_DLPACK_CUDA, _DLPACK_ROCM)
 
 
 def _gpu_device_of(obj):
@@ -107,28 +115,33 @@ def _gpu_device_of(obj):
     return int(device_id) if int(device_type) in _GPU_DLPACK_DEVICES else None
 
 
-def make_describer(ops, tensor_types=()):
+def make_describer(ops, tensor_types=(), cupy_type=None):
     """The shim's describe(objects, addresses, capacity, stream) builtin (describe.c) making its driver
     calls through `ops` (an fmha_replay_ops pointer): torch tensors of `tensor_types` (torch.Tensor and
-    Parameter, or none) through their DLPack C exchange API when the first type has one, everything
-    else through its CUDA Array Interface."""
+    Parameter, or none) through their DLPack C exchange API when the first type has one, arrays of
+    `cupy_type` (cupy.ndarray, or None) from their attributes, everything else through its CUDA Array
+    Interface."""
     namespace = {}
     first, second = (*(id(t) for t in tensor_types), 0, 0)[:2]
-    status = backend.lib.fmha_describer_init(backend.ffi.new("fmha_describer *"), ops, first, second, id(namespace))
+    cupy_device_type = _DLPACK_ROCM if backend.runtime().backend == "hip" else _DLPACK_CUDA
+    status = backend.lib.fmha_describer_init(backend.ffi.new("fmha_describer *"), ops, first, second,
+                                             id(cupy_type) if cupy_type is not None else 0, cupy_device_type,
+                                             id(namespace))
     backend.check(status, "fmha_describer_init")
     return namespace["describe"]
 
 
-# (the driver calls it makes, the describer): made again when those calls change (a stand-in driver
-# swaps them) or torch is imported after it was made (it knows torch's types from then on).
-_DESCRIBER: tuple = (None, None)
+# (the driver calls it makes, the CuPy array type it knows, the describer): made again when those calls
+# change (a stand-in driver swaps them), when cupy is imported after it was made, or torch (it knows
+# their types from then on).
+_DESCRIBER: tuple = (None, None, None)
 
 
 def _describer():
     global _DESCRIBER
-    ops = launch.REPLAY_OPS
-    _DESCRIBER = (ops, make_describer(ops, _torch_tensor_types()))
-    return _DESCRIBER[1]
+    ops, cupy_type = launch.REPLAY_OPS, _cupy_array_type()
+    _DESCRIBER = (ops, cupy_type, make_describer(ops, _torch_tensor_types(), cupy_type))
+    return _DESCRIBER[2]
 
 
 def signatures(objects: tuple, names: tuple, stream: int, values, values_address: int):
@@ -136,15 +149,15 @@ def signatures(objects: tuple, names: tuple, stream: int, values, values_address
     named by `names`) used on the stream handle `stream`. `values` (a uint64 array at `values_address`)
     gets every array's data address at its position (0 for None) and zeros after them. A description
     holds everything of the arrays that the checks and the plan read (their kind, shape, strides, dtype
-    and device), never an address. When every array is a plain torch tensor, an array with a CUDA Array
-    Interface (version 3) or None, the shim describes them all in one call (describe.c), as one bytes
-    object, and orders `stream` after the interfaces' producer streams. Otherwise it is a tuple: a torch
+    and device), never an address. When every array is a plain torch tensor, a CuPy array, an array
+    with a CUDA Array Interface (version 3) or None, the shim describes them all in one call
+    (describe.c), as one bytes object, and orders `stream` after the interfaces' producer streams. Otherwise it is a tuple: a torch
     tensor is described from its attributes (~0.5 µs) and anything else is imported as gpu_array would
     import it (DLPack, which asks the producer to order its work before `stream`), and `imported`
     keeps that Arg by name so that a call which goes on to validate need not import it twice. Raises
     whatever an import raises."""
-    ops, describe = _DESCRIBER
-    if ops is not launch.REPLAY_OPS:
+    ops, cupy_type, describe = _DESCRIBER
+    if ops is not launch.REPLAY_OPS or (cupy_type is None and "cupy" in sys.modules):
         describe = _describer()
     description = describe(objects, values_address, len(values), stream)
     if description is not None:

@@ -42,7 +42,7 @@ typedef struct {
     void *current_work_stream;
 } dl_exchange_api;
 
-enum { KIND_TORCH = 1, KIND_INTERFACE = 2 };                  /* the first byte of an array's words */
+enum { KIND_TORCH = 1, KIND_INTERFACE = 2, KIND_CUPY = 3 };   /* the first byte of an array's words */
 enum { DL_INT = 0, DL_UINT = 1, DL_FLOAT = 2, DL_BOOL = 6 };  /* DLPack type codes */
 enum { DL_CUDA = 2, DL_ROCM = 10 };                           /* DLPack device types */
 
@@ -72,14 +72,18 @@ static int put_function(const fmha_describer *d, PyObject *namespace) {
 
 /* The interface's entry names, made once; interned, so that dict lookups match them by address. */
 static struct {
-    PyObject *interface, *version, *shape, *typestr, *data, *strides, *stream, *mask;
+    PyObject *interface, *version, *shape, *typestr, *data, *strides, *stream, *mask; /* and CuPy's attributes: */
+    PyObject *dtype, *kind, *itemsize, *ptr, *device_id;
 } g_names;
 
 static int make_names(void) {
     PyObject **names[] = {&g_names.interface, &g_names.version, &g_names.shape, &g_names.typestr,
-                          &g_names.data,      &g_names.strides, &g_names.stream, &g_names.mask};
+                          &g_names.data,      &g_names.strides, &g_names.stream, &g_names.mask,
+                          &g_names.dtype,     &g_names.kind,    &g_names.itemsize, &g_names.ptr,
+                          &g_names.device_id};
     static const char *const texts[] = {"__cuda_array_interface__", "version", "shape", "typestr",
-                                        "data", "strides", "stream", "mask"};
+                                        "data", "strides", "stream", "mask", "dtype", "kind", "itemsize", "ptr",
+                                        "device_id"};
     for (size_t i = 0; i < sizeof texts / sizeof *texts; i++)
         if (*names[i] == NULL && (*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return -1;
     return 0;
@@ -100,13 +104,15 @@ static void find_exchange(fmha_describer *d, PyObject *tensor_type) {
 }
 
 int fmha_describer_init(fmha_describer *d, const fmha_replay_ops *ops, uintptr_t tensor_type, uintptr_t second_type,
-                        uintptr_t namespace) {
+                        uintptr_t cupy_type, int cupy_device_type, uintptr_t namespace) {
     if (d == NULL || ops == NULL || namespace == 0) return FMHA_ERR_BAD_ARGUMENT;
     memset(d, 0, sizeof *d);
     PyGILState_STATE gil = PyGILState_Ensure(); /* cffi released it */
     d->ops = ops;
     d->types[0] = tensor_type;
     d->types[1] = second_type;
+    d->cupy_type = cupy_type;
+    d->cupy_device_type = cupy_device_type;
     if (tensor_type != 0) find_exchange(d, (PyObject *)tensor_type);
     PyErr_Clear();
     int status = make_names() == 0 && put_function(d, (PyObject *)namespace) == 0 ? FMHA_OK : FMHA_ERR_OUT_OF_MEMORY;
@@ -174,6 +180,8 @@ typedef struct {
     size_t place_count;
     producer waits[FMHA_DESCRIBE_MAX_ARRAYS];
     size_t wait_count;
+    int cupy_stream_read; /* the call's CuPy arrays' producer stream is known: */
+    uint64_t cupy_stream;
 } call_state;
 
 /* Types of described interface arrays, kept alive: a key holds a type's address, and a type freed
@@ -202,17 +210,11 @@ static int read_count(PyObject *o, int64_t *out) {
     return 0;
 }
 
-/* DLPack code and bits of a typestr: little-endian ('<', or '|' for one byte) floats of 2, 4 or 8
-   bytes, ints and unsigned ints of 1, 2, 4 or 8, and bool. Anything else is refused: another byte
-   order, complex numbers, and void types, which is how bfloat16 reads ("<V2", no different from any
-   other two bytes). */
-static int read_typestr(PyObject *typestr, uint8_t *code, uint8_t *bits) {
-    Py_ssize_t n = 0;
-    const char *s = typestr != NULL && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8AndSize(typestr, &n) : NULL;
-    if (s == NULL || n != 3 || !(s[0] == '<' || (s[0] == '|' && s[2] == '1'))) return -1;
-    int size = s[2] - '0';
+/* DLPack code and bits of a type: little-endian floats of 2, 4 or 8 bytes, ints and unsigned ints of
+   1, 2, 4 or 8, and bool (1 byte). Anything else is refused. */
+static int parse_type(char kind, int64_t size, uint8_t *code, uint8_t *bits) {
     int sized = size == 1 || size == 2 || size == 4 || size == 8;
-    switch (s[1]) {
+    switch (kind) {
     case 'f': *code = DL_FLOAT; break;
     case 'i': *code = DL_INT; break;
     case 'u': *code = DL_UINT; break;
@@ -222,6 +224,16 @@ static int read_typestr(PyObject *typestr, uint8_t *code, uint8_t *bits) {
     if (!sized || (*code == DL_FLOAT && size == 1) || (*code == DL_BOOL && size != 1)) return -1;
     *bits = (uint8_t)(8 * size);
     return 0;
+}
+
+/* A typestr's type: '<' (or '|' for one byte), the kind, the size in bytes. Another byte order, complex
+   numbers and void types are refused; void is how bfloat16 reads ("<V2", no different from any other
+   two bytes). */
+static int read_typestr(PyObject *typestr, uint8_t *code, uint8_t *bits) {
+    Py_ssize_t n = 0;
+    const char *s = typestr != NULL && PyUnicode_Check(typestr) ? PyUnicode_AsUTF8AndSize(typestr, &n) : NULL;
+    if (s == NULL || n != 3 || !(s[0] == '<' || (s[0] == '|' && s[2] == '1'))) return -1;
+    return parse_type(s[1], s[2] - '0', code, bits);
 }
 
 static int read_shape(PyObject *shape, dl_tensor *t) {
@@ -335,6 +347,85 @@ static size_t describe_interface(call_state *c, PyObject *item, int64_t *words, 
     return n;
 }
 
+/* ---- CuPy arrays, from their attributes ---- */
+
+/* The producer stream of the call's CuPy arrays: their interface's stream entry, which CuPy fills with
+   its current stream (None when CUPY_CUDA_ARRAY_INTERFACE_SYNC is off), the same for every array of
+   the call; so one array's interface dict is made per call, not one per array. */
+static int cupy_stream(call_state *c, PyObject *item) {
+    if (c->cupy_stream_read) return 0;
+    PyObject *interface = PyObject_GetAttr(item, g_names.interface);
+    int64_t version = 0;
+    int ok = interface != NULL && PyDict_CheckExact(interface) &&
+             read_count(entry(interface, g_names.version), &version) == 0 && version == 3 &&
+             read_stream(entry(interface, g_names.stream), &c->cupy_stream) == 0 && !PyErr_Occurred();
+    Py_XDECREF(interface);
+    c->cupy_stream_read = ok;
+    return ok ? 0 : -1;
+}
+
+/* The DLPack type of a NumPy dtype from its kind and itemsize, remembered for the first
+   FMHA_DESCRIBE_MAX_TYPES dtypes seen (referenced from then on, so that an address stays one dtype;
+   NumPy's builtin dtypes are singletons anyway): the two reads cost about what the rest of an array's
+   description does. The GIL guards the table. */
+static struct {
+    PyObject *dtype;
+    uint8_t code, bits;
+} g_dtypes[FMHA_DESCRIBE_MAX_TYPES];
+static size_t g_dtype_count;
+
+static int read_dtype(PyObject *dtype, uint8_t *code, uint8_t *bits) {
+    if (dtype == NULL) return -1;
+    for (size_t i = 0; i < g_dtype_count; i++)
+        if (g_dtypes[i].dtype == dtype) {
+            *code = g_dtypes[i].code;
+            *bits = g_dtypes[i].bits;
+            return 0;
+        }
+    PyObject *kind = PyObject_GetAttr(dtype, g_names.kind), *itemsize = PyObject_GetAttr(dtype, g_names.itemsize);
+    Py_ssize_t n = 0;
+    const char *k = kind != NULL && PyUnicode_Check(kind) ? PyUnicode_AsUTF8AndSize(kind, &n) : NULL;
+    int64_t size = 0;
+    int status = k != NULL && n == 1 && read_count(itemsize, &size) == 0 ? parse_type(k[0], size, code, bits) : -1;
+    Py_XDECREF(kind);
+    Py_XDECREF(itemsize);
+    if (status == 0 && g_dtype_count < FMHA_DESCRIBE_MAX_TYPES) {
+        Py_INCREF(dtype);
+        g_dtypes[g_dtype_count].dtype = dtype;
+        g_dtypes[g_dtype_count].code = *code;
+        g_dtypes[g_dtype_count++].bits = *bits;
+    }
+    return status;
+}
+
+/* A CuPy array (exactly cupy.ndarray) from its documented attributes: shape, strides (bytes), dtype
+   (read_dtype: CuPy's dtypes are native, little-endian on every host it runs on; dtype.str would cost
+   more than the rest together), data.ptr and data.device_id, which names the device without asking
+   the driver. Its interface dict (~1.1-1.5 µs for CuPy to make) and the driver's pointer query (~0.5-0.7
+   µs) per array were most of a CuPy call's key (NOTES.md, host v10). */
+static size_t describe_cupy(call_state *c, PyObject *item, int64_t *words, uint64_t *address) {
+    if (cupy_stream(c, item) != 0) return 0;
+    int64_t shape[FMHA_DESCRIBE_MAX_NDIM], strides[FMHA_DESCRIBE_MAX_NDIM], device = 0;
+    dl_tensor t = {.lanes = 1, .shape = shape, .strides = strides, .device_type = c->d->cupy_device_type};
+    PyObject *dims = PyObject_GetAttr(item, g_names.shape), *steps = PyObject_GetAttr(item, g_names.strides);
+    PyObject *dtype = PyObject_GetAttr(item, g_names.dtype), *data = PyObject_GetAttr(item, g_names.data);
+    PyObject *ptr = data != NULL ? PyObject_GetAttr(data, g_names.ptr) : NULL;
+    PyObject *ordinal = data != NULL ? PyObject_GetAttr(data, g_names.device_id) : NULL;
+    int ok = read_dtype(dtype, &t.code, &t.bits) == 0 && read_shape(dims, &t) == 0 && read_strides(steps, &t) == 0 &&
+             read_count(ordinal, &device) == 0 && device <= INT32_MAX && ptr != NULL && PyLong_CheckExact(ptr);
+    *address = ok ? PyLong_AsUnsignedLongLong(ptr) : 0;
+    ok = ok && !PyErr_Occurred() && *address != 0; /* an empty array's NULL: described another way */
+    PyObject *refs[] = {dims, steps, dtype, data, ptr, ordinal};
+    for (size_t i = 0; i < sizeof refs / sizeof *refs; i++) Py_XDECREF(refs[i]);
+    if (!ok) return 0;
+    t.device_id = (int32_t)device;
+    if (c->cupy_stream != 0) {
+        location where = {*address, t.device_type, t.device_id, 0};
+        note_producer(c, &where, c->cupy_stream);
+    }
+    return describe_tensor(KIND_CUPY, &t, NULL, 0, words);
+}
+
 /* The call's stream made to wait for every producer noted. */
 static int order_streams(const call_state *c) {
     for (size_t i = 0; i < c->wait_count; i++)
@@ -352,6 +443,7 @@ static size_t describe_item(call_state *c, PyObject *item, int64_t *words, uint6
     }
     uintptr_t type = (uintptr_t)Py_TYPE(item);
     if (type == c->d->types[0] || type == c->d->types[1]) return describe_torch(c->d, item, words, address);
+    if (type == c->d->cupy_type) return describe_cupy(c, item, words, address);
     /* Another tensor subclass keeps the way it had: torch's interface is version 2, read in Python. */
     if (c->d->types[0] != 0 && PyType_IsSubtype(Py_TYPE(item), (PyTypeObject *)c->d->types[0])) return 0;
     return describe_interface(c, item, words, address);

@@ -284,14 +284,17 @@ int fmha_events_kept(const fmha_replay_ops *ops, size_t *count);
    Python builtin that fmha_describer_init makes:
        describe(objects, addresses, capacity, stream) -> bytes or None
    describes the tuple `objects` (at most FMHA_DESCRIBE_MAX_ARRAYS items, each None, a tensor of one of
-   the describer's types or an array with the interface): per item its kind (1 torch, 2 interface),
+   the describer's types or an array with the interface): per item its kind (1 torch, 2 interface, 3 CuPy),
    dtype, rank, device type and ordinal, shape and strides in elements, and for the interface its
    memory type, read-only flag and Python type (kept alive from then on, so that its address stays
    unique); never an address. Equal bytes mean equal signatures. It writes the items' data addresses
    (0 for None) to the uint64 array at the int `addresses` and zeroes the rest of its `capacity`
    entries (the per-call values that follow them).
    An interface array's device is the driver's answer for its pointer (ops->pointer_location, one
-   query per distinct pointer and call). Its `stream` entry is CAI v3's: absent or None, the data is
+   query per distinct pointer and call). A CuPy array (exactly the describer's cupy type) is read from
+   its attributes instead (shape, strides, dtype.str, data.ptr, data.device_id: its device is CuPy's
+   word, no memory type is keyed), and only the call's first CuPy array's interface is made, for its
+   stream entry, which CuPy fills alike for every array (its current stream). Its `stream` entry is CAI v3's: absent or None, the data is
    ready on every stream; an int is the producer's stream (1 the legacy default stream, 2 the
    per-thread default stream, 0 invalid); when it is not the call's `stream` (the call's 0 is the legacy
    default stream, which on CUDA is also the driver's 1 and on ROCm its null stream, 0), the call's
@@ -313,13 +316,16 @@ typedef struct fmha_describer {
     uintptr_t types[2];      /* torch.Tensor and torch.nn.Parameter; 0: none */
     uintptr_t export_fn;     /* the framework's DLPackDLTensorFromPyObjectNoSync; 0: its tensors are refused */
     uintptr_t is_neg;        /* the first type's unbound method that says a tensor holds negated values */
+    uintptr_t cupy_type;     /* cupy.ndarray, described from its attributes; 0: none */
+    int cupy_device_type;    /* its arrays' DLPack device type (2 CUDA, 10 ROCm: the shim's backend) */
 } fmha_describer;
-/* Fill `d` from `ops` and the two tensor types (0 for an unused one; both 0 when torch is not imported)
-   and store the builtin `describe`, bound to a copy of `d`, in the dict at `namespace`. A first type
-   without a usable exchange API (an older torch) leaves export_fn 0: tensors of the two types are then
-   refused (callers describe them another way) and interface arrays described as ever. */
+/* Fill `d` from `ops`, the two tensor types (0 for an unused one; both 0 when torch is not imported)
+   and CuPy's array type (0 when cupy is not imported) and store the builtin `describe`, bound to a copy
+   of `d`, in the dict at `namespace`. A first type without a usable exchange API (an older torch)
+   leaves export_fn 0: tensors of the two types are then refused (callers describe them another way)
+   and interface arrays described as ever. */
 int fmha_describer_init(fmha_describer *d, const fmha_replay_ops *ops, uintptr_t tensor_type, uintptr_t second_type,
-                        uintptr_t namespace);
+                        uintptr_t cupy_type, int cupy_device_type, uintptr_t namespace);
 
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);

@@ -120,11 +120,11 @@ def test_signatures_key_a_negated_view_apart_from_its_plain_tensor():
 def test_a_type_without_the_exchange_api_is_refused_and_the_rest_still_described():
     d = ffi.new("fmha_describer *")
     namespace = {}
-    assert lib.fmha_describer_init(d, launch.REPLAY_OPS, id(np.ndarray), 0, id(namespace)) == lib.FMHA_OK
+    assert lib.fmha_describer_init(d, launch.REPLAY_OPS, id(np.ndarray), 0, 0, 2, id(namespace)) == lib.FMHA_OK
     assert d.types[0] == id(np.ndarray) and d.export_fn == 0 and d.is_neg == 0
     assert describe(namespace["describe"], np.zeros(3)) is None
     assert describe(namespace["describe"], None, capacity=3) == ([0], [0, 0, 0])
-    assert lib.fmha_describer_init(d, ffi.NULL, 0, 0, id(namespace)) == lib.FMHA_ERR_BAD_ARGUMENT
+    assert lib.fmha_describer_init(d, ffi.NULL, 0, 0, 0, 2, id(namespace)) == lib.FMHA_ERR_BAD_ARGUMENT
 
 
 def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch):
@@ -135,7 +135,7 @@ def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch)
     slow_values[4] = 0xDEAD  # stale: the per-call values are zeroed
     fast, _ = _signatures({"q": x, "k": None}, fast_values)
     monkeypatch.setattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
-    monkeypatch.setattr(arrays, "_DESCRIBER", (None, None))  # made again, from the torch without it
+    monkeypatch.setattr(arrays, "_DESCRIBER", (None, None, None))  # made again, from the torch without it
     slow, imported = _signatures({"q": x, "k": None}, slow_values)
     assert arrays._DESCRIBER[0] is launch.REPLAY_OPS
     assert slow == ((x.shape, x.stride(), x.dtype, x.device), None) and imported == {}

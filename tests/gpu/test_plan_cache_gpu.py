@@ -148,3 +148,39 @@ def test_two_launch_backward_hits_run_as_one_graph_per_stream_bitwise_the_uncach
     assert lib.fmha_launch_graphs_kept(kept) == lib.FMHA_OK and kept[0] >= 4  # fwd and bwd, on both streams
     fmha_rt.release_workspaces()
     assert lib.fmha_launch_graphs_kept(kept) == lib.FMHA_OK and kept[0] == 0
+
+
+def test_cupy_hits_are_described_from_their_attributes_and_match_the_reference():
+    """CuPy arrays are keyed from their attributes (describe.c), produced on a CuPy stream other than
+    the call's: fresh inputs on every hit, each against float64, every output element written."""
+    import numpy as np
+
+    from fmha_rt import arrays, plan_cache
+    from fmha_rt.backend import ffi
+
+    cupy = pytest.importorskip("cupy")
+    fmha_rt.clear_plan_cache()
+    rng = np.random.default_rng(30)
+    producer = cupy.cuda.Stream(non_blocking=True)
+    shape = (2, 192, 4, 64)
+    for call in range(5):
+        host = [rng.standard_normal(shape).astype(np.float16) for _ in range(4)]
+        with producer:  # CuPy's interface names its current stream: the call's (the default) waits for it
+            q, k, v, dout = (cupy.asarray(a) for a in host)
+            out = cupy.full(shape, cupy.nan, dtype=cupy.float16)
+            lse = cupy.full((2, 4, 192), cupy.nan, dtype=cupy.float32)
+            dq, dk, dv = (cupy.full(shape, cupy.nan, dtype=cupy.float16) for _ in range(3))
+            fmha_rt.mha_fwd(q, k, v, out=out, lse=lse)
+            fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, deterministic=True)
+        cupy.cuda.Device().synchronize()
+        ro, rl = reference.mha_fwd_ref(*host[:3])
+        rdq, rdk, rdv, _ = reference.mha_bwd_ref(host[3], *host[:3])
+        for name, got, want in (("out", out, ro), ("lse", lse, rl), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+            got = cupy.asnumpy(got).astype(np.float64)
+            assert not np.isnan(got).any(), f"call {call}: {name} has unwritten elements"
+            assert reference.rel_err(got, want) < 1e-2, f"call {call}: {name}"
+    assert fmha_rt.plan_cache_info()["hits"] == 6  # calls 2..4 of both functions
+    with producer:
+        values = plan_cache.value_array(3)
+        description, _ = arrays.signatures((q, k, v), ("q", "k", "v"), 0, values, int(ffi.cast("uintptr_t", values)))
+    assert isinstance(description, bytes) and description[0] == 3, "keyed as CuPy arrays"
