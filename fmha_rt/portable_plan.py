@@ -198,11 +198,12 @@ BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC
 # pair where it is built; both tiles take one warp count and stage count (the first tile's). Like the
 # two-kernel strategy it has no atomics, so it is deterministic. On the archs of MEASURED_ONLY it is
 # built and chosen only where it measured faster than the two-kernel backward: on sm_90 D=128 without
-# bias or dropout, one query head per key head, from FUSED_MIN_SEQLEN_K keys (pass alone,
-# bench/results/h200_tile_search_v8_fused.json: +4% at S=4k and 16k without a mask, +2% at 16k causal,
-# even at 4k causal, -6% at 1k causal; D=64 10-25% slower; whole backward, bench/results/h200_v8_bwd:
-# GQA 16/2 4-12% slower, its dK/dV programs each loop over 8 query heads and outlast the grid). The
-# interpreter builds it for every feature and head count, for the tests against the two-kernel strategy.
+# bias or dropout, from FUSED_MIN_SEQLEN_K keys (pass alone, bench/results/h200_tile_search_v8_fused.json:
+# +4% at S=4k and 16k without a mask, +2% at 16k causal, even at 4k causal, -6% at 1k causal; D=64
+# 10-25% slower). GQA/MQA too since its key-block programs come first in the grid (whole backward, GQA
+# 16/2, bench/results/h200_v10_gqa_fused_ab.json: +5% at 4k, +14% at 4k causal, +1% at 16k; in grid
+# order, v8, 4-12% slower). The interpreter builds it for every feature and head count, for the tests
+# against the two-kernel strategy.
 FUSED_TILES = {
     "sm_90": {(128, 128): (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3))},
     INTERPRET_ARCH: {pair: (Tile(16, 32, 4, 1), Tile(32, 16, 4, 1)) for pair in ((32, 32), (64, 64), (128, 128))},
@@ -238,12 +239,12 @@ def single_built(arch, pair, bias_kind, dropout, single_head) -> bool:
     return arch not in MEASURED_ONLY or single_head
 
 
-def fused_built(arch, pair, bias_kind, dropout, single_head) -> bool:
-    """Whether `arch` has the FUSED strategy's kernel for this head-dim pair, these features and this
-    dK/dV form (single_head: one query head per key head)."""
+def fused_built(arch, pair, bias_kind, dropout) -> bool:
+    """Whether `arch` has the FUSED strategy's kernel for this head-dim pair and these features (both
+    dK/dV forms: one query head per key head, and the loop over a group's heads)."""
     if pair not in FUSED_TILES.get(arch, {}):
         return False
-    return arch not in MEASURED_ONLY or (bias_kind == BIAS_NONE and not dropout and single_head)
+    return arch not in MEASURED_ONLY or (bias_kind == BIAS_NONE and not dropout)
 
 
 # Variants with a tensor bias or dropout hold one more score-sized tile per key block (bias loads are
@@ -369,7 +370,7 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
         traits = dict(common, block_m=kv.block_m, block_n=kv.block_n, dq_block_m=q.block_m, dq_block_n=q.block_n,
                       dq_strategy=strategy, deterministic=True, **{"pass": f"bwd_{strategy}"})
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
-            built = (fused_built(arch, pair, bias_kind, dropout, single_head) if strategy == DQ_FUSED
+            built = (fused_built(arch, pair, bias_kind, dropout) if strategy == DQ_FUSED
                      else single_built(arch, pair, bias_kind, dropout, single_head))
             if built:
                 key = fused_key(dtype, pair, bias_kind, dropout, single_head, strategy)
@@ -501,14 +502,14 @@ def dq_strategy(problem, arch, requested=None) -> str:
                              f"{DQ_SINGLE!r}, got {requested!r}")
     pair = head_dim_tiles(problem)
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
-    fused = fused_built(arch, pair, *_features(problem), single_head)
+    fused = fused_built(arch, pair, *_features(problem))
     single = single_built(arch, pair, *_features(problem), single_head)
     if requested in (DQ_SINGLE, DQ_FUSED):
         single_asked = requested == DQ_SINGLE
         if not (single if single_asked else fused):
             pairs = ", ".join(_pair_name(*p) for p in (SINGLE_TILES if single_asked else FUSED_TILES).get(arch, {}))
             if arch in MEASURED_ONLY:
-                what = " without bias or dropout, one query head per key head"
+                what = " without bias or dropout" + (", one query head per key head" if single_asked else "")
             else:
                 what = " without bias or dropout" if single_asked else ""
             raise FmhaNotImplementedError(f"the {'one-launch' if single_asked else 'fused'} backward is not built "

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.portable.fmha_common import (KIND_ALIBI, KIND_TENSOR, LOG2E, dropout_draws, dropout_row_counters,
                                           key_blocks, masked_block, philox_seed_offset, query_blocks, scores,
-                                          sequence_extent, visible, window_sides)
+                                          sequence_extent, unhoisted, visible, window_sides)
 
 
 @triton.jit
@@ -87,18 +87,24 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
                       write_dbias, needs_mask,
                       BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                       DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr,
-                      DELTA_INLINE: tl.constexpr):
+                      DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
     """Adds one query block's share to dK, dV of the program's key block (scores transposed:
     keys are rows, queries columns). ROWS_COMPLETE: every row of the block exists (a mask-free block
     of the nested loops), so its loads need no row mask. That mask is the larger part of the loop's
     integer work: one predicate per 16-byte copy, recomputed every step (NOTES.md, v7).
     DELTA_INLINE (the one-launch backward, for problems too small to fill the GPU): Delta comes from
-    this block's rows of O and dO, and Lse2 from the LSE, which Lse2_rows then points to."""
+    this block's rows of O and dO, and Lse2 from the LSE, which Lse2_rows then points to.
+    UNHOISTED (the fused grid's GQA programs): the Q and dO tile offsets stay inside the loop, where the
+    backend would hoist their 64-bit forms and spill them (NOTES.md v10)."""
     rows = m0 + offs_m
     q_ok = rows < sq
     m0_64 = tl.cast(m0, tl.int64)
-    qT_ptrs = Q_rows + m0_64 * stride_q_s + offs_m[None, :] * stride_q_s + offs_dqk[:, None]
-    do_ptrs = dO_rows + m0_64 * stride_do_s + offs_m[:, None] * stride_do_s + offs_dv[None, :]
+    if UNHOISTED:
+        qT_ptrs = Q_rows + m0_64 * stride_q_s + unhoisted(offs_m[None, :] * stride_q_s + offs_dqk[:, None], m0)
+        do_ptrs = dO_rows + m0_64 * stride_do_s + unhoisted(offs_m[:, None] * stride_do_s + offs_dv[None, :], m0)
+    else:
+        qT_ptrs = Q_rows + m0_64 * stride_q_s + offs_m[None, :] * stride_q_s + offs_dqk[:, None]
+        do_ptrs = dO_rows + m0_64 * stride_do_s + offs_m[:, None] * stride_do_s + offs_dv[None, :]
     if ROWS_COMPLETE:
         qT = tl.load(qT_ptrs, mask=dqk_ok[:, None], other=0.0)
         do = tl.load(do_ptrs, mask=dv_ok[None, :], other=0.0)
@@ -152,7 +158,7 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, needs_mask,
                      BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr):
+                     ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
     """_dkdv_query_block for query head h: the head's row pointers, then the block."""
     h64 = h.to(tl.int64)
     slope_log2 = 0.0
@@ -170,7 +176,7 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
         offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
         stride_q_s, stride_do_s, stride_o_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
         seed, philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE)
+        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE, UNHOISTED)
 
 
 @triton.jit
@@ -183,7 +189,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                      DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DELTA_INLINE: tl.constexpr):
+                     DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
     """Query head h's share of the key block: the mask-free query blocks, then the masked ones, each
     loop body compiled for its case."""
     for blk in range(full_lo, full_hi):
@@ -195,7 +201,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
             stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h,
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
             seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
-            BLOCK_N, True, DELTA_INLINE)
+            BLOCK_N, True, DELTA_INLINE, UNHOISTED)
     for t in range(0, (full_lo - lo) + (hi - full_hi)):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0, sq, sk,
@@ -205,7 +211,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
             stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
             delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
             scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
-            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE)
+            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
     return dk, dv
 
 
@@ -231,7 +237,7 @@ def _dkdv_program(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
-    GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr,
+    GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
 ):
     """dK and dV of key block n_block of kv head hk, batch entry b (fmha_bwd_dkdv, and the key-block
     programs of fmha_bwd_fused). With DELTA_INLINE, Lse2 and delta_stride_* are the LSE's, and Out is read."""
@@ -279,7 +285,7 @@ def _dkdv_program(
                 delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
-                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE)
+                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
     else:
         # Without GROUP_LOOP (Hq == Hk) the loop has one step, which the compiler folds away: no loop around
         # the two inner loops keeps their state live (7-17% faster at 128 wide on the H200: NOTES.md, v5).
@@ -295,7 +301,7 @@ def _dkdv_program(
                 delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
-                DELTA_INLINE)
+                DELTA_INLINE, UNHOISTED)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
              + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),
@@ -339,7 +345,7 @@ def fmha_bwd_dkdv(
         stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8,
         head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
         has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False)
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False, False)
 
 
 @triton.jit
@@ -511,12 +517,30 @@ def fmha_bwd_fused(
     batch entry), first one program per key block (BLOCK_N1 keys, BLOCK_M1 query rows per step), then
     one per query block of each query head of the group (BLOCK_M2 rows, BLOCK_N2 keys per step). The
     two kinds share the warp count; the hardware fills one kind's last wave with the other's programs,
-    where two launches each end in a part-empty wave. Deterministic like the two-kernel strategy:
+    where two launches each end in a part-empty wave. With GROUP_LOOP (GQA/MQA) the key-block programs,
+    each looping over the group's query heads and so the longest, all come first, and their Q and dO
+    tile offsets stay in the loop (UNHOISTED). Deterministic like the two-kernel strategy:
     every output tile has one program, which accumulates in a fixed order."""
-    pid = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
     key_programs = tl.cdiv(seqlen_k, BLOCK_N1)
+    if GROUP_LOOP:
+        # Longest first: every (kv head, batch entry)'s key-block programs, each looping over the group's
+        # query heads, in the grid's first blocks, all the query-block programs after them; in grid order
+        # the last kv heads' long programs started late and ran on alone (NOTES.md v10).
+        nx, nh, nb = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
+        linear = tl.program_id(0) + nx * (tl.program_id(1) + nh * tl.program_id(2))
+        all_key_programs = key_programs * nh * nb
+        if linear < all_key_programs:
+            pid = linear % key_programs
+            rest = linear // key_programs
+        else:
+            pid = key_programs + (linear - all_key_programs) % (nx - key_programs)
+            rest = (linear - all_key_programs) // (nx - key_programs)
+        hk = rest % nh
+        b = rest // nh
+    else:
+        pid = tl.program_id(0)
+        hk = tl.program_id(1)
+        b = tl.program_id(2)
     if pid < key_programs:
         # dQ stands in for the atomic strategy's accumulator, which DQ_ATOMIC=False never touches
         if DELTA_INLINE:
@@ -533,7 +557,8 @@ def fmha_bwd_fused(
             alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
             softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
             write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP, DELTA_INLINE)
+            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP, DELTA_INLINE,
+            GROUP_LOOP)
     else:
         query_programs = tl.cdiv(seqlen_q, BLOCK_M2)
         t = pid - key_programs

@@ -430,9 +430,10 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
 
 
 def test_fused_backward_is_chosen_where_it_measured_faster():
-    """sm_90: D=128 without bias or dropout, one query head per key head, from FUSED_MIN_SEQLEN_K keys,
-    deterministic or not; below that length, at other head dims, for GQA/MQA and with any bias or
-    dropout the two-kernel strategy. Asking for it where it is not built names what is."""
+    """sm_90: D=128 without bias or dropout, from FUSED_MIN_SEQLEN_K keys, deterministic or not, for MHA
+    (the `_mha` kernel) and GQA/MQA (the kernel with the loop over the group's heads); below that length,
+    at other head dims and with any bias or dropout the two-kernel strategy. Asking for it where it is
+    not built names what is."""
     long, short = pp.FUSED_MIN_SEQLEN_K, pp.FUSED_MIN_SEQLEN_K - 1
 
     def strategy(seqlen_k, d=128, heads_k=4, **extra):
@@ -440,12 +441,13 @@ def test_fused_backward_is_chosen_where_it_measured_faster():
 
     assert strategy(long) == strategy(long, deterministic=True) == pp.DQ_FUSED
     assert strategy(long, d=96) == pp.DQ_FUSED  # padded to the 128 tile
-    for other in (strategy(short), strategy(long, d=64), strategy(long, heads_k=2), strategy(long, heads_k=1),
-                  strategy(long, alibi="H"), strategy(long, bias_shape="11SS"), strategy(long, dropout_p=0.1)):
+    assert strategy(long, heads_k=2) == strategy(long, heads_k=1) == pp.DQ_FUSED
+    for other in (strategy(short), strategy(short, heads_k=2), strategy(long, d=64), strategy(long, alibi="H"),
+                  strategy(long, bias_shape="11SS"), strategy(long, dropout_p=0.1)):
         assert other == pp.DQ_DETERMINISTIC
     for arch in ("gfx942", "gfx950"):
         assert pp.dq_strategy(AttentionProblem(1, 64, long, 2, 2, 128, 128, "bf16"), arch) == pp.DQ_DETERMINISTIC
-    with pytest.raises(FmhaNotImplementedError, match=r"fused backward is not built .*d128 without bias or dropout, one"):
+    with pytest.raises(FmhaNotImplementedError, match=r"fused backward is not built .*d128 without bias or dropout\)"):
         pp.dq_strategy(AttentionProblem(1, 64, 64, 2, 2, 128, 128, "bf16", alibi="H"), "sm_90", pp.DQ_FUSED)
     problem = AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16")
     x = torch.zeros(2, long, 4, 128, dtype=torch.float16)
@@ -454,6 +456,12 @@ def test_fused_backward_is_chosen_where_it_measured_faster():
     assert [launch.variant for launch in pp.plan_bwd(problem, "sm_90", tensors)] == [
         "fmha_bwd_preprocess_bf16_v128", "fmha_bwd_fused_bf16_d128_nobias_nodrop_mha"]
     assert pp.bwd_workspace(problem, "sm_90").dq_splits == 0
+    gqa = AttentionProblem(2, 512, long, 4, 2, 128, 128, "bf16")
+    kv = torch.zeros(2, long, 2, 128, dtype=torch.float16)
+    tensors = ie.with_strides(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(2, 4, 512),
+                              delta=x, lse2=x)
+    (_, fused) = pp.plan_bwd(gqa, "sm_90", tensors)
+    assert fused.variant == "fmha_bwd_fused_bf16_d128_nobias_nodrop" and fused.grid == (long // 128 + 2 * 512 // 128, 2, 2)
 
 
 @pytest.mark.parametrize("arch", pp.BUILD_ARCHS)

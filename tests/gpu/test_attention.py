@@ -221,18 +221,20 @@ def test_one_launch_backward_takes_no_workspace(Hq, Hk, D, opts):
     assert all(torch.equal(a, b) for a, b in zip(grads, (dq, dk, dv)))  # as without the callback
 
 
+@pytest.mark.parametrize("hq, hk", [(3, 3), (6, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fused_backward_at_long_keys_matches_float64_and_is_bitwise_reproducible(causal):
-    """MHA at D=128 from 4096 keys takes the fused backward (one grid of dK/dV and dQ programs): against a
-    float64 autograd reference computed on the GPU, and bitwise equal over runs and on a second stream."""
-    hq = hk = 3
+def test_fused_backward_at_long_keys_matches_float64_and_is_bitwise_reproducible(causal, hq, hk):
+    """D=128 from 4096 keys takes the fused backward (one grid of dK/dV and dQ programs; with GQA the
+    dK/dV programs loop over the group's heads and come first): against a float64 autograd reference
+    computed on the GPU, and bitwise equal over runs and on a second stream."""
     B, S, D = 1, 4096, 128
     gen = torch.Generator(device="cuda").manual_seed(20 + hq + causal)
     q, k, v, dout = (rand((B, S, h, D), torch.bfloat16, gen) for h in (hq, hk, hk, hq))
     out, lse = fmha_rt.mha_fwd(q, k, v, causal=causal)
     grads = [nan_like(t.shape, torch.bfloat16) for t in (q, k, v)]
     fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
-    assert any(name.startswith("fmha_bwd_fused_bf16_d128") for name in fmha_rt.last_launch_info()["kernels"])
+    (fused,) = [name for name in fmha_rt.last_launch_info()["kernels"] if name.startswith("fmha_bwd_fused_bf16_d128")]
+    assert fused.endswith("_mha") == (hq == hk), fused
 
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     group = hq // hk
