@@ -24,7 +24,12 @@ typedef int (*fn_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigne
                          void **, void **);
 typedef int (*fn_sync)(void);
 /* CUDA_KERNEL_NODE_PARAMS_v2 */
-typedef struct { void *func; unsigned grid[3], block[3], shared; void **params; void **extra; void *kern, *ctx; } node_params;
+typedef struct {
+    void *func;
+    unsigned grid[3], block[3], shared;
+    void **params, **extra;
+    void *kern, *ctx;
+} node_params;
 typedef int (*fn_graph_create)(void **, unsigned);
 typedef int (*fn_graph_add_kernel)(void **, void *, void **, size_t, const node_params *);
 typedef int (*fn_graph_instantiate)(void **, void *, unsigned long long);

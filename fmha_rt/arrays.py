@@ -151,11 +151,11 @@ def signatures(objects: tuple, names: tuple, stream: int, values, values_address
     holds everything of the arrays that the checks and the plan read (their kind, shape, strides, dtype
     and device), never an address. When every array is a plain torch tensor, a CuPy array, an array
     with a CUDA Array Interface (version 3) or None, the shim describes them all in one call
-    (describe.c), as one bytes object, and orders `stream` after the interfaces' producer streams. Otherwise it is a tuple: a torch
-    tensor is described from its attributes (~0.5 µs) and anything else is imported as gpu_array would
-    import it (DLPack, which asks the producer to order its work before `stream`), and `imported`
-    keeps that Arg by name so that a call which goes on to validate need not import it twice. Raises
-    whatever an import raises."""
+    (describe.c), as one bytes object, and orders `stream` after the interfaces' producer streams.
+    Otherwise it is a tuple: a torch tensor is described from its attributes (~0.5 µs) and anything
+    else is imported as gpu_array would import it (DLPack, which asks the producer to order its work
+    before `stream`), and `imported` keeps that Arg by name so that a call which goes on to validate
+    need not import it twice. Raises whatever an import raises."""
     ops, cupy_type, describe = _DESCRIBER
     if ops is not launch.REPLAY_OPS or (cupy_type is None and "cupy" in sys.modules):
         describe = _describer()

@@ -6,9 +6,9 @@
  * on them, writes them into a copy of each template on the stack (the driver copies the arguments
  * when a launch is queued, so nothing outlives the call and concurrent calls share nothing), zeroes
  * the workspace regions that must start at zero and launches, as one graph where launch_graphs.c keeps
- * one. The checks come first, so a refused call has written nothing. The values are copied before anything else: a launch may call back into
- * Python (a stand-in driver does), and a cached call made there on the same thread reuses that
- * thread's value array.
+ * one. The checks come first, so a refused call has written nothing. The values are copied before
+ * anything else: a launch may call back into Python (a stand-in driver does), and a cached call made
+ * there on the same thread reuses that thread's value array.
  */
 #include "fmha_rt.h"
 
@@ -106,7 +106,8 @@ int fmha_replay(const fmha_replay_plan *p, const fmha_replay_ops *ops, uint64_t 
     uint64_t values[FMHA_REPLAY_MAX_VALUES];
     memcpy(values, call_values, p->value_count * sizeof *values);
     if (overlaps(p, values, failed)) return FMHA_ERR_OVERLAP;
-    int capturing = fmha_stream_capturing(ops, p->device, stream);
+    /* asked once, and only where an answer is needed: for our workspace and for a graph */
+    int capturing = (allocate_workspace || p->graph_id != 0) && fmha_stream_capturing(ops, p->device, stream);
     fmha_workspace_lease workspace = {0, NULL};
     if (allocate_workspace) {
         int status = fmha_workspace_take(ops, p->device, stream, p->workspace_bytes, capturing, &workspace);

@@ -254,8 +254,9 @@ int fmha_stream_capturing(const fmha_replay_ops *ops, int device, uint64_t strea
 #define FMHA_LAUNCH_GRAPH_SLOTS 64
 #define FMHA_LAUNCH_GRAPH_MAX_NODES 4
 /* Launch `launches` (the plan's, with this call's arguments) as the kept graph of (ops, plan, stream);
-   `capturing` as for fmha_workspace_take. *taken 0: nothing was launched (FMHA_OK returned), launch them one by one. Else FMHA_OK, or what a
-   graph call returned with *failed the index of the launch it names. */
+   `capturing` as for fmha_workspace_take. *taken 0: nothing was launched (FMHA_OK returned), launch
+   them one by one. Else FMHA_OK, or what a graph call returned with *failed the index of the launch it
+   names. */
 int fmha_launch_graph_run(const fmha_replay_ops *ops, const fmha_replay_plan *plan, const fmha_launch_config *launches,
                           uint64_t stream, int capturing, int *taken, size_t *failed);
 /* Free every kept graph (one a call holds when that call is done with it). Returns FMHA_OK or the first
@@ -292,10 +293,10 @@ int fmha_events_kept(const fmha_replay_ops *ops, size_t *count);
    entries (the per-call values that follow them).
    An interface array's device is the driver's answer for its pointer (ops->pointer_location, one
    query per distinct pointer and call). A CuPy array (exactly the describer's cupy type) is read from
-   its attributes instead (shape, strides, dtype.str, data.ptr, data.device_id: its device is CuPy's
-   word, no memory type is keyed), and only the call's first CuPy array's interface is made, for its
-   stream entry, which CuPy fills alike for every array (its current stream). Its `stream` entry is CAI v3's: absent or None, the data is
-   ready on every stream; an int is the producer's stream (1 the legacy default stream, 2 the
+   its attributes instead (shape, strides, dtype kind and itemsize, data.ptr, data.device_id: its
+   device is CuPy's word, no memory type is keyed), and only the call's first CuPy array's interface
+   is made, for its stream entry, which CuPy fills alike for every array (its current stream). An
+   interface's `stream` entry is CAI v3's: absent or None, the data is ready on every stream; an int is the producer's stream (1 the legacy default stream, 2 the
    per-thread default stream, 0 invalid); when it is not the call's `stream` (the call's 0 is the legacy
    default stream, which on CUDA is also the driver's 1 and on ROCm its null stream, 0), the call's
    stream is made to wait for it (fmha_stream_order), once per (device, producer stream), after every

@@ -72,7 +72,8 @@ def test_words_hold_kind_dtype_device_shape_and_strides_in_elements(rt, driver):
     assert rt.pointer_queries == [] and FakeCupyArray.interface_reads == 1
     for dtype, code, bits in (("float32", 2, 32), ("int32", 0, 32), ("float16", 2, 16), ("uint8", 1, 8)):
         description, _ = describe((FakeCupyArray((3,), dtype),))  # each dtype's type read once, then remembered
-        assert struct.unpack("<q", description[:8])[0] == KIND_CUPY | 1 << 8 | code << 16 | bits << 24 | 1 << 32 | 2 << 48
+        header = struct.unpack("<q", description[:8])[0]
+        assert header == KIND_CUPY | 1 << 8 | code << 16 | bits << 24 | 1 << 32 | 2 << 48
 
 
 def test_a_hit_reads_one_interface_asks_the_driver_nothing_and_launches_what_interface_arrays_launch(
