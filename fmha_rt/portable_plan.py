@@ -75,28 +75,28 @@ SIGNATURES = {
         philox_from_ptr i32, BLOCK_M constexpr, BLOCK_N constexpr"""),
     "fmha_bwd_preprocess": _signature(f"""
         Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("o", "do")},
-        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, seqlen_q i32,
+        lse_stride_b i64, lse_stride_h i64, stride_delta_b i64, stride_delta_h i64, seqlen_q i32,
         head_dim_v_div8 i32, is_varlen i32, has_seqstart i32, BLOCK_M constexpr, BLOCK_DV constexpr"""),
     "fmha_bwd_dkdv": _signature(f"""
         Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32, Bias *T, dS *fp32,
         Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
         {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
         stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
-        delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        stride_delta_b i64, stride_delta_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr, FLAT_LOOP constexpr,
         GROUP_LOOP constexpr"""),
     "fmha_bwd_dq": _signature(f"""
         Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, Bias *T, Alibi *fp32,
         PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "o", "do", "dq")},
-        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        lse_stride_b i64, lse_stride_h i64, stride_delta_b i64, stride_delta_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr"""),
     "fmha_bwd_fused": _signature(f"""
         Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, dK *T, dV *T, Bias *T,
         dS *fp32, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
         {_strides("q", "k", "v", "o", "do", "dq", "dk", "dv")}, stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
-        lse_stride_b i64, lse_stride_h i64, delta_stride_b i64, delta_stride_h i64, {_BIAS_STRIDES},
+        lse_stride_b i64, lse_stride_h i64, stride_delta_b i64, stride_delta_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
         BLOCK_M1 constexpr, BLOCK_N1 constexpr, BLOCK_M2 constexpr, BLOCK_N2 constexpr, BLOCK_DQK constexpr,
         BLOCK_DV constexpr, BIAS_KIND constexpr, DROPOUT constexpr, GROUP_LOOP constexpr,
@@ -469,9 +469,14 @@ class Workspace(Scratch):
     dq_splits: int  # fp32 dQ partial buffers (0: dQ is written directly in its dtype)
 
 
+def ceil8(n: int) -> int:
+    """n rounded up to a multiple of 8."""
+    return -(-n // 8) * 8
+
+
 def padded_head_dim(d: int) -> int:
     """The width a head dim of d runs at: the next multiple of 8."""
-    return -(-d // 8) * 8
+    return ceil8(d)
 
 
 def head_dim_tiles(problem) -> tuple:
@@ -539,13 +544,17 @@ def _rows_shape(problem, per_row):
 
 
 def _delta_shape(problem):
-    """Like the LSE: [B, Hq, Sq], or [Hq, total_q] in varlen mode."""
-    return (problem.heads_q, problem.total_q) if problem.varlen else (problem.batch, problem.heads_q, problem.seqlen_q)
+    """Per-row statistics: [B, Hq, ceil8(Sq)], or [Hq, ceil8(total_q) + 8 * B] in varlen mode, where sequence b
+    starts at row 8 * (q_start // 8 + b) (the kernels' row_stats_start): every sequence starts at a multiple
+    of 8 rows, so that the kernels' loads of a block's rows vectorise."""
+    if problem.varlen:
+        return (problem.heads_q, ceil8(problem.total_q) + 8 * problem.batch)
+    return (problem.batch, problem.heads_q, ceil8(problem.seqlen_q))
 
 
 def _ds_shape(problem):
     """dS of the bias gradient, rows padded to 8 keys: [B, Hq, Sq, ceil8(Sk)]."""
-    return (problem.batch, problem.heads_q, problem.seqlen_q, padded_head_dim(problem.seqlen_k))
+    return (problem.batch, problem.heads_q, problem.seqlen_q, ceil8(problem.seqlen_k))
 
 
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -564,8 +573,8 @@ def _carve(wanted):
 def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     """Workspace of plan_bwd and plan_head_padding: regions at 256-byte aligned offsets.
 
-    fp32: delta and lse2 [B, Hq, Sq] (Delta = rowsum(dO * O) and the LSE in the log2 domain, which the first
-    pass writes for dK/dV; every strategy but SINGLE, whose programs keep their own), dq_acc
+    fp32: delta and lse2 [B, Hq, ceil8(Sq)] (Delta = rowsum(dO * O) and the LSE in the log2 domain, which the
+    first pass writes for dK/dV; every strategy but SINGLE, whose programs keep their own; _delta_shape), dq_acc
     [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
     ds [B, Hq, Sq, ceil8(Sk)] (tensor bias with gradient, zeroed: masked blocks are never written).
     Then, in the problem's dtype, one '<name>_padded' buffer per tensor of padded_tensors(problem,
@@ -897,12 +906,12 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     rows = {arg: a.rows(name, arg) for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"),
                                                       ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
     if strategy == DQ_SINGLE:  # its programs compute Delta and Lse2 and keep them: no workspace
-        delta_args = {"Delta": None, "Lse2": None, "delta_stride_b": 0, "delta_stride_h": 0}
+        delta_args = {"Delta": None, "Lse2": None, "stride_delta_b": 0, "stride_delta_h": 0}
     else:
         delta_strides = _contiguous_strides(workspace.region("delta").shape)
         # lse2 has delta's shape, so one pair of strides serves both
         delta_args = {"Delta": a.required("delta"), "Lse2": a.required("lse2"),
-                      "delta_stride_b": 0 if problem.varlen else delta_strides[0], "delta_stride_h": delta_strides[-2]}
+                      "stride_delta_b": 0 if problem.varlen else delta_strides[0], "stride_delta_h": delta_strides[-2]}
     lse_args = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
     launches = []
 

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from kernels.portable.fmha_common import (KIND_ALIBI, KIND_TENSOR, LOG2E, dropout_draws, dropout_row_counters,
-                                          key_blocks, masked_block, philox_seed_offset, query_blocks, scores,
-                                          sequence_extent, unhoisted, visible, window_sides)
+                                          key_blocks, masked_block, philox_seed_offset, query_blocks, row_stats_start,
+                                          scores, sequence_extent, unhoisted, visible, window_sides)
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def fmha_bwd_preprocess(
     Out, dO, Lse, Delta, Lse2, CuSeqlensQ, SeqstartQ,
     stride_o_b, stride_o_s, stride_o_h,
     stride_do_b, stride_do_s, stride_do_h,
-    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    lse_stride_b, lse_stride_h, stride_delta_b, stride_delta_h,
     seqlen_q, head_dim_v_div8, is_varlen, has_seqstart,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -74,7 +74,7 @@ def fmha_bwd_preprocess(
     do = tl.load(dO + b64 * stride_do_b + row0 * stride_do_s + h64 * stride_do_h
                  + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    rows_out = b64 * delta_stride_b + h64 * delta_stride_h + row0 + offs_m
+    rows_out = b64 * stride_delta_b + h64 * stride_delta_h + row_stats_start(q_start, b, is_varlen) + m0 + offs_m
     tl.store(Delta + rows_out, delta, mask=q_ok)
     tl.store(Lse2 + rows_out, _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + row0, offs_m, q_ok), mask=q_ok)
 
@@ -149,12 +149,12 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
 
 
 @triton.jit
-def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta,
-                     Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, stats_row0, sq, sk, off, left, right, Q, dO, Lse2,
+                     Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                      stride_o_b, stride_o_s, stride_o_h,
                      stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-                     delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                     stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, needs_mask,
                      BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -168,8 +168,8 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
         dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right,
         Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
         dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h,
-        Lse2 + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
-        Delta + b64 * delta_stride_b + h64 * delta_stride_h + q_row0,
+        Lse2 + b64 * stride_delta_b + h64 * stride_delta_h + stats_row0,
+        Delta + b64 * stride_delta_b + h64 * stride_delta_h + stats_row0,
         Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h,
         DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h,
         Bias + b64 * stride_bias_b + h64 * stride_bias_h, dS + b64 * stride_ds_b + h64 * stride_ds_h,
@@ -180,12 +180,12 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, sq, sk, off,
 
 
 @triton.jit
-def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64, q_row0, sq, sk, off, left, right,
-                     Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64, q_row0, stats_row0, sq, sk, off, left,
+                     right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                      stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                      stride_ds_b, stride_ds_h, stride_ds_s,
-                     delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                     stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                      DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -194,22 +194,23 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
     loop body compiled for its case."""
     for blk in range(full_lo, full_hi):
         dk, dv = _dkdv_head_block(
-            dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, sq, sk, off, left, right, Q, dO, Lse2,
+            dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, stats_row0, sq, sk, off, left, right, Q, dO, Lse2,
             Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
             stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b,
             stride_dqacc_s, stride_dqacc_h,
-            stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h,
+            stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h,
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
             seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
             BLOCK_N, True, DELTA_INLINE, UNHOISTED)
     for t in range(0, (full_lo - lo) + (hi - full_hi)):
         dk, dv = _dkdv_head_block(
-            dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0, sq, sk,
+            dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0,
+            stats_row0, sq, sk,
             off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
             dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b,
             stride_o_s, stride_o_h, stride_dqacc_b,
             stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-            delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
+            stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
             scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
             write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
     return dk, dv
@@ -229,7 +230,7 @@ def _dkdv_program(
     stride_dv_b, stride_dv_s, stride_dv_h,
     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
     stride_ds_b, stride_ds_h, stride_ds_s,
-    delta_stride_b, delta_stride_h,
+    stride_delta_b, stride_delta_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -240,7 +241,7 @@ def _dkdv_program(
     GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
 ):
     """dK and dV of key block n_block of kv head hk, batch entry b (fmha_bwd_dkdv, and the key-block
-    programs of fmha_bwd_fused). With DELTA_INLINE, Lse2 and delta_stride_* are the LSE's, and Out is read."""
+    programs of fmha_bwd_fused). With DELTA_INLINE, Lse2 and stride_delta_* are the LSE's, and Out is read."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     n0 = n_block * BLOCK_N
@@ -269,6 +270,10 @@ def _dkdv_program(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
     q_row0 = q_start.to(tl.int64)
+    if DELTA_INLINE:  # Lse2 is the LSE, whose rows are q's
+        stats_row0 = q_row0
+    else:
+        stats_row0 = row_stats_start(q_start, b, is_varlen)
     if FLAT_LOOP:
         # One loop over (query head of the group, query block), the mask a runtime branch: the nest
         # below keeps three loops' state live and spills dK/dV where they fill the registers (256 wide).
@@ -277,12 +282,12 @@ def _dkdv_program(
             g = t // blocks_per_head
             blk = lo + (t - g * blocks_per_head)
             dk, dv = _dkdv_head_block(
-                dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, sq, sk, off, left,
-                right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, stats_row0, sq, sk, off,
+                left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                 stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                 stride_ds_b, stride_ds_h, stride_ds_s,
-                delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
                 BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
@@ -293,12 +298,13 @@ def _dkdv_program(
         # loops and spill (sm_90 bf16 D=128: 248 -> 56 bytes of stack; GQA backward 0-5% faster, NOTES.md v9).
         for g in tl.range(0, kv_group_size if GROUP_LOOP else 1, disable_licm=GROUP_LOOP):
             dk, dv = _dkdv_head_loops(
-                dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, sq, sk,
+                dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, stats_row0,
+                sq, sk,
                 off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
                 dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                 stride_ds_b, stride_ds_h, stride_ds_s,
-                delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+                stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
                 DELTA_INLINE, UNHOISTED)
@@ -324,7 +330,7 @@ def fmha_bwd_dkdv(
     stride_dv_b, stride_dv_s, stride_dv_h,
     stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
     stride_ds_b, stride_ds_h, stride_ds_s,
-    delta_stride_b, delta_stride_h,
+    stride_delta_b, stride_delta_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -341,7 +347,7 @@ def fmha_bwd_dkdv(
         stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s,
         stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
-        stride_ds_b, stride_ds_h, stride_ds_s, delta_stride_b, delta_stride_h, stride_bias_b, stride_bias_h,
+        stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
         stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8,
         head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
         has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
@@ -382,7 +388,7 @@ def _dq_program(
     stride_o_b, stride_o_s, stride_o_h,
     stride_do_b, stride_do_s, stride_do_h,
     stride_dq_b, stride_dq_s, stride_dq_h,
-    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    lse_stride_b, lse_stride_h, stride_delta_b, stride_delta_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -418,8 +424,8 @@ def _dq_program(
                 + offs_m[:, None] * stride_q_s + offs_dqk[None, :], mask=q_ok[:, None] & dqk_ok[None, :], other=0.0)
     do = tl.load(dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h
                  + offs_m[:, None] * stride_do_s + offs_dv[None, :], mask=q_ok[:, None] & dv_ok[None, :], other=0.0)
+    rows_out = b64 * stride_delta_b + h64 * stride_delta_h + row_stats_start(q_start, b, is_varlen) + m0 + offs_m
     if DELTA_IN:  # written by the pre-pass (the fused grid's dK/dV programs run beside this one)
-        rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
         delta = tl.load(Delta + rows_out, mask=q_ok, other=0.0)
         lse2 = tl.load(Lse2 + rows_out, mask=q_ok, other=float("inf"))
     else:
@@ -429,7 +435,6 @@ def _dq_program(
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         lse2 = _log2_lse(Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0, offs_m, q_ok)
         if DELTA_OUT:
-            rows_out = b64 * delta_stride_b + h64 * delta_stride_h + q_row0 + offs_m
             tl.store(Delta + rows_out, delta, mask=q_ok)
             tl.store(Lse2 + rows_out, lse2, mask=q_ok)  # the dK/dV pass reads it ready, without the -inf test
     K_rows = K + b64 * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk64 * stride_k_h
@@ -466,7 +471,7 @@ def fmha_bwd_dq(
     stride_o_b, stride_o_s, stride_o_h,
     stride_do_b, stride_do_s, stride_do_h,
     stride_dq_b, stride_dq_s, stride_dq_h,
-    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    lse_stride_b, lse_stride_h, stride_delta_b, stride_delta_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -480,8 +485,8 @@ def fmha_bwd_dq(
         Q, K, V, Out, dO, Lse, Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
         SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
         stride_v_b, stride_v_s, stride_v_h, stride_o_b, stride_o_s, stride_o_h, stride_do_b, stride_do_s,
-        stride_do_h, stride_dq_b, stride_dq_s, stride_dq_h, lse_stride_b, lse_stride_h, delta_stride_b,
-        delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
+        stride_do_h, stride_dq_b, stride_dq_s, stride_dq_h, lse_stride_b, lse_stride_h, stride_delta_b,
+        stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
         num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left,
         window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale, philox_seed,
         philox_offset, philox_from_ptr, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False,
@@ -501,7 +506,7 @@ def fmha_bwd_fused(
     stride_dk_b, stride_dk_s, stride_dk_h,
     stride_dv_b, stride_dv_s, stride_dv_h,
     stride_ds_b, stride_ds_h, stride_ds_s,
-    lse_stride_b, lse_stride_h, delta_stride_b, delta_stride_h,
+    lse_stride_b, lse_stride_h, stride_delta_b, stride_delta_h,
     stride_bias_b, stride_bias_h, stride_bias_s,
     alibi_stride_b,
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
@@ -546,7 +551,7 @@ def fmha_bwd_fused(
         if DELTA_INLINE:
             rows_lse, rows_stride_b, rows_stride_h = Lse, lse_stride_b, lse_stride_h
         else:
-            rows_lse, rows_stride_b, rows_stride_h = Lse2, delta_stride_b, delta_stride_h
+            rows_lse, rows_stride_b, rows_stride_h = Lse2, stride_delta_b, stride_delta_h
         _dkdv_program(
             pid, hk, b, Q, K, V, dO, rows_lse, Delta, Out, dK, dV, dQ, Bias, dS, Alibi, PhiloxSeedOffset,
             CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b,
@@ -570,8 +575,8 @@ def fmha_bwd_fused(
             Delta, Lse2, dQ, Bias, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
             stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
             stride_v_h, stride_o_b, stride_o_s, stride_o_h, stride_do_b, stride_do_s, stride_do_h,
-            stride_dq_b, stride_dq_s, stride_dq_h, lse_stride_b, lse_stride_h, delta_stride_b,
-            delta_stride_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
+            stride_dq_b, stride_dq_s, stride_dq_h, lse_stride_b, lse_stride_h, stride_delta_b,
+            stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k,
             num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2,
             window_left, window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale,
             philox_seed, philox_offset, philox_from_ptr, BLOCK_M2, BLOCK_N2, BLOCK_DQK, BLOCK_DV, BIAS_KIND,

@@ -38,6 +38,16 @@ def sequence_extent(CuSeqlens, Seqstart, b, seqlen, is_varlen, has_seqstart):
 
 
 @triton.jit
+def row_stats_start(q_start, b, is_varlen):
+    """Where sequence b's rows start in the backward's per-row statistics (Delta and Lse2, fp32 in the
+    workspace, [B, Hq, ceil8(Sq)] batched or [Hq, ceil8(total_q) + 8 * B] in varlen mode), past the head
+    and batch strides: 0 batched, 8 * (q_start // 8 + b) in varlen mode, which lies past the end of
+    sequence b - 1. Always a multiple of 8 rows, which the compiler can see, so a block's loads
+    vectorise; at an arbitrary q_start they were one 4-byte copy per row (NOTES.md v11)."""
+    return tl.where(is_varlen != 0, 8 * (q_start // 8 + b).to(tl.int64), 0)
+
+
+@triton.jit
 def window_sides(window_left, window_right, sq, sk):
     """The window with unbounded (-1) sides replaced by a reach no query can exceed."""
     unbounded = sq + sk

@@ -222,7 +222,7 @@ def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):
 
 
 def test_workspace_sizes_match_hand_computed_values(monkeypatch):
-    """delta and lse2 are fp32 [B, Hq, Sq], each rounded up to 256 bytes; the deterministic dQ needs
+    """delta and lse2 are fp32 [B, Hq, ceil8(Sq)], each rounded up to 256 bytes; the deterministic dQ needs
     nothing more. The one-launch backward (small problems) keeps Delta and Lse2 in its programs and
     needs no workspace at all, unless a bias gradient asks for dS."""
     q, k, v = qkv(B=3, Sq=100, Sk=64, Hq=4, Hk=4)
@@ -232,10 +232,10 @@ def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 0
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 0
     monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
-    assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 100 * 4 // 256) * 256 == 9728
-    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 9728
+    assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 104 * 4 // 256) * 256 == 10240
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 10240
     # a tensor bias with gradient adds dS (the one-launch backward takes no bias)
-    assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 9728 + ds_bytes
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 10240 + ds_bytes
 
 
 @pytest.mark.parametrize("mask_type,causal,window,alignment,expected", [

@@ -374,26 +374,27 @@ def test_deterministic_backward_is_bitwise_reproducible():
 def test_workspace_layout_matches_hand_computed_sizes():
     # B=2, Sq=100, Sk=77, Hq=8, Dqk=40, tensor bias with gradient.
     problem = AttentionProblem(2, 100, 77, 8, 2, 40, 40, "bf16", bias_shape="B1SS", bias_grad=True)
-    rows = 4 * 2 * 8 * 100  # delta and lse2: fp32 [B, Hq, Sq] = 6400 bytes each
+    rows = 4 * 2 * 8 * 104  # delta and lse2: fp32 [B, Hq, ceil8(Sq) = 104] = 6656 bytes each (26 * 256)
     dq_acc = 4 * 2 * 100 * 8 * 40  # fp32 [B, Sq, Hq, 40]
     ds = 4 * 2 * 8 * 100 * 80  # fp32 [B, Hq, Sq, ceil8(77) = 80]
     ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC)
     assert [(r.name, r.offset, r.nbytes, r.zero_init) for r in ws.regions] == [
-        ("delta", 0, rows, False), ("lse2", 6400, rows, False), ("dq_acc", 12800, dq_acc, True),
-        ("ds", 12800 + dq_acc, ds, True)]
-    assert ws.total_bytes == 12800 + dq_acc + ds and ws.needs_zeroing and ws.dq_splits == 1
+        ("delta", 0, rows, False), ("lse2", 6656, rows, False), ("dq_acc", 13312, dq_acc, True),
+        ("ds", 13312 + dq_acc, ds, True)]
+    assert ws.total_bytes == 13312 + dq_acc + ds and ws.needs_zeroing and ws.dq_splits == 1
     ws = pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_DETERMINISTIC)
     assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [
-        ("delta", 0, rows), ("lse2", 6400, rows), ("ds", 12800, ds)]
-    assert ws.dq_splits == 0 and ws.total_bytes == 12800 + ds
-    # Varlen Delta and Lse2 are [Hq, total_q]; offsets and the total stay 256-aligned.
+        ("delta", 0, rows), ("lse2", 6656, rows), ("ds", 13312, ds)]
+    assert ws.dq_splits == 0 and ws.total_bytes == 13312 + ds
+    # Varlen Delta and Lse2 are [Hq, ceil8(total_q) + 8 * B] = [3, 104 + 24] (every sequence starts at a
+    # multiple of 8 rows); offsets and the total stay 256-aligned.
     varlen = AttentionProblem(3, 50, 50, 3, 3, 64, 64, "fp16", varlen=True, total_q=101, total_k=90,
                               deterministic=True)
     for arch in pp.BUILD_ARCHS:
         ws = pp.bwd_workspace(varlen, arch, pp.DQ_DETERMINISTIC)
-        assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [("delta", 0, 4 * 3 * 101),
-                                                                      ("lse2", 1280, 4 * 3 * 101)]
-        assert ws.total_bytes == 2560 and not ws.needs_zeroing and ws.dq_splits == 0
+        assert [(r.name, r.offset, r.nbytes) for r in ws.regions] == [("delta", 0, 4 * 3 * 128),
+                                                                      ("lse2", 1536, 4 * 3 * 128)]
+        assert ws.total_bytes == 3072 and not ws.needs_zeroing and ws.dq_splits == 0
         # by default a problem this small takes the one-launch backward where it is built: no workspace
         single = pp.dq_strategy(varlen, arch) == pp.DQ_SINGLE
         assert single == (arch == "sm_90") and (pp.bwd_workspace(varlen, arch).total_bytes == 0) == single

@@ -1,0 +1,158 @@
+"""Where a backward kernel's warps wait: Nsight Compute's stall samples per loop and per opcode.
+
+Two steps. `run` does one backward of fmha_rt or FlexAttention between cudaProfilerStart/Stop (after
+warm-up calls, so compiles and first-call work stay outside), for ncu to sample:
+
+    ncu --clock-control none --profile-from-start off --kernel-name regex:'fmha_bwd_fused|triton_tem' \
+        --section WarpStateStats --section SourceCounters -o REPORT \
+        python bench/stall_profile.py run --impl fmha_rt|flex [--seqlen 4096] [--kv-heads 16]
+    ncu -i REPORT.ncu-rep --page source --csv --print-source sass | gzip > SOURCE.csv.gz
+
+`summarize` reads that SASS source page: the stall samples of each loop (found by its back edge), with
+its instruction mix, and of each opcode, each with its main stall reasons:
+
+    python bench/stall_profile.py summarize SOURCE.csv.gz [--json OUT]
+
+Shapes as the benchmark's: bf16, D=128, B*S = 16k tokens, 16 query heads, [B, S, H, D] tensors.
+"""
+import argparse
+import collections
+import csv
+import gzip
+import json
+import re
+import sys
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+
+
+def run(impl: str, seqlen: int, kv_heads: int):
+    import torch
+
+    batch, heads, dim = 16384 // seqlen, 16, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def tensor(h):
+        return torch.randn(batch, seqlen, h, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v, dout = tensor(heads), tensor(kv_heads), tensor(kv_heads), tensor(heads)
+    if impl == "fmha_rt":
+        import fmha_rt
+
+        out, lse = fmha_rt.mha_fwd(q, k, v)
+
+        def backward():
+            return fmha_rt.mha_bwd(dout, q, k, v, out, lse)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        qt, kt, vt = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
+        out = flex(qt, kt, vt, enable_gqa=kv_heads != heads)
+
+        def backward():
+            return torch.autograd.grad(out, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+    for _ in range(3):
+        backward()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    backward()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def read_source_page(path: str):
+    """(column names, rows) of ncu's SASS source page as CSV, plain or gzipped."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
+        rows = list(csv.reader(f))
+    header_at = next(i for i, r in enumerate(rows) if "Source" in (c.strip() for c in r))
+    head = [c.strip() for c in rows[header_at]]
+    return head, [r for r in rows[header_at + 1:] if len(r) == len(head)]
+
+
+def _opcode(source: str) -> str:
+    tokens = source.split()
+    if not tokens:
+        return "?"
+    return (tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]).split(".")[0]
+
+
+def summarize(path: str, min_loop: int = 40) -> dict:
+    head, rows = read_source_page(path)
+    src, samples, executed = head.index("Source"), head.index(SAMPLES), head.index(EXECUTED)
+    reasons = [i for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
+    total = sum(_number(r[samples]) for r in rows) or 1.0
+
+    def reason_shares(selection):
+        counts = collections.Counter()
+        for r in selection:
+            for i in reasons:
+                counts[head[i][len("stall_"):]] += _number(r[i])
+        whole = sum(counts.values()) or 1.0
+        return {name: round(100 * n / whole, 1) for name, n in counts.most_common(6) if n}
+
+    def share(selection):
+        return round(100 * sum(_number(r[samples]) for r in selection) / total, 2)
+
+    address = [int(r[0], 16) for r in rows]
+    index = {a: i for i, a in enumerate(address)}
+    loops = []
+    for end, r in enumerate(rows):
+        jump = re.search(r"BRA\s+.*?0x([0-9a-f]+)", r[src])
+        if not jump:
+            continue
+        target = int(jump[1], 16)
+        if target <= address[end] and target in index and end - index[target] >= min_loop:
+            body = rows[index[target]:end + 1]
+            mix = collections.Counter(_opcode(x[src]) for x in body)
+            loops.append({"rows": [index[target], end], "instructions": len(body), "samples_pct": share(body),
+                          "executed": sum(_number(x[executed]) for x in body),
+                          "mix": {op: mix[op] for op in ("HGMMA", "MUFU", "LDGSTS", "LDS", "LDL", "STL") if mix[op]},
+                          "stalls_pct": reason_shares(body)})
+    by_opcode = collections.defaultdict(list)
+    for r in rows:
+        by_opcode[_opcode(r[src])].append(r)
+    opcodes = sorted(by_opcode.items(), key=lambda kv: -sum(_number(r[samples]) for r in kv[1]))
+    return {"samples": total, "instructions": len(rows), "executed": sum(_number(r[executed]) for r in rows),
+            "stalls_pct": reason_shares(rows), "loops": loops,
+            "opcodes": [{"opcode": op, "count": len(sel), "samples_pct": share(sel), "stalls_pct": reason_shares(sel)}
+                        for op, sel in opcodes[:16]]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="one backward between cudaProfilerStart/Stop")
+    r.add_argument("--impl", choices=("fmha_rt", "flex"), default="fmha_rt")
+    r.add_argument("--seqlen", type=int, default=4096)
+    r.add_argument("--kv-heads", type=int, default=16)
+    s = sub.add_parser("summarize", help="stall samples per loop and opcode of a SASS source page")
+    s.add_argument("source")
+    s.add_argument("--json", help="also write the summary here")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args.impl, args.seqlen, args.kv_heads)
+        return
+    report = summarize(args.source)
+    print(f"{report['instructions']} instructions, {report['samples']:.0f} samples, stalls {report['stalls_pct']}")
+    for loop in report["loops"]:
+        print(f"loop rows {loop['rows'][0]}-{loop['rows'][1]}: {loop['instructions']} instructions {loop['mix']}, "
+              f"{loop['samples_pct']}% of samples, stalls {loop['stalls_pct']}")
+    for op in report["opcodes"]:
+        print(f"  {op['opcode']:10s} x{op['count']:<4d} {op['samples_pct']:5.1f}%  {op['stalls_pct']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
