@@ -205,13 +205,11 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
     for t in range(0, (full_lo - lo) + (hi - full_hi)):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0,
-            stats_row0, sq, sk,
-            off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok,
-            dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b,
-            stride_o_s, stride_o_h, stride_dqacc_b,
-            stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
-            stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
-            scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
+            stats_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk,
+            offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+            stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b,
+            stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s,
+            alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
             write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
     return dk, dv
 
@@ -299,8 +297,7 @@ def _dkdv_program(
         for g in tl.range(0, kv_group_size if GROUP_LOOP else 1, disable_licm=GROUP_LOOP):
             dk, dv = _dkdv_head_loops(
                 dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, stats_row0,
-                sq, sk,
-                off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
+                sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
                 dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                 stride_ds_b, stride_ds_h, stride_ds_s,
