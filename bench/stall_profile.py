@@ -8,8 +8,8 @@ warm-up calls, so compiles and first-call work stay outside), for ncu to sample:
         python bench/stall_profile.py run --impl fmha_rt|flex [--seqlen 4096] [--kv-heads 16]
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass | gzip > SOURCE.csv.gz
 
-`summarize` reads that SASS source page: the stall samples of each loop (found by its back edge), with
-its instruction mix, and of each opcode, each with its main stall reasons:
+`summarize` reads that SASS source page: the stall samples of each loop (found by its back edge, the rule
+of bench/sass_loops.py), with its instruction mix, and of each opcode, each with its main stall reasons:
 
     python bench/stall_profile.py summarize SOURCE.csv.gz [--json OUT]
 
@@ -20,8 +20,9 @@ import collections
 import csv
 import gzip
 import json
-import re
 import sys
+
+import sass_loops  # bench/sass_loops.py: the loop rule and the opcode names
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -79,14 +80,7 @@ def read_source_page(path: str):
     return head, [r for r in rows[header_at + 1:] if len(r) == len(head)]
 
 
-def _opcode(source: str) -> str:
-    tokens = source.split()
-    if not tokens:
-        return "?"
-    return (tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]).split(".")[0]
-
-
-def summarize(path: str, min_loop: int = 40) -> dict:
+def summarize(path: str, min_loop: int = sass_loops.MIN_LOOP) -> dict:
     head, rows = read_source_page(path)
     src, samples, executed = head.index("Source"), head.index(SAMPLES), head.index(EXECUTED)
     reasons = [i for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
@@ -103,24 +97,16 @@ def summarize(path: str, min_loop: int = 40) -> dict:
     def share(selection):
         return round(100 * sum(_number(r[samples]) for r in selection) / total, 2)
 
-    address = [int(r[0], 16) for r in rows]
-    index = {a: i for i, a in enumerate(address)}
     loops = []
-    for end, r in enumerate(rows):
-        jump = re.search(r"BRA\s+.*?0x([0-9a-f]+)", r[src])
-        if not jump:
-            continue
-        target = int(jump[1], 16)
-        if target <= address[end] and target in index and end - index[target] >= min_loop:
-            body = rows[index[target]:end + 1]
-            mix = collections.Counter(_opcode(x[src]) for x in body)
-            loops.append({"rows": [index[target], end], "instructions": len(body), "samples_pct": share(body),
-                          "executed": sum(_number(x[executed]) for x in body),
-                          "mix": {op: mix[op] for op in ("HGMMA", "MUFU", "LDGSTS", "LDS", "LDL", "STL") if mix[op]},
-                          "stalls_pct": reason_shares(body)})
+    for first, last in sass_loops.find_loops([int(r[0], 16) for r in rows], [r[src] for r in rows], min_loop):
+        body = rows[first:last + 1]
+        loops.append({"rows": [first, last], "instructions": len(body), "samples_pct": share(body),
+                      "executed": sum(_number(x[executed]) for x in body),
+                      "mix": {op: n for op, n in sass_loops.mix(x[src] for x in body).items() if n},
+                      "stalls_pct": reason_shares(body)})
     by_opcode = collections.defaultdict(list)
     for r in rows:
-        by_opcode[_opcode(r[src])].append(r)
+        by_opcode[sass_loops.opcode(r[src])].append(r)
     opcodes = sorted(by_opcode.items(), key=lambda kv: -sum(_number(r[samples]) for r in kv[1]))
     return {"samples": total, "instructions": len(rows), "executed": sum(_number(r[executed]) for r in rows),
             "stalls_pct": reason_shares(rows), "loops": loops,

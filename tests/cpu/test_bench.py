@@ -638,39 +638,3 @@ def test_the_recorded_command_names_the_output_folder_only():
     assert recorded_command(argv) == ["bench", "--hdim", "128", "--out", "run1", "--repeats", "10"]
     assert recorded_command(["--out=/x/y/merged"]) == ["bench", "--out=merged"]
     assert recorded_command(["--pass", "fwd"]) == ["bench", "--pass", "fwd"]
-
-
-# ---- stall profile (bench/stall_profile.py) ---------------------------------------------------------
-
-
-def _stall_profile_module():
-    spec = importlib.util.spec_from_file_location("stall_profile", os.path.join(REPO_ROOT, "bench", "stall_profile.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_stall_profile_finds_loops_by_back_edges_and_sums_their_samples(tmp_path):
-    """A made-up SASS source page: a preamble, a 41-instruction loop closed by a backward branch, an
-    exit. The loop's share, mix and stall reasons are sums over its rows only."""
-    lines = [("IMAD R1, R2, R3, RZ", 10, 2, 8)]
-    lines += [("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", 30, 20, 10)]
-    lines += [("MUFU.EX2 R5, R5", 5, 1, 4)] * 38
-    lines += [("@!PT LDS RZ, [RZ]", 15, 15, 0), ("@P0 BRA 0x10", 0, 0, 0), ("EXIT", 0, 0, 0)]
-    rows = ["Address,Source,Warp Stall Sampling (All Samples),Instructions Executed,stall_barrier,stall_mio,"
-            "stall_mio (Not Issued)"]
-    for i, (text, samples, barrier, mio) in enumerate(lines):
-        rows.append(f'{0x0 + 16 * i:x},"{text}",{samples},{1000 + i},{barrier},{mio},{mio}')
-    path = tmp_path / "source.csv"
-    path.write_text("\n".join(rows) + "\n")
-    report = _stall_profile_module().summarize(str(path))
-    total = 10 + 30 + 38 * 5 + 15
-    assert report["samples"] == total and report["instructions"] == len(lines)
-    (loop,) = report["loops"]
-    assert loop["rows"] == [1, 41] and loop["instructions"] == 41
-    assert loop["mix"] == {"HGMMA": 1, "MUFU": 38, "LDS": 1}
-    assert loop["samples_pct"] == round(100 * (total - 10) / total, 2)
-    barrier, mio = 20 + 38 + 15, 10 + 38 * 4
-    assert loop["stalls_pct"] == {"mio": round(100 * mio / (barrier + mio), 1),
-                                  "barrier": round(100 * barrier / (barrier + mio), 1)}
-    assert report["opcodes"][0]["opcode"] == "MUFU" and report["opcodes"][0]["count"] == 38

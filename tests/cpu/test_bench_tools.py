@@ -1,0 +1,224 @@
+"""The scripts in bench/ that study kernels rather than time them: the SASS loop report
+(bench/sass_loops.py), the stall-profile summary (bench/stall_profile.py) and the A/B runner
+(bench/ab.py, its bookkeeping through a stand-in benchmark)."""
+
+import importlib
+import json
+import os
+import pathlib
+import sys
+import types
+
+import pytest
+
+from fmha_rt.bench import report
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+HSA = REPO_ROOT / "hsa"
+
+
+@pytest.fixture
+def bench_script(monkeypatch):
+    """Imports a script of bench/ as a module, as `python bench/NAME.py` would find its neighbours."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+
+    def load(name):
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+
+    return load
+
+
+# ---- SASS loops (bench/sass_loops.py) ----------------------------------------------------------------
+
+FAKE_SASS = """
+\tcode for sm_90a
+\t\tFunction : toy_kernel
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1+0x4], R2 ;
+""" + "".join(f"        /*{0x20 + 16 * i:04x}*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
+              for i in range(2)) + "".join(
+    f"        /*{0x40 + 16 * i:04x}*/                   MUFU.EX2 R5, R5 ;\n" for i in range(40)) + """
+        /*02c0*/                   LDL R7, [R1+0x4] ;
+        /*02d0*/               @P0 BRA 0x20 ;
+        /*02e0*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR6][R4.64] ;
+        /*02f0*/               @P1 BRA 0x2e0 ;
+        /*0300*/                   EXIT ;
+"""
+FAKE_USAGE = """
+Resource usage:
+ Common:
+  GLOBAL:11
+ Function toy_kernel:
+  REG:168 STACK:56 SHARED:1024 LOCAL:0
+"""
+
+
+def test_sass_loops_finds_loops_by_back_edges_and_counts_their_mix(bench_script):
+    """A made-up disassembly: a 44-instruction loop (2 HGMMA, 40 MUFU, a spill reload, its branch), then
+    a 2-instruction copy loop, too short to count."""
+    sass_loops = bench_script("sass_loops")
+    (kernel,) = sass_loops.summarize_sass(FAKE_SASS, sass_loops.resources(FAKE_USAGE))
+    assert kernel["kernel"] == "toy_kernel" and kernel["instructions"] == 49
+    assert (kernel["registers"], kernel["stack_bytes"], kernel["LDL"], kernel["STL"]) == (168, 56, 1, 1)
+    (loop,) = kernel["loops"]
+    assert (loop["first"], loop["last"], loop["instructions"]) == ("0x20", "0x2d0", 44)
+    assert loop["mix"] == {"HGMMA": 2, "MUFU": 40, "LDGSTS": 0, "LDG": 0, "LDS": 0, "LDL": 1, "STL": 0}
+    assert sass_loops.opcode("@!P2 LDGSTS.E.BYPASS.128 [R2], desc[UR6][R4.64]") == "LDGSTS"
+
+
+def test_sass_loops_reads_a_shipped_code_object(bench_script):
+    """The cuobjdump that the pinned Triton bundles disassembles a committed sm_90 forward: one kernel
+    whose main loops do tensor-core work and exponentials without spilling."""
+    sass_loops = bench_script("sass_loops")
+    (kernel,) = sass_loops.summarize(str(HSA / "sm_90" / "portable" / "fmha_fwd_bf16_d128_nobias_nodrop.cubin.gz"))
+    assert kernel["kernel"] == "fmha_fwd" and kernel["registers"] > 0
+    assert kernel["loops"] and all(loop["mix"]["HGMMA"] > 0 and loop["mix"]["MUFU"] > 0 for loop in kernel["loops"])
+    assert kernel["STL"] == 0
+
+
+# ---- stall profile (bench/stall_profile.py) ---------------------------------------------------------
+
+
+def test_stall_profile_finds_loops_by_back_edges_and_sums_their_samples(bench_script, tmp_path):
+    """A made-up SASS source page: a preamble, a 41-instruction loop closed by a backward branch, an
+    exit. The loop's share, mix and stall reasons are sums over its rows only."""
+    lines = [("IMAD R1, R2, R3, RZ", 10, 2, 8)]
+    lines += [("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", 30, 20, 10)]
+    lines += [("MUFU.EX2 R5, R5", 5, 1, 4)] * 38
+    lines += [("@!PT LDS RZ, [RZ]", 15, 15, 0), ("@P0 BRA 0x10", 0, 0, 0), ("EXIT", 0, 0, 0)]
+    rows = ["Address,Source,Warp Stall Sampling (All Samples),Instructions Executed,stall_barrier,stall_mio,"
+            "stall_mio (Not Issued)"]
+    for i, (text, samples, barrier, mio) in enumerate(lines):
+        rows.append(f'{0x0 + 16 * i:x},"{text}",{samples},{1000 + i},{barrier},{mio},{mio}')
+    path = tmp_path / "source.csv"
+    path.write_text("\n".join(rows) + "\n")
+    summary = bench_script("stall_profile").summarize(str(path))
+    total = 10 + 30 + 38 * 5 + 15
+    assert summary["samples"] == total and summary["instructions"] == len(lines)
+    (loop,) = summary["loops"]
+    assert loop["rows"] == [1, 41] and loop["instructions"] == 41
+    assert loop["mix"] == {"HGMMA": 1, "MUFU": 38, "LDS": 1}
+    assert loop["samples_pct"] == round(100 * (total - 10) / total, 2)
+    barrier, mio = 20 + 38 + 15, 10 + 38 * 4
+    assert loop["stalls_pct"] == {"mio": round(100 * mio / (barrier + mio), 1),
+                                  "barrier": round(100 * barrier / (barrier + mio), 1)}
+    assert summary["opcodes"][0]["opcode"] == "MUFU" and summary["opcodes"][0]["count"] == 38
+
+
+# ---- A/B runner (bench/ab.py) -----------------------------------------------------------------------
+
+
+def _fake_hsa(root, kernels):
+    """A code-object folder: {key: bytes} as sm_90/portable/KEY.cubin.gz with its manifest."""
+    entries = []
+    for key, data in kernels.items():
+        rel = f"sm_90/portable/{key}.cubin.gz"
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        entries.append({"arch": "sm_90", "family": "portable", "key": key, "file": rel})
+    (root / "manifest.json").write_text(json.dumps({"format": 1, "triton": "3.6.0", "kernels": entries}))
+    return root
+
+
+def test_ab_lays_a_partial_build_over_a_copy_of_the_code_objects(bench_script, tmp_path):
+    ab = bench_script("ab")
+    checkout = _fake_hsa(tmp_path / "hsa", {"fmha_fwd_a": b"old fwd", "fmha_bwd_b": b"old bwd"})
+    partial = _fake_hsa(tmp_path / "build", {"fmha_bwd_b": b"new bwd"})
+    variant = ab.resolve_variant(f"flat={partial}", tmp_path / "work", checkout_hsa=checkout)
+    assert variant.kind == "partial build" and variant.kernels == ["sm_90/fmha_bwd_b"]
+    laid = pathlib.Path(variant.env["FMHA_RT_ASM_DIR"])
+    assert (laid / "sm_90/portable/fmha_bwd_b.cubin.gz").read_bytes() == b"new bwd"
+    assert (laid / "sm_90/portable/fmha_fwd_a.cubin.gz").read_bytes() == b"old fwd"
+    assert sorted(e["key"] for e in json.loads((laid / "manifest.json").read_text())["kernels"]) == [
+        "fmha_bwd_b", "fmha_fwd_a"]
+    assert (checkout / "sm_90/portable/fmha_bwd_b.cubin.gz").read_bytes() == b"old bwd", "the checkout is untouched"
+    same = ab.resolve_variant(f"base={checkout}", tmp_path / "work", checkout_hsa=checkout)
+    assert same.kind == "checkout" and same.env == {}
+
+
+def test_ab_takes_another_checkout_only_with_its_shim_built(bench_script, tmp_path):
+    ab = bench_script("ab")
+    other = tmp_path / "other"
+    (other / "fmha_rt").mkdir(parents=True)
+    (other / "fmha_rt" / "__init__.py").write_text("")
+    _fake_hsa(other / "hsa", {"fmha_fwd_a": b"x"})
+    with pytest.raises(ab.AbError, match="no built shim"):
+        ab.resolve_variant(f"prev={other}", tmp_path / "work")
+    (other / "fmha_rt" / "_shim.abi3.so").write_bytes(b"")
+    variant = ab.resolve_variant(f"prev={other}", tmp_path / "work")
+    assert variant.kind == "package" and variant.cwd == other.resolve()
+    assert variant.env == {"PYTHONPATH": str(other.resolve()), "FMHA_RT_ASM_DIR": str(other.resolve() / "hsa")}
+
+
+@pytest.mark.parametrize("spec,message", [("base", "NAME=PATH"), ("=hsa", "NAME=PATH"), ("a-b=hsa", "NAME=PATH"),
+                                          ("x=/nonexistent/place", "neither hsa/")])
+def test_ab_refuses_a_variant_it_cannot_place(bench_script, tmp_path, spec, message):
+    ab = bench_script("ab")
+    with pytest.raises(ab.AbError, match=message):
+        ab.resolve_variant(spec, tmp_path)
+
+
+@pytest.mark.parametrize("args,message", [(["--impl", "flex"], "--impl is set by this tool"),
+                                          (["--out=x"], "--out is set by this tool"),
+                                          (["--hdim", "99"], "refuses the arguments")])
+def test_ab_refuses_benchmark_flags_before_running_anything(bench_script, args, message):
+    ab = bench_script("ab")
+    with pytest.raises(ab.AbError, match=message):
+        ab.check_bench_args(args)
+
+
+def _bench_doc(tflops_by_point, date):
+    rows = []
+    for (seqlen, causal), tflops in tflops_by_point.items():
+        point = {"kind": "dense", "pass": "bwd", "dtype": "bf16", "B": 16384 // seqlen, "Hq": 16, "Hk": 2,
+                 "Sq": seqlen, "Sk": seqlen, "D": 128, "causal": causal}
+        rows.append({"impl": "fmha_rt", **point, "tflops": tflops} if tflops else
+                    {"impl": "fmha_rt", **point, "error": "FmhaDriverError: out of memory"})
+    header = {"date": date, "gpu": "NVIDIA H200", "driver": "580", "torch": "2.11", "triton": "3.6.0"}
+    return {**report.new_document(header), "rows": rows}
+
+
+def test_ab_alternates_the_order_and_records_each_run_with_the_median_ratio(bench_script, tmp_path):
+    """Two variants, three rounds through a stand-in benchmark: runs go A B, B A, A B, each variant with
+    its own environment, and the record keeps every run's TFLOP/s and the median ratio per point."""
+    ab = bench_script("ab")
+    variants = [ab.Variant("base", "checkout", "hsa", {}, REPO_ROOT, []),
+                ab.Variant("flat", "partial build", "out/flat", {"FMHA_RT_ASM_DIR": "/laid/hsa"}, REPO_ROOT,
+                           ["sm_90/fmha_bwd_fused_bf16_d128_nobias_nodrop"])]
+    speeds = {"base": iter([400.0, 402.0, 398.0]), "flat": iter([410.0, 409.0, 412.0])}
+    calls = []
+
+    def runner(cmd, env, cwd):
+        name = "flat" if env.get("FMHA_RT_ASM_DIR") == "/laid/hsa" else "base"
+        calls.append(name)
+        assert cmd[1:4] == ["-m", "fmha_rt", "bench"] and cmd[-5:-1] == ["--impl", "fmha_rt", "--no-extras", "--out"]
+        assert cmd[4:6] == ["--seqlen", "16k"] and cwd == str(REPO_ROOT)
+        fast = next(speeds[name])
+        report.save(_bench_doc({(16384, False): fast, (4096, True): None}, "2026-12-04T10:00:00+00:00"),
+                    os.path.join(cmd[-1], "results.json"))
+        return types.SimpleNamespace(returncode=0)
+
+    docs = ab.run_rounds(variants, 3, ["--seqlen", "16k"], tmp_path, runner=runner, log=open(os.devnull, "w"))
+    assert calls == ["base", "flat", "flat", "base", "base", "flat"]
+    points = ab.compare(docs, ["base", "flat"])
+    by_seqlen = {p["point"]["Sq"]: p for p in points}
+    assert by_seqlen[16384]["tflops"] == {"base": [400.0, 402.0, 398.0], "flat": [410.0, 409.0, 412.0]}
+    assert by_seqlen[16384]["median_ratio"] == {"flat": round(410.0 / 400.0, 4)}
+    assert by_seqlen[4096]["errors"] == {"base": "FmhaDriverError: out of memory",
+                                        "flat": "FmhaDriverError: out of memory"}
+    record = ab.make_record(docs, variants, points, ["--variant", "base=hsa", "--record", "/some/where/x.json"], "t")
+    assert record["format"] == ab.FORMAT and record["gpu"] == "NVIDIA H200" and record["rounds"] == 3
+    assert record["command"][-2:] == ["--record", "x.json"], "the record names no private path"
+    assert record["variants"][1]["kernels"] == ["sm_90/fmha_bwd_fused_bf16_d128_nobias_nodrop"]
+    text = ab.table(points, ["base", "flat"])
+    assert "400.0 | 410.0 (1.025x)" in text and "out of memory" in text
+
+
+def test_ab_stops_at_a_failed_run(bench_script, tmp_path):
+    ab = bench_script("ab")
+    variants = [ab.Variant("base", "checkout", "hsa", {}, REPO_ROOT, []),
+                ab.Variant("new", "checkout", "hsa", {}, REPO_ROOT, [])]
+    with pytest.raises(ab.AbError, match="benchmark of base .round 1. exited with status 1"):
+        ab.run_rounds(variants, 2, [], tmp_path, runner=lambda cmd, env, cwd: types.SimpleNamespace(returncode=1),
+                      log=open(os.devnull, "w"))
