@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One round of kernel work on a GPU machine, in one command: build the shim, run the GPU tests on this
+# checkout's code objects, time builds against each other (bench/ab.py), then the benchmark grid of
+# issue 3 with the peers. Results go under $OUT (default out/gpu_round); a summary prints last.
+#
+#   bench/gpu_round.sh [NAME=PATH NAME=PATH ...]     two or more variants: the A/B runs, the first is the base
+#
+# Environment:
+#   WHEELS=DIR   install the wheels in DIR first (machines without a package index: cffi, pycparser)
+#   AB_FLAGS     the A/B's benchmark flags (default: backward, bf16, D=128, 4k and 16k, causal and not, GQA too)
+#   AB_ROUNDS    rounds of the A/B (default 2)
+#   GRID=0       skip the grid; TESTS=0 skip the GPU tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu_round}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/fmha_rt_site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/fmha_rt_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 1; }
+summary=()
+if [ "${TESTS:-1}" != 0 ]; then
+  python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.log" 2>&1 || true
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+fi
+if [ $# -ge 2 ]; then
+  variants=()
+  for v in "$@"; do variants+=(--variant "$v"); done
+  # shellcheck disable=SC2086
+  python3 bench/ab.py "${variants[@]}" --rounds "${AB_ROUNDS:-2}" --record "$OUT/ab.json" -- \
+    ${AB_FLAGS:---dtype bf16 --hdim 128 --seqlen 4k 16k --causal both --pass bwd --gqa 1 --varlen 0 --repeats 10} \
+    > "$OUT/ab.md" 2> "$OUT/ab.log" || { tail -20 "$OUT/ab.log"; exit 1; }
+fi
+if [ "${GRID:-1}" != 0 ]; then
+  python3 -m fmha_rt bench --dtype bf16 --hdim 64 128 --seqlen 1k 4k 16k --causal both --pass fwd bwd bwd_det \
+    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --out "$OUT/grid" \
+    > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
+  python3 - "$OUT/grid/results.json" > "$OUT/grid_vs_flex.txt" <<'PY'
+import json, sys
+rows = {}
+for r in json.load(open(sys.argv[1]))["rows"]:
+    if "tflops" in r:
+        rows.setdefault((r["pass"], r["D"], r["Sq"], r["causal"], r["Hq"], r["Hk"]), {})[r["impl"]] = r["tflops"]
+below = 0
+for key, by_impl in sorted(rows.items(), key=str):
+    flex = by_impl.get("flex")
+    ratio = by_impl["fmha_rt"] / flex if flex and "fmha_rt" in by_impl else None
+    below += ratio is not None and ratio < 1
+    cells = " ".join(f"{name} {t:.1f}" for name, t in by_impl.items())
+    print(f"{key}: {cells}" + (f"  vs flex {ratio:.3f}" if ratio else ""))
+print(f"points below FlexAttention: {below}")
+PY
+fi
+for line in "${summary[@]}"; do echo "$line"; done
+[ -f "$OUT/ab.md" ] && cat "$OUT/ab.md"
+[ -f "$OUT/grid_vs_flex.txt" ] && cat "$OUT/grid_vs_flex.txt"
+exit 0
