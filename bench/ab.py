@@ -10,8 +10,9 @@ A variant is NAME=PATH, where PATH is
   - this checkout's hsa/: the package and code objects as they are;
   - a partial build (`python -m kernels.build --arch sm_90 --only REGEX --out DIR`): its kernels laid over
     a copy of hsa/, everything else as it is;
-  - another checkout of the package (fmha_rt/ with its shim built, and hsa/): its Python, C shim and
-    code objects, for a change that reaches the host side too (a workspace layout, a kernel argument).
+  - another checkout of the package (fmha_rt/ and hsa/, e.g. `git archive main | tar -x -C DIR`): its
+    Python, C shim and code objects, for a change that reaches the host side too (a workspace layout, a
+    kernel argument); without a built shim it borrows this checkout's where their C sources are the same.
 Everything after `--` goes to the benchmark, which this tool runs with --impl fmha_rt --no-extras.
 """
 import argparse
@@ -66,13 +67,13 @@ def resolve_variant(spec: str, workdir: pathlib.Path, checkout_hsa: pathlib.Path
     if path == checkout_hsa.resolve():
         return Variant(name, "checkout", source, {}, REPO, [])
     if (path / "fmha_rt" / "__init__.py").is_file():
-        if not list((path / "fmha_rt").glob("_shim*.so")):
-            raise AbError(f"--variant {name}: {source}/fmha_rt has no built shim (_shim*.so); run "
-                          f"`pip install --no-build-isolation --no-deps -e .` there or copy this checkout's")
         if not (path / "hsa" / "manifest.json").is_file():
             raise AbError(f"--variant {name}: {source} has no hsa/manifest.json")
-        return Variant(name, "package", source, {"PYTHONPATH": str(path), "FMHA_RT_ASM_DIR": str(path / "hsa")},
-                       path, [])
+        package_root = path
+        if not list((path / "fmha_rt").glob("_shim*.so")):
+            package_root = _with_this_shim(name, source, path, workdir)
+        return Variant(name, "package", source,
+                       {"PYTHONPATH": str(package_root), "FMHA_RT_ASM_DIR": str(path / "hsa")}, package_root, [])
     manifest = path / "manifest.json"
     if not manifest.is_file():
         raise AbError(f"--variant {name}: {source} is neither hsa/, a build folder with manifest.json, nor a "
@@ -85,6 +86,26 @@ def resolve_variant(spec: str, workdir: pathlib.Path, checkout_hsa: pathlib.Path
     shutil.copytree(checkout_hsa, dest)
     merge_partial(path, dest, whole_families=False)
     return Variant(name, "partial build", source, {"FMHA_RT_ASM_DIR": str(dest)}, REPO, kernels)
+
+
+def _shim_sources(root: pathlib.Path) -> dict:
+    files = [*(root / "fmha_rt").glob("*.c"), root / "fmha_rt" / "shim_build.py", *(root / "include").glob("*.h")]
+    return {f.relative_to(root).as_posix(): f.read_bytes() for f in files if f.is_file()}
+
+
+def _with_this_shim(name, source, path, workdir, checkout=REPO) -> pathlib.Path:
+    """A copy of the other checkout's package with this checkout's built shim, where the C sources they
+    are built from are the same; its folder."""
+    shims = list((checkout / "fmha_rt").glob("_shim*.so"))
+    if not shims or _shim_sources(path) != _shim_sources(checkout):
+        raise AbError(f"--variant {name}: {source}/fmha_rt has no built shim (_shim*.so) and its C sources "
+                      "differ from this checkout's (or this one has none built); run `pip install "
+                      "--no-build-isolation --no-deps -e .` there")
+    root = workdir / name / "package"
+    shutil.copytree(path / "fmha_rt", root / "fmha_rt")
+    for shim in shims:
+        shutil.copy(shim, root / "fmha_rt" / shim.name)
+    return root
 
 
 def check_bench_args(bench_args):

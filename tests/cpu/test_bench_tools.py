@@ -137,18 +137,33 @@ def test_ab_lays_a_partial_build_over_a_copy_of_the_code_objects(bench_script, t
     assert same.kind == "checkout" and same.env == {}
 
 
-def test_ab_takes_another_checkout_only_with_its_shim_built(bench_script, tmp_path):
+def _checkout(root, c_source, shim=None):
+    (root / "fmha_rt").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "fmha_rt" / "__init__.py").write_text("")
+    (root / "fmha_rt" / "shim.c").write_text(c_source)
+    (root / "include" / "fmha_rt.h").write_text("int fmha_version(void);\n")
+    if shim is not None:
+        (root / "fmha_rt" / "_shim.abi3.so").write_bytes(shim)
+    _fake_hsa(root / "hsa", {"fmha_fwd_a": b"x"})
+    return root
+
+
+def test_ab_runs_another_checkout_with_its_own_shim_or_this_ones_for_the_same_c_sources(bench_script, tmp_path):
     ab = bench_script("ab")
-    other = tmp_path / "other"
-    (other / "fmha_rt").mkdir(parents=True)
-    (other / "fmha_rt" / "__init__.py").write_text("")
-    _fake_hsa(other / "hsa", {"fmha_fwd_a": b"x"})
-    with pytest.raises(ab.AbError, match="no built shim"):
-        ab.resolve_variant(f"prev={other}", tmp_path / "work")
-    (other / "fmha_rt" / "_shim.abi3.so").write_bytes(b"")
-    variant = ab.resolve_variant(f"prev={other}", tmp_path / "work")
-    assert variant.kind == "package" and variant.cwd == other.resolve()
-    assert variant.env == {"PYTHONPATH": str(other.resolve()), "FMHA_RT_ASM_DIR": str(other.resolve() / "hsa")}
+    built = _checkout(tmp_path / "built", "int x;\n", shim=b"its shim")
+    variant = ab.resolve_variant(f"prev={built}", tmp_path / "work")
+    assert variant.kind == "package" and variant.cwd == built.resolve()
+    assert variant.env == {"PYTHONPATH": str(built.resolve()), "FMHA_RT_ASM_DIR": str(built.resolve() / "hsa")}
+
+    this = _checkout(tmp_path / "this", "int x;\n", shim=b"this shim")
+    bare = _checkout(tmp_path / "bare", "int x;\n")
+    package = ab._with_this_shim("prev", "bare", bare, tmp_path / "work", checkout=this)
+    assert (package / "fmha_rt" / "_shim.abi3.so").read_bytes() == b"this shim"
+    assert (package / "fmha_rt" / "shim.c").read_text() == "int x;\n" and not list((bare / "fmha_rt").glob("*.so"))
+    changed = _checkout(tmp_path / "changed", "int y;\n")
+    with pytest.raises(ab.AbError, match="C sources differ"):
+        ab._with_this_shim("prev", "changed", changed, tmp_path / "work2", checkout=this)
 
 
 @pytest.mark.parametrize("spec,message", [("base", "NAME=PATH"), ("=hsa", "NAME=PATH"), ("a-b=hsa", "NAME=PATH"),
