@@ -7,7 +7,8 @@
 #
 # Environment:
 #   WHEELS=DIR   install the wheels in DIR first (machines without a package index: cffi, pycparser)
-#   AB_FLAGS     the A/B's benchmark flags (default: backward, bf16, D=128, 4k and 16k, causal and not, GQA too)
+#   AB_FLAGS     the A/B's benchmark flags (default: backward, bf16, D=128, 4k and 16k, causal and not, GQA too);
+#                several sets separated by ';' run one after the other, each with its own record (ab1.json, ...)
 #   AB_ROUNDS    rounds of the A/B (default 2)
 #   GRID=0       skip the grid; TESTS=0 skip the GPU tests
 set -euo pipefail
@@ -29,10 +30,14 @@ fi
 if [ $# -ge 2 ]; then
   variants=()
   for v in "$@"; do variants+=(--variant "$v"); done
-  # shellcheck disable=SC2086
-  python3 bench/ab.py "${variants[@]}" --rounds "${AB_ROUNDS:-2}" --record "$OUT/ab.json" -- \
-    ${AB_FLAGS:---dtype bf16 --hdim 128 --seqlen 4k 16k --causal both --pass bwd --gqa 1 --varlen 0 --repeats 10} \
-    > "$OUT/ab.md" 2> "$OUT/ab.log" || { tail -20 "$OUT/ab.log"; exit 1; }
+  IFS=';' read -ra flag_sets <<< "${AB_FLAGS:---dtype bf16 --hdim 128 --seqlen 4k 16k --causal both --pass bwd --gqa 1 --varlen 0 --repeats 10}"
+  n=0
+  for flags in "${flag_sets[@]}"; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086
+    python3 bench/ab.py "${variants[@]}" --rounds "${AB_ROUNDS:-2}" --record "$OUT/ab$n.json" -- $flags \
+      > "$OUT/ab$n.md" 2> "$OUT/ab$n.log" || { tail -20 "$OUT/ab$n.log"; exit 1; }
+  done
 fi
 if [ "${GRID:-1}" != 0 ]; then
   python3 -m fmha_rt bench --dtype bf16 --hdim 64 128 --seqlen 1k 4k 16k --causal both --pass fwd bwd bwd_det \
@@ -55,6 +60,6 @@ print(f"points below FlexAttention: {below}")
 PY
 fi
 for line in "${summary[@]}"; do echo "$line"; done
-[ -f "$OUT/ab.md" ] && cat "$OUT/ab.md"
+for f in "$OUT"/ab*.md; do [ -f "$f" ] && cat "$f"; done
 [ -f "$OUT/grid_vs_flex.txt" ] && cat "$OUT/grid_vs_flex.txt"
 exit 0
