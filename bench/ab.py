@@ -188,9 +188,7 @@ def _recorded(argv):
 def table(points, names) -> str:
     lines = ["point | " + " | ".join(names), "--- | " + " | ".join("---" for _ in names)]
     for entry in points:
-        p = entry["point"]
-        label = (f"{p.get('pass')} {p.get('dtype')} D={p.get('D')} S={p.get('Sq')} Hq/Hk={p.get('Hq')}/{p.get('Hk')}"
-                 f"{' causal' if p.get('causal') else ''}{' varlen' if p.get('kind') == 'varlen' else ''}")
+        label = report.point_text(entry["point"])
         cells = []
         for i, name in enumerate(names):
             runs = entry["tflops"].get(name)

@@ -44,18 +44,14 @@ if [ "${GRID:-1}" != 0 ]; then
     --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --out "$OUT/grid" \
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
   python3 - "$OUT/grid/results.json" > "$OUT/grid_vs_flex.txt" <<'PY'
-import json, sys
-rows = {}
-for r in json.load(open(sys.argv[1]))["rows"]:
-    if "tflops" in r:
-        rows.setdefault((r["pass"], r["D"], r["Sq"], r["causal"], r["Hq"], r["Hk"]), {})[r["impl"]] = r["tflops"]
+import sys
+from fmha_rt.bench import report
 below = 0
-for key, by_impl in sorted(rows.items(), key=str):
-    flex = by_impl.get("flex")
-    ratio = by_impl["fmha_rt"] / flex if flex and "fmha_rt" in by_impl else None
-    below += ratio is not None and ratio < 1
-    cells = " ".join(f"{name} {t:.1f}" for name, t in by_impl.items())
-    print(f"{key}: {cells}" + (f"  vs flex {ratio:.3f}" if ratio else ""))
+for by_impl in report.points([r for r in report.load(sys.argv[1])["rows"] if "tflops" in r]).values():
+    flex, ours = by_impl.get("flex", {}).get("tflops"), by_impl.get("fmha_rt", {}).get("tflops")
+    below += bool(flex and ours and ours < flex)
+    cells = " ".join(f"{impl} {row['tflops']:.1f}" for impl, row in by_impl.items())
+    print(f"{report.point_text(next(iter(by_impl.values())))}: {cells}" + (f"  vs flex {ours / flex:.3f}" if flex and ours else ""))
 print(f"points below FlexAttention: {below}")
 PY
 fi

@@ -63,7 +63,8 @@ def _cuobjdump() -> pathlib.Path:
     return tool
 
 
-def _run_cuobjdump(flag: str, data: bytes) -> str:
+def cuobjdump(flag: str, data: bytes) -> str:
+    """cuobjdump's output for `flag` (-sass, -res-usage) on a cubin's bytes."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(data)
         f.flush()
@@ -120,7 +121,7 @@ def summarize_sass(sass_text: str, usage: dict, min_loop: int = MIN_LOOP) -> lis
 
 def summarize(path: str, min_loop: int = MIN_LOOP) -> list:
     data = read_code_object(path)
-    return summarize_sass(_run_cuobjdump("-sass", data), resources(_run_cuobjdump("-res-usage", data)), min_loop)
+    return summarize_sass(cuobjdump("-sass", data), resources(cuobjdump("-res-usage", data)), min_loop)
 
 
 def print_report(path: str, report: list) -> None:

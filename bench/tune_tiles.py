@@ -39,6 +39,8 @@ from fmha_rt import portable_plan as pp
 from fmha_rt.packing import Pointer
 from fmha_rt.problem import AttentionProblem
 
+import sass_loops  # bench/sass_loops.py (this script's folder): cuobjdump and its resource report
+
 ARCH = "sm_90"
 T = pp.Tile
 CANDIDATES = {
@@ -214,19 +216,8 @@ def shipped_records(passes, dims, hsa, manifest):
 
 def resource_usage(cubin_gz: pathlib.Path) -> dict:
     """Registers per thread and stack bytes (registers spilled to local memory) of a compiled cubin."""
-    import gzip
-    import re
-    import subprocess
-
-    import triton
-
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(gzip.decompress(cubin_gz.read_bytes()))
-        f.flush()
-        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", text)
-    return {"regs": int(usage[1]), "stack": int(usage[2])}
+    (usage,) = sass_loops.resources(sass_loops.cuobjdump("-res-usage", sass_loops.read_code_object(str(cubin_gz)))).values()
+    return {"regs": usage["REG"], "stack": usage["STACK"]}
 
 
 def cmd_build(args):

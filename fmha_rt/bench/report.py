@@ -111,7 +111,7 @@ def _point_sort_key(row):
     return (kind, row["D"], row["Hq"] // max(row["Hk"], 1), row["Sq"], row["causal"])
 
 
-def _points(rows):
+def points(rows):
     """{point key: {impl: row}} in display order."""
     table = {}
     for row in sorted(rows, key=_point_sort_key):
@@ -206,7 +206,7 @@ def _tflops_table(group):
     impls = impl_order({row["impl"] for row in group})
     headings = ["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls + [f"{SUBJECT} family", f"{SUBJECT} / best peer"]
     body = []
-    for by_impl in _points(group).values():
+    for by_impl in points(group).values():
         first = next(iter(by_impl.values()))
         cells = [_tflops_cell(by_impl.get(impl)) for impl in impls]
         ratio = ratio_to_best_peer(by_impl)
@@ -235,7 +235,7 @@ def _memory_section(rows):
     for (pass_name, dtype), group in groups(rows):
         impls = impl_order({row["impl"] for row in group})
         body = [_point_cells(next(iter(by_impl.values()))) + [_memory_cell(by_impl.get(i)) for i in impls]
-                for by_impl in _points(group).values()]
+                for by_impl in points(group).values()]
         lines += ["<details><summary>" + f"{pass_name}, {dtype}" + "</summary>", ""]
         lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls, body) + ["", "</details>", ""]
     return lines
@@ -329,11 +329,12 @@ def _errors_section(rows):
     failed = [row for row in rows if "error" in row]
     if not failed:
         return []
-    body = [(row["impl"], _point_text(row), row["error"][:300]) for row in failed]
+    body = [(row["impl"], point_text(row), row["error"][:300]) for row in failed]
     return ["## Errors", ""] + _table(["impl", "point", "error"], body) + [""]
 
 
-def _point_text(row):
+def point_text(row):
+    """One point in words: kind, pass, dtype, batch, heads, length, head dim, mask."""
     causal = " causal" if row["causal"] else ""
     return (f"{row['kind']} {row['pass']} {row['dtype']} B={row['B']} H={row['Hq']}/{row['Hk']}"
             f" S={row['Sq']} D={row['D']}{causal}")
