@@ -11,6 +11,7 @@
 #                several sets separated by ';' run one after the other, each with its own record (ab1.json, ...)
 #   AB_ROUNDS    rounds of the A/B (default 2)
 #   GRID=0       skip the grid; TESTS=0 skip the GPU tests
+#   GRID_ROUNDS  rounds of the grid (--rounds: the implementations of a point take turns; default 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_round}
@@ -41,7 +42,7 @@ if [ $# -ge 2 ]; then
 fi
 if [ "${GRID:-1}" != 0 ]; then
   python3 -m fmha_rt bench --dtype bf16 --hdim 64 128 --seqlen 1k 4k 16k --causal both --pass fwd bwd bwd_det \
-    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --out "$OUT/grid" \
+    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --rounds "${GRID_ROUNDS:-1}" --out "$OUT/grid" \
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
   python3 - "$OUT/grid/results.json" > "$OUT/grid_vs_flex.txt" <<'PY'
 import sys

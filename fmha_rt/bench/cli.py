@@ -17,6 +17,8 @@ examples:
   python -m fmha_rt bench --quick                 smoke run: a few points, every implementation found
   python -m fmha_rt bench --dtype bf16 --hdim 128 --pass fwd bwd --impl fmha_rt fa4
   python -m fmha_rt bench --gqa only --causal 1   only the GQA rows, causal
+  python -m fmha_rt bench --hdim 128 --seqlen 16k --causal 0 --pass bwd --rounds 3
+                                                  close comparisons: implementations take turns 3 times
   python -m fmha_rt bench --list                  which implementations this machine has
   python -m fmha_rt bench --overhead-only --impl fmha_rt sdpa_flash
                                                   host cost per call only (cached, uncached, first)
@@ -82,6 +84,9 @@ def build_parser():
                      f"{MEASURE_DEFAULTS['repeats']}, quick {QUICK_MEASURE_DEFAULTS['repeats']})")
     how.add_argument("--warmup-ms", type=_non_negative_float, help="warm-up per point in ms (default "
                      f"{MEASURE_DEFAULTS['warmup_ms']:g}, quick {QUICK_MEASURE_DEFAULTS['warmup_ms']:g})")
+    how.add_argument("--rounds", type=_positive_int, default=1,
+                     help="times each implementation of a point takes its turn (a warm-up and --repeats calls), in an "
+                          "order rotated every round; the figure is the median over all rounds (default 1)")
     how.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     how.add_argument("--no-extras", action="store_true", help="skip the host-overhead and cold-start measurements")
     how.add_argument("--overhead-only", action="store_true",
@@ -120,7 +125,7 @@ def settings_for(args):
     defaults = QUICK_MEASURE_DEFAULTS if args.quick else MEASURE_DEFAULTS
     return sweep.Settings(repeats=args.repeats or defaults["repeats"],
                           warmup_ms=defaults["warmup_ms"] if args.warmup_ms is None else args.warmup_ms,
-                          overhead_calls=defaults["overhead_calls"])
+                          overhead_calls=defaults["overhead_calls"], rounds=args.rounds)
 
 
 def _unique(values):

@@ -8,8 +8,8 @@ Document (format "fmha_rt-bench/1"):
                  not found (with the reason), settings; a synthetic test fixture says "fixture": true
   rows           one per (point, implementation): impl, kind, pass, dtype, B, Hq, Hk, Sq, Sk, D, causal
                  (+ seqlens for varlen), flops, then either ms, ms_min, ms_max, repeats, tflops,
-                 first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt)
-                 or error
+                 first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt;
+                 + round_ms, each round's median, when settings.rounds > 1) or error
   host_overhead  one per (impl, kind, pass) at the tiny overhead shape (dense, and varlen where the impl has
                  it): us_per_call (repeated calls), first_call_us (the first, plan cache cleared),
                  uncached_us_per_call (impls with a plan cache: cleared before every call), or error
@@ -194,12 +194,23 @@ def _convention_section(h):
     return [
         "TFLOP/s = FLOPs / median time. FLOPs: fwd = 4·B·Hq·Sq·Sk·D, halved when causal; bwd and bwd_det"
         " = 2.5 × fwd. Every dense point has B·S = 16k tokens and Hq·D = 2048.",
-        f"Median of {s.get('repeats')} calls timed by CUDA events after a warm-up of at least"
-        f" {s.get('warmup_ms')} ms; inputs rotate over copies spanning at least four L2 caches. A backward"
+        f"Median of {_calls_timed(s)} calls timed by CUDA events after a warm-up of at least"
+        f" {s.get('warmup_ms')} ms{_rounds_text(s)}; inputs rotate over copies spanning at least four L2 caches. A backward"
         " is timed alone: fmha_rt's mha_bwd on a saved forward; the torch-based implementations'"
         " torch.autograd.grad on a saved graph. `–`: not run (the implementation lacks that mode);"
         " `error`: see Errors.",
         ""]
+
+
+def _calls_timed(settings):
+    rounds = settings.get("rounds", 1)
+    return settings.get("repeats") if rounds == 1 else f"{rounds} x {settings.get('repeats')}"
+
+
+def _rounds_text(settings):
+    rounds = settings.get("rounds", 1)
+    return "" if rounds == 1 else (f" before each of {rounds} rounds, in which the implementations of a point take"
+                                   " turns in an order rotated every round (each row's round_ms: the rounds' medians)")
 
 
 def _tflops_table(group):

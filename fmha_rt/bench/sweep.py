@@ -6,7 +6,9 @@ is where torch says why it found no kernel) and the sweep goes on. Only a broken
 it, since every later call would fail the same way.
 """
 
+import contextlib
 import dataclasses
+import statistics
 import sys
 import warnings
 
@@ -20,6 +22,7 @@ class Settings:
     repeats: int = 30
     warmup_ms: float = 50.0
     overhead_calls: int = 2000
+    rounds: int = 1
 
     def fields(self):
         return dataclasses.asdict(self)
@@ -35,56 +38,100 @@ def planned_pairs(points, adapters):
             if peers.unsupported(adapter, point) is None]
 
 
+def turn_order(names, round_index):
+    """Who is timed when in round `round_index`: the list rotated by one place per round, so that no
+    implementation always runs right after the same one (the GPU's clock under its power limit, and
+    its temperature, carry over from one implementation's calls to the next one's)."""
+    shift = round_index % len(names) if names else 0
+    return list(names[shift:]) + list(names[:shift])
+
+
 def run_sweep(points, adapters, device, settings, *, on_point=None, progress_stream=sys.stderr):
-    """Measure every supported pair; `adapters` maps impl names to adapters. After each point's
-    implementations are done, on_point(rows so far) runs (the CLI saves partial results there)."""
+    """Measure every supported pair; `adapters` maps impl names to adapters. Each point's
+    implementations are prepared, then timed in `settings.rounds` rounds (turn_order). After each
+    point, on_point(rows so far) runs (the CLI saves partial results there)."""
     pairs = planned_pairs(points, adapters)
-    progress = Progress(len(pairs), progress_stream)
+    points_in_order = list(dict.fromkeys(point for point, _ in pairs))
+    progress = Progress(len(pairs) * settings.rounds, progress_stream)
     rows = []
     try:
-        for index, (point, name) in enumerate(pairs):
-            progress.start(f"{name} {point.label()}")
-            row = measure_pair(name, adapters[name], point, device, settings)
-            rows.append(row)
-            progress.advance()
-            if "error" in row and not device.healthy():
-                if on_point:
-                    on_point(rows)
-                raise DeviceLost(f"the device stopped working after {name} at {point.label()}: {row['error']}")
-            last_of_point = index + 1 == len(pairs) or pairs[index + 1][0] != point
-            if on_point and last_of_point:
+        for point in points_in_order:
+            names = [name for p, name in pairs if p == point]
+            point_rows, lost = measure_point(point, {name: adapters[name] for name in names}, device, settings,
+                                             progress)
+            rows.extend(point_rows)
+            if on_point:
                 on_point(rows)
+            if lost:
+                raise DeviceLost(f"the device stopped working after {lost['impl']} at {point.label()}: "
+                                 f"{lost['error']}")
     finally:
         progress.close()
     return rows
 
 
-def measure_pair(name, adapter, point, device, settings):
-    row = {"impl": name, **point.fields(), "flops": point.flops()}
+def measure_point(point, adapters, device, settings, progress):
+    """(rows of `point`, one per adapter, in the adapters' order; the row whose failure left the device
+    broken, or None). A failure ends that implementation's measurement and becomes its row's error."""
+    rows = {name: {"impl": name, **point.fields(), "flops": point.flops()} for name in adapters}
+    calls, samples = {}, {name: [] for name in adapters}
+    for name, adapter in adapters.items():
+        progress.start(f"{name} {point.label()}")
+        with _failure_recorded(rows[name], adapter):
+            calls[name] = _prepare_point(adapter, point, device, rows[name])
+        if name not in calls:
+            progress.advance(settings.rounds)
+            if not device.healthy():
+                return list(rows.values()), rows[name]
+    for round_index in range(settings.rounds):
+        for name in turn_order(list(calls), round_index):
+            if round_index:
+                progress.start(f"{name} {point.label()} (round {round_index + 1}/{settings.rounds})")
+            with _failure_recorded(rows[name], adapters[name]):
+                samples[name].append(timing.sample_calls(calls[name], device, warmup_ms=settings.warmup_ms,
+                                                         repeats=settings.repeats))
+            if "error" in rows[name]:
+                del calls[name]
+                progress.advance(settings.rounds - round_index)
+                if not device.healthy():
+                    return list(rows.values()), rows[name]
+            else:
+                progress.advance()
+    for name in calls:
+        measured = timing.summarize([ms for turn in samples[name] for ms in turn])
+        rows[name].update(measured.fields(), tflops=flops.tflops(point.flops(), measured.ms))
+        if settings.rounds > 1:
+            rows[name]["round_ms"] = [statistics.median(turn) for turn in samples[name]]
+    device.release_cached()
+    return list(rows.values()), None
+
+
+@contextlib.contextmanager
+def _failure_recorded(row, adapter):
+    """Runs the body in the adapter's context; any exception becomes row["error"] (with the warnings
+    raised on the way), not a crash."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with adapter.context():
-                row.update(_measure(adapter, point, device, settings))
+                yield
         except Exception as exc:  # any failure of any implementation is a result, not a crash
             row["error"] = describe_error(exc, caught)
-    device.release_cached()
-    return row
 
 
-def _measure(adapter, point, device, settings):
+def _prepare_point(adapter, point, device, row):
+    """The timed calls of `point` (one per input copy), after recording what is measured once: the
+    first call, the launch info, the peak extra memory and the workspace."""
     copies = timing.copies_needed(timing.working_set_bytes(point), device.l2_bytes())
     cases = [peers.make_case(point, device.name, seed=i) for i in range(copies)]
     calls = [_prepare(adapter, point, case) for case in cases]
-    result = {"copies": copies, "first_call_ms": timing.first_call_ms(calls[0], device)}
-    result.update(adapter.launch_info())
-    result["peak_extra_bytes"] = device.peak_extra_bytes(calls[0])
+    row.update(copies=copies, first_call_ms=timing.first_call_ms(calls[0], device))
+    row.update(adapter.launch_info())
+    row["peak_extra_bytes"] = device.peak_extra_bytes(calls[0])
     workspace = adapter.workspace_bytes(cases[0], point.deterministic) if point.backward else None
     if workspace is not None:
-        result["workspace_bytes"] = workspace
-    measured = timing.time_calls(calls, device, warmup_ms=settings.warmup_ms, repeats=settings.repeats)
-    result.update(measured.fields(), tflops=flops.tflops(point.flops(), measured.ms))
-    return result
+        row["workspace_bytes"] = workspace
+    return calls
 
 
 def _prepare(adapter, point, case):
@@ -156,10 +203,10 @@ class Progress:
         else:
             print(f"[{self._done + 1}/{self._total}] {label}", file=self._stream, flush=True)
 
-    def advance(self):
-        self._done += 1
+    def advance(self, steps=1):
+        self._done += steps
         if self._bar is not None:
-            self._bar.update(1)
+            self._bar.update(steps)
 
     def close(self):
         if self._bar is not None:

@@ -7,6 +7,8 @@
 - The first call is timed on its own (it includes any JIT compile), then a warm-up of at least
   `warmup_ms` of synchronised calls, then `repeats` calls, each between two CUDA events on the current
   stream; the figure reported is their median.
+- With several rounds (`--rounds`), the implementations of a point take turns, the order rotated each
+  round, and the figure is the median over every round's calls (sweep.turn_order says why).
 - A backward is timed alone: the forward it needs runs once per copy before timing.
 
 Device access goes through `CudaDevice`, the few operations the harness needs, so that the logic above
@@ -77,8 +79,9 @@ def first_call_ms(call, device):
     return (time.perf_counter() - start) * 1e3
 
 
-def time_calls(calls, device, *, warmup_ms, repeats):
-    """Median time of `repeats` calls, cycling through `calls` (one closure per input copy)."""
+def sample_calls(calls, device, *, warmup_ms, repeats):
+    """Per-call times in ms of `repeats` calls after a warm-up, cycling through `calls` (one closure
+    per input copy)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     # Synchronising after every warm-up call keeps the wall clock honest about GPU time; at least one
@@ -90,7 +93,12 @@ def time_calls(calls, device, *, warmup_ms, repeats):
         calls[done % len(calls)]()
         device.synchronize()
         done += 1
-    return summarize(device.time_each([calls[i % len(calls)] for i in range(repeats)]))
+    return device.time_each([calls[i % len(calls)] for i in range(repeats)])
+
+
+def time_calls(calls, device, *, warmup_ms, repeats):
+    """Median time of `repeats` calls after a warm-up (sample_calls)."""
+    return summarize(sample_calls(calls, device, warmup_ms=warmup_ms, repeats=repeats))
 
 
 def host_overhead_us(call, device, *, calls, before_each=None):

@@ -381,6 +381,70 @@ def test_a_lost_device_stops_the_sweep_after_saving():
     assert len(saved) == 1 and len(saved[0]) == 1 and "error" in saved[0][0]
 
 
+class NamedCalls(peers._Adapter):
+    """Calls that carry their implementation's name, so a test can see who was timed when."""
+
+    def __init__(self, name, fail_in_round=None):
+        super().__init__()
+        self.name, self.fail_in_round, self.turns = name, fail_in_round, 0
+
+    def forward(self, case):
+        def call():
+            pass
+        call.impl = self.name
+        return call
+
+    def backward(self, case, deterministic):
+        return self.forward(case)
+
+
+def test_turn_order_rotates_one_place_per_round():
+    assert [sweep.turn_order(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert sweep.turn_order([], 3) == []
+
+
+def test_rounds_take_turns_and_pool_every_rounds_calls(monkeypatch):
+    adapters = {name: NamedCalls(name) for name in ("fmha_rt", "flex", "cudnn")}
+    turns = []
+
+    def sample_calls(calls, device, *, warmup_ms, repeats):
+        name = calls[0].impl
+        turns.append(name)
+        adapter = adapters[name]
+        adapter.turns += 1
+        if adapter.fail_in_round == adapter.turns:
+            raise RuntimeError("launch failed")
+        # fmha_rt: 1, 2, 3 ms in its three rounds; the others 10 ms in every round
+        return [float(adapter.turns) if name == "fmha_rt" else 10.0] * repeats
+
+    monkeypatch.setattr(timing, "sample_calls", sample_calls)
+    adapters["cudnn"].fail_in_round = 2
+    saved = []
+    points = [tiny_point("fwd"), tiny_point("bwd")]
+    rows = sweep.run_sweep(points[:1], adapters, StandInDevice(), sweep.Settings(repeats=4, warmup_ms=0, rounds=3),
+                           on_point=lambda r: saved.append(len(r)), progress_stream=open(os.devnull, "w"))
+    assert turns == ["fmha_rt", "flex", "cudnn", "flex", "cudnn", "fmha_rt", "fmha_rt", "flex"]
+    by_impl = {row["impl"]: row for row in rows}
+    assert [row["impl"] for row in rows] == ["fmha_rt", "flex", "cudnn"] and saved == [3]
+    assert by_impl["fmha_rt"]["round_ms"] == [1.0, 2.0, 3.0]
+    assert (by_impl["fmha_rt"]["ms"], by_impl["fmha_rt"]["repeats"]) == (2.0, 12)
+    assert by_impl["fmha_rt"]["tflops"] == pytest.approx(flops.tflops(points[0].flops(), 2.0))
+    assert by_impl["flex"]["round_ms"] == [10.0] * 3 and by_impl["flex"]["ms"] == 10.0
+    assert by_impl["cudnn"]["error"] == "RuntimeError: launch failed" and "ms" not in by_impl["cudnn"]
+    one = sweep.run_sweep(points[1:], {"flex": NamedCalls("flex")}, StandInDevice(), sweep.Settings(repeats=2, warmup_ms=0),
+                          progress_stream=open(os.devnull, "w"))
+    assert "round_ms" not in one[0] and one[0]["repeats"] == 2
+
+
+def test_rounds_flag():
+    parser = cli.build_parser()
+    assert cli.settings_for(parser.parse_args(["--rounds", "3"])).rounds == 3
+    assert cli.settings_for(parser.parse_args([])).fields()["rounds"] == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rounds", "0"])
+
+
 def test_host_overhead_rows():
     rows = sweep.measure_host_overhead("sdpa_flash", peers.SdpaAdapter("FLASH_ATTENTION"), StandInDevice(),
                                        sweep.Settings(overhead_calls=2))
@@ -638,3 +702,12 @@ def test_the_recorded_command_names_the_output_folder_only():
     assert recorded_command(argv) == ["bench", "--hdim", "128", "--out", "run1", "--repeats", "10"]
     assert recorded_command(["--out=/x/y/merged"]) == ["bench", "--out=merged"]
     assert recorded_command(["--pass", "fwd"]) == ["bench", "--pass", "fwd"]
+
+
+def test_report_says_how_many_rounds_were_timed(fixture_doc):
+    doc = json.loads(json.dumps(fixture_doc))
+    repeats = doc["header"]["settings"]["repeats"]
+    assert f"Median of {repeats} calls" in report.markdown(doc) and "rounds" not in report.markdown(doc)
+    doc["header"]["settings"]["rounds"] = 3
+    assert f"Median of 3 x {repeats} calls" in report.markdown(doc)
+    assert "3 rounds, in which the implementations of a point take turns" in report.markdown(doc)
