@@ -2,6 +2,7 @@
 and the registers and stack each kernel uses; what NOTES.md cites before a kernel change is timed.
 
     python bench/sass_loops.py hsa/sm_90/portable/fmha_bwd_fused_bf16_d128_nobias_nodrop.cubin.gz [...] [--json OUT]
+    python bench/sass_loops.py --schedule CUBIN     # also each loop's issue order (see `schedule`)
 
 Disassembles with the cuobjdump that the pinned Triton wheel bundles, so no CUDA toolkit is needed.
 bench/stall_profile.py finds loops in ncu's SASS source page with the same back-edge rule.
@@ -52,6 +53,47 @@ def find_loops(addresses, texts, min_loop: int = MIN_LOOP):
 def mix(texts) -> dict:
     counts = collections.Counter(opcode(t) for t in texts)
     return {op: counts[op] for op in MIX_OPCODES}
+
+
+def _schedule_kind(text: str) -> str | None:
+    """What one instruction is in a loop's schedule: a tensor-core product (by shape), an exponential, a
+    wait or a barrier; None for everything else."""
+    op = opcode(text)
+    mnemonic = text.split()[1] if text.startswith("@") else text.split()[0]
+    if op == "HGMMA":
+        return ".".join(mnemonic.split(".")[:2])  # HGMMA.64x128x16: the product's shape
+    if op == "WARPGROUP" and ".DEPBAR" in mnemonic:
+        return "wait:tensor"
+    return {"MUFU": "MUFU", "DEPBAR": "wait:copies", "BAR": "barrier"}.get(op)
+
+
+def schedule(texts) -> list:
+    """A loop's products, exponentials, waits and barriers in issue order, as runs [(kind, count)] (other
+    instructions left out). What runs beside what: exponentials between a product's HGMMAs and its
+    wait:tensor execute while it is in flight; exponentials right after a wait:tensor and before the
+    next HGMMA run with the tensor cores idle, unless a product issued before the wait is still running."""
+    runs = []
+    for text in texts:
+        kind = _schedule_kind(text)
+        if kind is None:
+            continue
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+    return [tuple(run) for run in runs]
+
+
+def schedule_text(runs, width: int = 110) -> list:
+    """Lines of at most `width` characters: 'barrier · HGMMA.64x64x16 x8 · wait:tensor · MUFU x32 · ...'."""
+    tokens = [kind if count == 1 else f"{kind} x{count}" for kind, count in runs]
+    lines, line = [], ""
+    for token in tokens:
+        if line and len(line) + 3 + len(token) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line} · {token}" if line else token
+    return lines + ([line] if line else [])
 
 
 def _cuobjdump() -> pathlib.Path:
@@ -114,7 +156,8 @@ def summarize_sass(sass_text: str, usage: dict, min_loop: int = MIN_LOOP) -> lis
             "kernel": name, "instructions": len(rows), "LDL": whole["LDL"], "STL": whole["STL"],
             "registers": usage.get(name, {}).get("REG"), "stack_bytes": usage.get(name, {}).get("STACK"),
             "loops": [{"first": f"{addresses[a]:#x}", "last": f"{addresses[b]:#x}", "instructions": b - a + 1,
-                       "mix": mix(texts[a:b + 1])} for a, b in find_loops(addresses, texts, min_loop)],
+                       "mix": mix(texts[a:b + 1]), "schedule": schedule(texts[a:b + 1])}
+                      for a, b in find_loops(addresses, texts, min_loop)],
         })
     return report
 
@@ -124,7 +167,7 @@ def summarize(path: str, min_loop: int = MIN_LOOP) -> list:
     return summarize_sass(cuobjdump("-sass", data), resources(cuobjdump("-res-usage", data)), min_loop)
 
 
-def print_report(path: str, report: list) -> None:
+def print_report(path: str, report: list, show_schedule: bool = False) -> None:
     print(path)
     for k in report:
         print(f"  {k['kernel']}: {k['instructions']} instructions, {k['registers']} registers, "
@@ -132,18 +175,23 @@ def print_report(path: str, report: list) -> None:
         for loop in k["loops"]:
             mix_text = " ".join(f"{op} {n}" for op, n in loop["mix"].items())
             print(f"    loop {loop['first']}-{loop['last']}: {loop['instructions']} instructions; {mix_text}")
+            if show_schedule:
+                for line in schedule_text(loop["schedule"]):
+                    print(f"      {line}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("code_objects", nargs="+", metavar="CUBIN", help="sm_90 code objects (.cubin or .cubin.gz)")
     parser.add_argument("--min-loop", type=int, default=MIN_LOOP, help=f"shortest loop shown (default {MIN_LOOP})")
+    parser.add_argument("--schedule", action="store_true",
+                        help="also print each loop's issue order: products, exponentials, waits (see schedule())")
     parser.add_argument("--json", help="also write the summaries here")
     args = parser.parse_args(argv)
     reports = {}
     for path in args.code_objects:
         reports[path] = summarize(path, args.min_loop)
-        print_report(path, reports[path])
+        print_report(path, reports[path], args.schedule)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)

@@ -67,6 +67,23 @@ def test_sass_loops_finds_loops_by_back_edges_and_counts_their_mix(bench_script)
     assert sass_loops.opcode("@!P2 LDGSTS.E.BYPASS.128 [R2], desc[UR6][R4.64]") == "LDGSTS"
 
 
+def test_schedule_keeps_products_exponentials_and_waits_in_issue_order(bench_script):
+    """The schedule view: HGMMA runs by shape, MUFU runs, the two kinds of wait and barriers, in order;
+    everything else (arithmetic, loads, spills) left out, so runs on either side of it merge."""
+    sass_loops = bench_script("sass_loops")
+    texts = ["DEPBAR.LE SB0, 0x4", "BAR.SYNC.DEFER_BLOCKING 0x0", "WARPGROUP.ARRIVE"]
+    texts += ["HGMMA.64x64x16.F32.BF16 R152, gdesc[UR16], R152", "IADD3 R1, R2, R3, RZ"] * 2
+    texts += ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "FFMA R5, R5, R6, R7", "MUFU.EX2 R5, R5",
+              "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR20], RZ, !UPT", "MUFU.EX2 R6, R6", "LDL R7, [R1+0x4]",
+              "@P0 MUFU.EX2 R8, R8", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR4]"]
+    runs = sass_loops.schedule(texts)
+    assert runs == [("wait:copies", 1), ("barrier", 1), ("HGMMA.64x64x16", 2), ("wait:tensor", 1), ("MUFU", 1),
+                    ("HGMMA.64x64x16", 1), ("MUFU", 2), ("wait:tensor", 1), ("HGMMA.64x128x16", 1)]
+    assert sass_loops.schedule_text(runs, width=60) == [
+        "wait:copies · barrier · HGMMA.64x64x16 x2 · wait:tensor", "MUFU · HGMMA.64x64x16 · MUFU x2 · wait:tensor",
+        "HGMMA.64x128x16"]
+
+
 def test_sass_loops_reads_a_shipped_code_object(bench_script):
     """The cuobjdump that the pinned Triton bundles disassembles a committed sm_90 forward: one kernel
     whose main loops do tensor-core work and exponentials without spilling."""
@@ -74,7 +91,10 @@ def test_sass_loops_reads_a_shipped_code_object(bench_script):
     (kernel,) = sass_loops.summarize(str(HSA / "sm_90" / "portable" / "fmha_fwd_bf16_d128_nobias_nodrop.cubin.gz"))
     assert kernel["kernel"] == "fmha_fwd" and kernel["registers"] > 0
     assert kernel["loops"] and all(loop["mix"]["HGMMA"] > 0 and loop["mix"]["MUFU"] > 0 for loop in kernel["loops"])
-    assert kernel["STL"] == 0
+    assert all(loop["mix"]["LDL"] == 0 and loop["mix"]["STL"] == 0 for loop in kernel["loops"])
+    assert all(sum(n for kind, n in loop["schedule"] if kind.startswith("HGMMA")) == loop["mix"]["HGMMA"]
+               for loop in kernel["loops"])
+    assert kernel["instructions"] > sum(loop["instructions"] for loop in kernel["loops"])
 
 
 # ---- stall profile (bench/stall_profile.py) ---------------------------------------------------------
