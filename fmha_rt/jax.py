@@ -10,7 +10,8 @@ shim's FFI handler (fmha_rt/xla_ffi.c) writes the buffers' addresses into the pa
 launches on XLA's stream and device: no Python runs then, and the GIL is never taken. The backward is
 a second custom call, through jax.custom_vjp; its workspace is an extra result of that call (XLA
 allocates it), and the handler zeroes the regions that must start at zero. Under vmap the mapped axis
-is folded into the batch, so a vmapped call is one launch, not a loop. The kernel images are
+of a batch call is folded into its batch, so a vmapped call is one custom call, not a loop (varlen calls
+run one after another). The kernel images are
 registered with the shim at trace time; the handler loads them into the kernel map on first use, per
 device.
 
