@@ -1,12 +1,15 @@
 """The public attention API: mha_fwd / mha_bwd, their varlen forms, and the backward launcher.
 
-Framework-agnostic: arrays come in by DLPack (torch, CuPy, JAX, anything with __dlpack__) and outputs
-that are not given are allocated as the same kind of array as `q`. Every argument is validated before
-the first launch, so on error nothing has been written.
+Framework-agnostic: arrays come in by DLPack (CuPy, JAX, anything with __dlpack__; torch tensors are
+read from their attributes) and outputs that are not given are allocated as the same kind of array as
+`q` (torch, CuPy, JAX; anything else gets a DeviceBuffer). Every argument is validated before the first
+launch, so on error nothing has been written.
 
-A call whose signature (every array's kind, shape, strides, dtype and device, every option) was seen
-before runs from the plan cache (plan_cache.py): only what depends on this call's pointers is checked
-again, and its launches are the cached ones with its pointers written in.
+A call whose signature (every array's kind, shape, strides, dtype and device, every option) the plan
+cache holds (plan_cache.py: a signature is recorded the second time it is seen) runs from it: its arrays
+are described in one C call (describe.c: torch tensors, CuPy arrays, CUDA Array Interface arrays), only
+what depends on this call's pointers is checked again, and its launches are the cached ones with its
+pointers written in.
 """
 from __future__ import annotations
 
@@ -558,7 +561,8 @@ def mha_fwd(q, k, v, *, return_lse=True, out=None, lse=None, **options):
 def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqstart_q=None,
                    seqstart_k=None, return_lse=True, out=None, lse=None, **options):
     """Variable-length forward: q [total_q, Hq, D], k/v [total_k, Hk, D], cu_seqlens int32 [B + 1] on the
-    GPU (logical lengths), optional seqstart_q/k int32 [B + 1] (physical starts in padded layouts).
+    GPU (logical lengths; or NumPy integer arrays, checked on the host and copied), optional seqstart_q/k
+    [B + 1] like them (physical starts in padded layouts).
     max_seqlen_q/k must bound every sequence. Returns (out [total_q, Hq, Dv], lse fp32 [Hq, total_q])."""
     opts = _options(options)
     objects = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, out, lse, opts["bias"], opts["alibi_slopes"])
