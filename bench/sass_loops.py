@@ -185,7 +185,7 @@ def main(argv=None):
     parser.add_argument("code_objects", nargs="+", metavar="CUBIN", help="sm_90 code objects (.cubin or .cubin.gz)")
     parser.add_argument("--min-loop", type=int, default=MIN_LOOP, help=f"shortest loop shown (default {MIN_LOOP})")
     parser.add_argument("--schedule", action="store_true",
-                        help="also print each loop's issue order: products, exponentials, waits (see schedule())")
+                        help="also print each loop's issue order: products, exponentials, waits and barriers (see schedule())")
     parser.add_argument("--json", help="also write the summaries here")
     args = parser.parse_args(argv)
     reports = {}
