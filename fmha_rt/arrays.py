@@ -268,23 +268,62 @@ def framework(obj) -> str:
 
 def allocate(kind: str, template, shape, dtype: str, device: int, stream: int, pitch: int | None = None):
     """A new GPU array of `shape`/`dtype` on `device`, of `kind` (framework(template), the caller's
-    array). `pitch` pads each row of the last dim to that many elements (the array is then a view of
-    the first shape[-1] of them). Returns (array for the caller, its data address)."""
+    array), for kernels on `stream`. `pitch` pads each row of the last dim to that many elements (the
+    array is then a view of the first shape[-1] of them). Returns (array for the caller, its data address).
+
+    torch and CuPy hand freed memory to later allocations on the stream it was allocated on, without
+    waiting for other streams. When the call's stream is not the framework's current one, the array is
+    tied to the call's stream too (torch: record_stream; CuPy: allocated with it current), so that its
+    memory is reused only after the call's kernels: an lse dropped at once (return_lse=False) or an
+    output the caller frees early would otherwise be handed out while the kernels still write it."""
     stored = tuple(shape) if pitch is None else tuple(shape[:-1]) + (pitch,)
     if kind == "torch":
         torch = sys.modules["torch"]
         array = torch.empty(stored, dtype=getattr(torch, dtype), device=template.device)
+        if array.device.type == "cuda" and stream != _torch_current_stream(torch, array.device.index):
+            array.record_stream(_framework_stream(torch, "torch", stream, array.device.index))
         if pitch is not None:
             array = array[..., :shape[-1]]
         return array, array.data_ptr()
     if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(device):
-            array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
+            if stream != cupy.cuda.get_current_stream().ptr:
+                with _framework_stream(cupy, "cupy", stream, device):
+                    array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
+            else:
+                array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
         return array, array.data.ptr
     # JAX arrays are immutable and anything else has no allocator we know: our own buffer
     array = DeviceBuffer(device, shape, dtype, stream, pitch=pitch)
     return array, array.ptr
+
+
+def _torch_current_stream(torch, index: int) -> int:
+    """The handle of torch's current stream on device `index` (torch's C getter where it has one: the
+    public one builds a Stream object, a few microseconds on every allocation)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+_framework_streams: dict = {}
+_MAX_FRAMEWORK_STREAMS = 256  # a process cycling through new streams starts over rather than grow
+
+
+def _framework_stream(module, kind: str, handle: int, device: int):
+    """The framework's stream object for a raw handle (kept, so that each handle is wrapped once)."""
+    key = (kind, device, handle)
+    wrapped = _framework_streams.get(key)
+    if wrapped is None:
+        if len(_framework_streams) >= _MAX_FRAMEWORK_STREAMS:
+            _framework_streams.clear()
+        if kind == "torch":
+            wrapped = (module.cuda.default_stream(device) if handle == 0
+                       else module.cuda.ExternalStream(handle, device=device))
+        else:
+            wrapped = module.cuda.ExternalStream(handle, device)
+        wrapped = _framework_streams.setdefault(key, wrapped)
+    return wrapped
 
 
 def allocate_like(template, shape, dtype: str, device: int, stream: int, pitch: int | None = None):

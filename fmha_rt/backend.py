@@ -19,7 +19,7 @@ try:
 except ImportError as exc:  # pragma: no cover - only when the package was not built
     raise FmhaRuntimeError(
         "the fmha_rt C shim is not built: install the package with `pip install -e .` (needs a C "
-        f"compiler and cffi at install time only) ({exc})"
+        f"compiler at install time, and cffi then and at run time) ({exc})"
     ) from exc
 
 BACKENDS = {"auto": lib.FMHA_BACKEND_AUTO, "cuda": lib.FMHA_BACKEND_CUDA, "hip": lib.FMHA_BACKEND_HIP}
