@@ -29,7 +29,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: the checkout's fmha_rt and kernels
 
-from fmha_rt.bench import cli, report  # noqa: E402
+from fmha_rt.bench import cli, report, sweep  # noqa: E402
 from kernels.build import merge_partial  # noqa: E402
 
 FORMAT = "fmha_rt-ab/1"
@@ -125,17 +125,11 @@ def bench_command(bench_args, out_dir):
             "--out", str(out_dir)]
 
 
-def round_order(variants, round_index):
-    """Round r starts with variant r mod n: A B, B A for two."""
-    shift = round_index % len(variants)
-    return variants[shift:] + variants[:shift]
-
-
 def run_rounds(variants, rounds, bench_args, workdir, runner=subprocess.run, log=sys.stderr):
     """{variant name: [benchmark record of each round]}."""
     docs = {v.name: [] for v in variants}
     for r in range(rounds):
-        for v in round_order(variants, r):
+        for v in sweep.turn_order(variants, r):  # A B, then B A for two
             out = workdir / f"{v.name}_round{r + 1}"
             print(f"ab: round {r + 1}/{rounds}, {v.name}", file=log, flush=True)
             done = runner(bench_command(bench_args, out), env={**os.environ, **v.env}, cwd=str(v.cwd))
@@ -171,18 +165,9 @@ def compare(docs, names):
 def make_record(docs, variants, points, argv, what):
     header = docs[variants[0].name][0]["header"]
     record = {"format": FORMAT, "date": header.get("date"), **{k: header.get(k) for k in HEADER_FIELDS}}
-    record.update(what=what, command=["bench/ab.py", *_recorded(argv)],
+    record.update(what=what, command=["bench/ab.py", *cli.path_by_name(argv, "--record")],
                   variants=[v.describe() for v in variants], rounds=len(docs[variants[0].name]), points=points)
     return record
-
-
-def _recorded(argv):
-    """argv with the record's path by its file name only (where a run wrote says nothing about it)."""
-    out = list(argv)
-    for i, arg in enumerate(out[:-1]):
-        if arg == "--record":
-            out[i + 1] = os.path.basename(out[i + 1])
-    return out
 
 
 def table(points, names) -> str:

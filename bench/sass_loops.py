@@ -28,12 +28,17 @@ _FUNCTION = re.compile(r"\s*Function\s*:\s*(\S+)")
 _RESOURCES = re.compile(r"Function (\S+):\s*(.*)")
 
 
-def opcode(text: str) -> str:
-    """HGMMA for '@P0 HGMMA.64x128x16.F32.BF16 R24, ...': the mnemonic without predicate or modifiers."""
+def mnemonic(text: str) -> str:
+    """HGMMA.64x128x16.F32.BF16 for '@P0 HGMMA.64x128x16.F32.BF16 R24, ...': without the predicate."""
     tokens = text.split()
     if not tokens:
         return "?"
-    return (tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]).split(".")[0]
+    return tokens[1] if tokens[0].startswith("@") and len(tokens) > 1 else tokens[0]
+
+
+def opcode(text: str) -> str:
+    """HGMMA for '@P0 HGMMA.64x128x16.F32.BF16 R24, ...': the mnemonic without predicate or modifiers."""
+    return mnemonic(text).split(".")[0]
 
 
 def find_loops(addresses, texts, min_loop: int = MIN_LOOP):
@@ -58,11 +63,11 @@ def mix(texts) -> dict:
 def _schedule_kind(text: str) -> str | None:
     """What one instruction is in a loop's schedule: a tensor-core product (by shape), an exponential, a
     wait or a barrier; None for everything else."""
-    op = opcode(text)
-    mnemonic = text.split()[1] if text.startswith("@") else text.split()[0]
+    full = mnemonic(text)
+    op = full.split(".")[0]
     if op == "HGMMA":
-        return ".".join(mnemonic.split(".")[:2])  # HGMMA.64x128x16: the product's shape
-    if op == "WARPGROUP" and ".DEPBAR" in mnemonic:
+        return ".".join(full.split(".")[:2])  # HGMMA.64x128x16: the product's shape
+    if op == "WARPGROUP" and ".DEPBAR" in full:
         return "wait:tensor"
     return {"MUFU": "MUFU", "DEPBAR": "wait:copies", "BAR": "barrier"}.get(op)
 

@@ -4,6 +4,7 @@ the plan cache keys a call's arrays by (`signatures`): one C call where the shim
 all (torch tensors, arrays with a CUDA Array Interface), else per array."""
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from . import backend, launch
@@ -288,10 +289,8 @@ def allocate(kind: str, template, shape, dtype: str, device: int, stream: int, p
     if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(device):
-            if stream != cupy.cuda.get_current_stream().ptr:
-                with _framework_stream(cupy, "cupy", stream, device):
-                    array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
-            else:
+            other = stream != cupy.cuda.get_current_stream().ptr
+            with _framework_stream(cupy, "cupy", stream, device) if other else contextlib.nullcontext():
                 array = cupy.empty(stored, dtype=dtype)[..., :shape[-1]]
         return array, array.data.ptr
     # JAX arrays are immutable and anything else has no allocator we know: our own buffer

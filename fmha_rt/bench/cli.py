@@ -184,13 +184,18 @@ def gpu_problem(device_index):
 def recorded_command(argv) -> list:
     """The command as the record keeps it: the --out folder by its last component only, since where a run
     wrote its files says nothing about the results and may name a private path."""
+    return ["bench", *path_by_name(argv, "--out")]
+
+
+def path_by_name(argv, flag: str) -> list:
+    """argv with the path that follows `flag` (or `flag=PATH`) cut to its last component."""
     argv = list(argv)
     for i, arg in enumerate(argv):
-        if arg == "--out" and i + 1 < len(argv):
+        if arg == flag and i + 1 < len(argv):
             argv[i + 1] = os.path.basename(os.path.normpath(argv[i + 1]))
-        elif arg.startswith("--out="):
-            argv[i] = "--out=" + os.path.basename(os.path.normpath(arg[len("--out="):]))
-    return ["bench", *argv]
+        elif arg.startswith(flag + "="):
+            argv[i] = flag + "=" + os.path.basename(os.path.normpath(arg[len(flag) + 1:]))
+    return argv
 
 
 def _run(argv, args, points, discovered, adapters):

@@ -194,23 +194,21 @@ def _convention_section(h):
     return [
         "TFLOP/s = FLOPs / median time. FLOPs: fwd = 4·B·Hq·Sq·Sk·D, halved when causal; bwd and bwd_det"
         " = 2.5 × fwd. Every dense point has B·S = 16k tokens and Hq·D = 2048.",
-        f"Median of {_calls_timed(s)} calls timed by CUDA events after a warm-up of at least"
-        f" {s.get('warmup_ms')} ms{_rounds_text(s)}; inputs rotate over copies spanning at least four L2 caches. A backward"
+        f"Median of {_timing_text(s)}; inputs rotate over copies spanning at least four L2 caches. A backward"
         " is timed alone: fmha_rt's mha_bwd on a saved forward; the torch-based implementations'"
         " torch.autograd.grad on a saved graph. `–`: not run (the implementation lacks that mode);"
         " `error`: see Errors.",
         ""]
 
 
-def _calls_timed(settings):
-    rounds = settings.get("rounds", 1)
-    return settings.get("repeats") if rounds == 1 else f"{rounds} x {settings.get('repeats')}"
-
-
-def _rounds_text(settings):
-    rounds = settings.get("rounds", 1)
-    return "" if rounds == 1 else (f" before each of {rounds} rounds, in which the implementations of a point take"
-                                   " turns in an order rotated every round (each row's round_ms: the rounds' medians)")
+def _timing_text(settings):
+    """'N calls timed ... after a warm-up of W ms', with the rounds where there were several."""
+    rounds, repeats, warmup = settings.get("rounds", 1), settings.get("repeats"), settings.get("warmup_ms")
+    if rounds == 1:
+        return f"{repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms"
+    return (f"{rounds} x {repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms before each of"
+            f" {rounds} rounds, in which the implementations of a point take turns in an order rotated every round"
+            " (each row's round_ms: the rounds' medians)")
 
 
 def _tflops_table(group):
