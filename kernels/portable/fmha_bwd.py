@@ -355,12 +355,19 @@ def fmha_bwd_dkdv(
 def _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, n0, rows, q_ok, offs_n, offs_dqk, offs_dv,
                   dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2, Bias_rows,
                   stride_bias_s, q_local, slope_log2, seed, row_counters, drop_threshold, drop_scale,
-                  needs_mask, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+                  needs_mask, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KEYS_COMPLETE: tl.constexpr):
+    """Adds key block n0's share to dQ. KEYS_COMPLETE: every key of the block exists (a mask-free block
+    of the split loop), so the K and V loads need no key mask."""
     keys = n0 + offs_n
     K_blk = K_rows + tl.cast(n0, tl.int64) * stride_k_s + offs_n[None, :] * stride_k_s + offs_dqk[:, None]
     V_blk = V_rows + tl.cast(n0, tl.int64) * stride_v_s + offs_n[None, :] * stride_v_s + offs_dv[:, None]
-    kT = tl.load(K_blk, mask=(keys < sk)[None, :] & dqk_ok[:, None], other=0.0)
-    vT = tl.load(V_blk, mask=(keys < sk)[None, :] & dv_ok[:, None], other=0.0)
+    if KEYS_COMPLETE:
+        kT = tl.load(K_blk, mask=dqk_ok[:, None], other=0.0)
+        vT = tl.load(V_blk, mask=dv_ok[:, None], other=0.0)
+    else:
+        kT = tl.load(K_blk, mask=(keys < sk)[None, :] & dqk_ok[:, None], other=0.0)
+        vT = tl.load(V_blk, mask=(keys < sk)[None, :] & dv_ok[:, None], other=0.0)
     s, scale = scores(tl.dot(q, kT), rows[:, None], keys[None, :], q_ok[:, None], off, left, right, sk, Bias_rows,
                       stride_bias_s, q_local[:, None], slope_log2, scale_log2, False, BIAS_KIND)
     if needs_mask:  # a runtime branch, as in the dK/dV kernel
@@ -393,11 +400,16 @@ def _dq_program(
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    DELTA_IN: tl.constexpr, DELTA_OUT: tl.constexpr,
+    DELTA_IN: tl.constexpr, DELTA_OUT: tl.constexpr, SPLIT_KEY_LOOP: tl.constexpr,
 ):
     """dQ of query block m_block of query head h, batch entry b (fmha_bwd_dq, which computes Delta and
     Lse2 and writes them for its dK/dV pass: DELTA_OUT; and the query-block programs of fmha_bwd_fused,
-    which read them from the pre-pass, DELTA_IN, or compute them for themselves with DELTA_INLINE)."""
+    which read them from the pre-pass, DELTA_IN, or compute them for themselves with DELTA_INLINE).
+    SPLIT_KEY_LOOP: the mask-free key blocks in a loop of their own, without key or element masks, then
+    the masked ones (the fused grid with one query head per kv head: its loop 534 -> 294 instructions on
+    sm_90, +1.7% at D=128 16k, NOTES.md v11); otherwise one loop whose mask is a runtime branch (in the
+    GQA fused object the split raised the dK/dV loop's spills, one register allocation serving both
+    program kinds; in the dQ kernel alone it measured within noise, v7)."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     m0 = m_block * BLOCK_M
@@ -447,11 +459,24 @@ def _dq_program(
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
-    for blk in range(lo, hi):
-        dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
-                           offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
-                           Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
-                           drop_scale, (blk < full_lo) | (blk >= full_hi), BIAS_KIND, DROPOUT, BLOCK_N)
+    if SPLIT_KEY_LOOP:
+        for blk in range(full_lo, full_hi):
+            dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
+                               offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
+                               Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
+                               drop_scale, False, BIAS_KIND, DROPOUT, BLOCK_N, True)
+        for t in range(0, (full_lo - lo) + (hi - full_hi)):
+            dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, masked_block(t, lo, full_lo, full_hi) * BLOCK_N,
+                               rows, q_ok, offs_n, offs_dqk,
+                               offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
+                               Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
+                               drop_scale, True, BIAS_KIND, DROPOUT, BLOCK_N, False)
+    else:
+        for blk in range(lo, hi):
+            dq = _dq_key_block(dq, q, do, lse2, delta, K_rows, V_rows, blk * BLOCK_N, rows, q_ok, offs_n, offs_dqk,
+                               offs_dv, dqk_ok, dv_ok, stride_k_s, stride_v_s, sk, off, left, right, scale_log2,
+                               Bias_rows, stride_bias_s, offs_m, slope_log2, seed, row_counters, drop_threshold,
+                               drop_scale, (blk < full_lo) | (blk >= full_hi), BIAS_KIND, DROPOUT, BLOCK_N, False)
     tl.store(dQ + b64 * stride_dq_b + q_row0 * stride_dq_s + h64 * stride_dq_h
              + offs_m[:, None] * stride_dq_s + offs_dqk[None, :], (dq * softmax_scale).to(dQ.dtype.element_ty),
              mask=q_ok[:, None] & dqk_ok[None, :])
@@ -487,7 +512,7 @@ def fmha_bwd_dq(
         num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left,
         window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale, philox_seed,
         philox_offset, philox_from_ptr, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False,
-        True)
+        True, False)
 
 
 @triton.jit
@@ -577,7 +602,7 @@ def fmha_bwd_fused(
             num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2,
             window_left, window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale,
             philox_seed, philox_offset, philox_from_ptr, BLOCK_M2, BLOCK_N2, BLOCK_DQK, BLOCK_DV, BIAS_KIND,
-            DROPOUT, not DELTA_INLINE, False)
+            DROPOUT, not DELTA_INLINE, False, not GROUP_LOOP)
 
 
 @triton.jit
