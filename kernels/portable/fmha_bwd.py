@@ -215,6 +215,43 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
 
 
 @triton.jit
+def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_group_size, b, b64, q_row0, stats_row0,
+                       sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk,
+                       offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s,
+                       stride_do_h, stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+                       stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b,
+                       stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
+                       seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr,
+                       DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MASKED: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
+    """The key block's mask-free query blocks (MASKED=False) or masked ones, of every query head of the
+    group in turn, in one loop: (head, block) are counters carried from step to step, no division."""
+    if MASKED:
+        blocks = (full_lo - lo) + (hi - full_hi)
+    else:
+        blocks = full_hi - full_lo
+    g = 0
+    i = 0
+    for _ in range(0, kv_group_size * blocks):
+        if MASKED:
+            blk = masked_block(i, lo, full_lo, full_hi)
+        else:
+            blk = full_lo + i
+        dk, dv = _dkdv_head_block(
+            dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, stats_row0, sq, sk, off,
+            left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+            stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b, stride_o_s,
+            stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+            stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2,
+            seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, MASKED,
+            BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, not MASKED, DELTA_INLINE, UNHOISTED)
+        i += 1
+        g = tl.where(i == blocks, g + 1, g)
+        i = tl.where(i == blocks, 0, i)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_program(
     n_block, hk, b,
     Q, K, V, dO, Lse2, Delta, Out, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
@@ -289,6 +326,21 @@ def _dkdv_program(
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
                 BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
+    elif GROUP_LOOP and UNHOISTED:
+        # The fused grid's GQA programs: one loop over the group's mask-free (head, block) steps, one over
+        # its masked ones. Around the nest below, the head loop kept the fused object's register
+        # allocation, which its dQ programs share, short enough to spill inside the hot loop
+        # (sm_90 bf16 D=128: 17 LDL / 9 STL per step; here 18 / 0, with the dQ key-loop split).
+        for masked in tl.static_range(2):
+            dk, dv = _dkdv_group_blocks(
+                dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_group_size, b, b64, q_row0, stats_row0, sq,
+                sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
+                dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
+                stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+                stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
+                stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
+                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
+                masked == 1, DELTA_INLINE, UNHOISTED)
     else:
         # Without GROUP_LOOP (Hq == Hk) the loop has one step, which the compiler folds away: no loop around
         # the two inner loops keeps their state live (7-17% faster at 128 wide on the H200: NOTES.md, v5).
@@ -406,10 +458,9 @@ def _dq_program(
     Lse2 and writes them for its dK/dV pass: DELTA_OUT; and the query-block programs of fmha_bwd_fused,
     which read them from the pre-pass, DELTA_IN, or compute them for themselves with DELTA_INLINE).
     SPLIT_KEY_LOOP: the mask-free key blocks in a loop of their own, without key or element masks, then
-    the masked ones (the fused grid with one query head per kv head: its loop 534 -> 294 instructions on
-    sm_90, +1.7% at D=128 16k, NOTES.md v11); otherwise one loop whose mask is a runtime branch (in the
-    GQA fused object the split raised the dK/dV loop's spills, one register allocation serving both
-    program kinds; in the dQ kernel alone it measured within noise, v7)."""
+    the masked ones (the fused grid: its loop 534 -> 294 instructions on sm_90, +1.7% at D=128 16k with
+    one query head per kv head, NOTES.md v11); otherwise one loop whose mask is a runtime branch (in the
+    dQ kernel alone the split measured within noise, v7)."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     m0 = m_block * BLOCK_M
@@ -545,8 +596,9 @@ def fmha_bwd_fused(
     one per query block of each query head of the group (BLOCK_M2 rows, BLOCK_N2 keys per step). The
     two kinds share the warp count; the hardware fills one kind's last wave with the other's programs,
     where two launches each end in a part-empty wave. With GROUP_LOOP (GQA/MQA) the key-block programs,
-    each looping over the group's query heads and so the longest, all come first, and their Q and dO
-    tile offsets stay in the loop (UNHOISTED). Deterministic like the two-kernel strategy:
+    each looping over the group's query heads and so the longest, all come first; they visit the
+    group's mask-free (head, block) steps in one loop and the masked ones in another, with the Q and dO
+    tile offsets inside the loop (UNHOISTED). Deterministic like the two-kernel strategy:
     every output tile has one program, which accumulates in a fixed order."""
     key_programs = tl.cdiv(seqlen_k, BLOCK_N1)
     if GROUP_LOOP:
@@ -602,7 +654,7 @@ def fmha_bwd_fused(
             num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2,
             window_left, window_right, bottom_right, is_varlen, has_seqstart, drop_threshold, drop_scale,
             philox_seed, philox_offset, philox_from_ptr, BLOCK_M2, BLOCK_N2, BLOCK_DQK, BLOCK_DV, BIAS_KIND,
-            DROPOUT, not DELTA_INLINE, False, not GROUP_LOOP)
+            DROPOUT, not DELTA_INLINE, False, True)
 
 
 @triton.jit

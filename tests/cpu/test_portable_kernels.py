@@ -173,39 +173,36 @@ def test_dropout_matches_reference_given_the_kernel_mask():
     _check_fwd_bwd(problem, inputs, gen, ref_extra={"dropout_p": DROP_P, "dropout_keep": keep})
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("extra", [{"bias_shape": "1HSS", "bias_grad": True}, {"alibi": "BH"},
                                    {"dropout_p": DROP_P}], ids=["bias", "alibi", "dropout"])
-def test_fused_backward_equals_the_two_kernel_one(extra):
-    """The FUSED strategy runs the two-kernel strategy's dK/dV and dQ programs (with the interpreter's
-    tiles, the same ones) in one grid, so their results agree bit for bit, with every score term."""
-    b, sq, sk, hq, hk, d = 2, 36, 48, 4, 2, 32
+def test_fused_backward_matches_reference_with_every_score_term(extra, heads):
+    """The FUSED strategy's dK/dV and dQ programs with each score term, in both forms of its key-block
+    programs (GQA: one loop over the group's (head, block) steps; MHA: the nest of one head)."""
+    (hq, hk), b, sq, sk, d = heads, 2, 36, 48, 32
     problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True,
                                **extra)
     gen = _gen(50)
     inputs = _inputs(gen, b, sq, sk, hq, hk, d, d)
+    ref_extra = {}
     if "bias_shape" in extra:
         inputs["bias"] = _randn(gen, 1, hq, sq, sk)
+        ref_extra["bias"] = _np(inputs["bias"])
     if "alibi" in extra:
         inputs["alibi"] = torch.rand((b, hq), generator=gen) * 0.5
+        ref_extra["alibi_slopes"] = _np(inputs["alibi"])
     if "dropout_p" in extra:
-        inputs.update(philox_seed=321, philox_offset=8)
-    out, lse = ie.forward(problem, inputs)
-    dout = _randn(gen, *out.shape)
-    two = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_DETERMINISTIC)
-    fused = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_FUSED)
-    for name, x, y in zip(("dq", "dk", "dv", "dbias"), two, fused):
-        if x is not None:
-            assert not torch.isnan(y).any(), name
-            assert torch.equal(x, y), name
+        philox = {"philox_seed": 321, "philox_offset": 8}
+        inputs.update(philox)
+        ref_extra.update(dropout_p=DROP_P, dropout_keep=ie.dropout_mask(problem, philox).numpy())
+    _check_fwd_bwd(problem, inputs, gen, ref_extra=ref_extra, strategy=pp.DQ_FUSED)
 
 
 @pytest.mark.parametrize("heads,window,bottom_right", [((4, 2), (-1, 0), True), ((3, 3), (9, 4), False),
                                                        ((4, 1), (-1, -1), False)], ids=["gqa_causal_br", "mha_window", "mqa"])
-def test_one_launch_backward_equals_the_two_kernel_one(heads, window, bottom_right):
+def test_one_launch_backward_matches_reference(heads, window, bottom_right):
     """The SINGLE strategy (one launch: the fused grid with every program computing its rows' Delta and
-    Lse2) runs the two-kernel strategy's programs with the interpreter's tiles, the same ones, and computes
-    Delta and Lse2 by the same formulas, so the results agree bit for bit; small problems take it by
-    default."""
+    Lse2 from O, dO and the LSE); small problems take it by default."""
     (hq, hk), b, sq, sk, d = heads, 2, 40, 52, 64
     problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=window[0], window_right=window[1],
                                bottom_right=bottom_right)
@@ -216,14 +213,7 @@ def test_one_launch_backward_equals_the_two_kernel_one(heads, window, bottom_rig
         pp.fused_key("fp16", (64, 64), pp.BIAS_NONE, False, hq == hk and pp.single_head_dkdv(pp.INTERPRET_ARCH, (64, 64)),
                      pp.DQ_SINGLE)], "one launch"
     gen = _gen(51)
-    inputs = _inputs(gen, b, sq, sk, hq, hk, d, d)
-    out, lse = ie.forward(problem, inputs)
-    dout = _randn(gen, *out.shape)
-    two = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_DETERMINISTIC)
-    single = ie.backward(problem, inputs, out, lse, dout, dq_strategy=pp.DQ_SINGLE)
-    for name, x, y in zip(("dq", "dk", "dv"), two, single):
-        assert not torch.isnan(y).any(), name
-        assert torch.equal(x, y), name
+    _check_fwd_bwd(problem, _inputs(gen, b, sq, sk, hq, hk, d, d), gen)
 
 
 def test_one_launch_backward_is_built_for_mha_only_on_measured_archs():
