@@ -255,6 +255,23 @@ FEATURE_TILES = {
 }
 
 
+# The forward of short key sequences, where a program's start (Q and the first K/V blocks) and end (O's
+# stores) are a large share of its work (8 key blocks of 128 at 1k): a tile small enough for two programs
+# on an SM (one warpgroup, 234 registers, 112 KiB of shared memory on sm_90), so that one program's start
+# and end overlap the other's key loop, where the 128-row tile fills the SM alone. Without bias or dropout,
+# up to SHORT_FWD_MAX_SEQLEN_K keys. Not yet measured: both numbers are to be set from the forward's A/B
+# and tile timing at 1k-4k (bench/tune_tiles.py candidates 64x64w4s3 / s2).
+SHORT_FWD_TILES = {"sm_90": {(128, 128): Tile(64, 64, 4, 3)},
+                   INTERPRET_ARCH: {(32, 32): Tile(16, 16, 4, 1), (128, 128): Tile(16, 16, 4, 1)}}
+SHORT_FWD_MAX_SEQLEN_K = 2048
+
+
+def short_fwd(problem, arch) -> bool:
+    """Whether `problem`'s forward takes the short-keys tile on `arch`."""
+    return (head_dim_tiles(problem) in SHORT_FWD_TILES.get(arch, {}) and _features(problem) == (BIAS_NONE, False)
+            and problem.seqlen_k <= SHORT_FWD_MAX_SEQLEN_K)
+
+
 def _arch_tiles(arch):
     if arch not in TILES:
         raise FmhaValueError(f"arch must be one of {sorted(TILES)}, got {arch!r}")
@@ -280,8 +297,9 @@ def _feature_name(bias_kind, dropout):
     return f"{BIAS_KIND_NAMES[bias_kind]}_{'drop' if dropout else 'nodrop'}"
 
 
-def fwd_key(dtype, pair, bias_kind, dropout):
-    return f"fmha_fwd_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+def fwd_key(dtype, pair, bias_kind, dropout, short=False):
+    key = f"fmha_fwd_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+    return key + "_short" if short else key
 
 
 def dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head=False):
@@ -347,6 +365,11 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     constexprs, traits = tiled("fwd", tile)
     out.append(_variant(fwd_key(dtype, pair, bias_kind, dropout), "fmha_fwd", dtype, tile,
                         dict(constexprs, **features), dict(traits, deterministic=True)))
+    short = SHORT_FWD_TILES.get(arch, {}).get(pair)
+    if short and bias_kind == BIAS_NONE and not dropout:
+        constexprs, traits = tiled("fwd", short)
+        out.append(_variant(fwd_key(dtype, pair, bias_kind, dropout, short=True), "fmha_fwd", dtype, short,
+                            dict(constexprs, **features), dict(traits, deterministic=True, short_keys=True)))
     tile = tile_for(arch, "bwd_dkdv", pair, bias_kind, dropout)
     for strategy in BUILT_DQ_STRATEGIES[arch]:
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
@@ -842,14 +865,16 @@ def _has_work(problem):
 
 
 def plan_fwd(problem, arch, tensors) -> list:
-    """Launches of the forward: fmha_fwd writing out [.., Hq, Dv] and lse.
+    """Launches of the forward: fmha_fwd writing out [.., Hq, Dv] and lse (with the short-keys tile where
+    short_fwd says so).
 
     tensors: q, k, v, out, lse (+ '<name>_strides'), optional bias, alibi, cu_seqlens_q/k, seqstart_q/k,
     and for dropout philox_seed and philox_offset (ints) or philox_seed_offset (device pointer).
     """
     pair = head_dim_tiles(problem)
     kind, dropout = _features(problem)
-    tile = tile_for(arch, "fwd", pair, kind, dropout)
+    short = short_fwd(problem, arch)
+    tile = SHORT_FWD_TILES[arch][pair] if short else tile_for(arch, "fwd", pair, kind, dropout)
     if not _has_work(problem):
         return []
     a = _Args(problem, tensors)
@@ -864,7 +889,7 @@ def plan_fwd(problem, arch, tensors) -> list:
     args.update(a.shape())
     args.update(a.mask())
     args["scale_log2"] = problem.softmax_scale * math.log2(math.e)
-    key = fwd_key(problem.dtype, pair, kind, dropout)
+    key = fwd_key(problem.dtype, pair, kind, dropout, short)
     return [Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem), _ordered(key, "fmha_fwd", args))]
 
 

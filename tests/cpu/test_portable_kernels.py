@@ -420,6 +420,31 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
         pp.plan_fwd(problem, "sm_90", tensors)
 
 
+def test_short_key_forward_takes_the_two_programs_per_sm_tile():
+    """sm_90, D=97..128 without bias or dropout, up to SHORT_FWD_MAX_SEQLEN_K keys: the `_short` variant,
+    its grid in its own (64-row) query blocks; longer keys, a score term, another head dim or another arch:
+    the regular tile."""
+    def planned(arch="sm_90", sk=1024, d=128, **kw):
+        problem = AttentionProblem(4, 1000, sk, 16, 2, d, d, "bf16", **kw)
+        x, kv = torch.zeros(4, 1000, 16, d), torch.zeros(4, sk, 2, d)
+        inputs = {"q": x, "k": kv, "v": kv, "out": x, "lse": torch.zeros(4, 16, 1000)}
+        if kw.get("bias_shape"):
+            inputs["bias"] = torch.zeros(1, 1, 1000, sk)
+        if kw.get("dropout_p"):
+            inputs.update(philox_seed=1, philox_offset=0)
+        (launch,) = pp.plan_fwd(problem, arch, ie.with_strides(**inputs))
+        return launch
+
+    short = pp.SHORT_FWD_TILES["sm_90"][(128, 128)]
+    for launch in (planned(), planned(window_left=-1, window_right=0), planned(sk=pp.SHORT_FWD_MAX_SEQLEN_K)):
+        assert launch.variant == "fmha_fwd_bf16_d128_nobias_nodrop_short"
+        assert launch.grid == (-(-1000 // short.block_m), 16, 4)
+    assert pp.variant_map("sm_90")[launch.variant]["constexprs"]["BLOCK_M"] == short.block_m
+    for launch in (planned(sk=pp.SHORT_FWD_MAX_SEQLEN_K + 8), planned(bias_shape="11SS"), planned(dropout_p=0.1),
+                   planned(d=64), planned("gfx942")):
+        assert not launch.variant.endswith("_short"), launch.variant
+
+
 def test_fused_backward_is_chosen_where_it_measured_faster():
     """sm_90: D=128 without bias or dropout, from FUSED_MIN_SEQLEN_K keys, deterministic or not, for MHA
     (the `_mha` kernel) and GQA/MQA (the kernel with the loop over the group's heads); below that length,
