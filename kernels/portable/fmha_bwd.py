@@ -87,7 +87,7 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
                       write_dbias, needs_mask,
                       BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                       DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr,
-                      DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
+                      DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr):
     """Adds one query block's share to dK, dV of the program's key block (scores transposed:
     keys are rows, queries columns). ROWS_COMPLETE: every row of the block exists (a mask-free block
     of the nested loops), so its loads need no row mask. That mask is the larger part of the loop's
@@ -95,7 +95,10 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
     DELTA_INLINE (the one-launch backward, for problems too small to fill the GPU): Delta comes from
     this block's rows of O and dO, and Lse2 from the LSE, which Lse2_rows then points to.
     UNHOISTED (the fused grid's GQA programs): the Q and dO tile offsets stay inside the loop, where the
-    backend would hoist their 64-bit forms and spill them (NOTES.md v10)."""
+    backend would hoist their 64-bit forms and spill them (NOTES.md v10).
+    DP_FIRST (the fused grid's dK/dV programs): dO V^T is issued right after K Q^T, so that the tensor
+    cores compute it while the exponentials run, instead of after them behind the dV product (NOTES.md
+    v12; in the two-kernel objects it added spills)."""
     rows = m0 + offs_m
     q_ok = rows < sq
     m0_64 = tl.cast(m0, tl.int64)
@@ -121,7 +124,10 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         lse2 = _log2_lse(Lse2_rows, rows, q_ok)
 
-    sT, scale = scores(tl.dot(k, qT), rows[None, :], keys[:, None], q_ok[None, :], off, left, right, sk,
+    qkT = tl.dot(k, qT)
+    if DP_FIRST:
+        vdoT = tl.dot(v, tl.trans(do))
+    sT, scale = scores(qkT, rows[None, :], keys[:, None], q_ok[None, :], off, left, right, sk,
                        Bias_rows + m0_64 * stride_bias_s, stride_bias_s, offs_m[None, :], slope_log2, scale_log2,
                        False, BIAS_KIND)
     if needs_mask:  # a constexpr in the nested loops, a runtime branch in the flat one
@@ -131,10 +137,14 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
         counters = dropout_row_counters(philox_off, dropout_bh, seqlen_q, seqlen_k, rows)
         keepT = tl.trans(dropout_draws(seed, counters, n0, BLOCK_N)) >= drop_threshold.to(tl.uint32)
         dv += tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do)
-        dpT = tl.where(keepT, tl.dot(v, tl.trans(do)) * drop_scale, 0.0)
     else:
         dv += tl.dot(pT.to(do.dtype), do)
-        dpT = tl.dot(v, tl.trans(do))
+    if not DP_FIRST:
+        vdoT = tl.dot(v, tl.trans(do))
+    if DROPOUT:
+        dpT = tl.where(keepT, vdoT * drop_scale, 0.0)
+    else:
+        dpT = vdoT
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT))
     if BIAS_KIND == KIND_TENSOR:
@@ -158,7 +168,8 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, stats_row0, 
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, needs_mask,
                      BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
+                     ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
+                     DP_FIRST: tl.constexpr):
     """_dkdv_query_block for query head h: the head's row pointers, then the block."""
     h64 = h.to(tl.int64)
     slope_log2 = 0.0
@@ -176,7 +187,7 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, stats_row0, 
         offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
         stride_q_s, stride_do_s, stride_o_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
         seed, philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE, UNHOISTED)
+        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE, UNHOISTED, DP_FIRST)
 
 
 @triton.jit
@@ -189,7 +200,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                      DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
+                     DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr):
     """Query head h's share of the key block: the mask-free query blocks, then the masked ones, each
     loop body compiled for its case."""
     for blk in range(full_lo, full_hi):
@@ -201,7 +212,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
             stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h,
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
             seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
-            BLOCK_N, True, DELTA_INLINE, UNHOISTED)
+            BLOCK_N, True, DELTA_INLINE, UNHOISTED, DP_FIRST)
     for t in range(0, (full_lo - lo) + (hi - full_hi)):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0,
@@ -210,7 +221,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
             stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b,
             stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s,
             alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
-            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
+            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED, DP_FIRST)
     return dk, dv
 
 
@@ -223,7 +234,8 @@ def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_
                        stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
                        seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr,
                        DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       MASKED: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr):
+                       MASKED: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
+                       DP_FIRST: tl.constexpr):
     """The key block's mask-free query blocks (MASKED=False) or masked ones, of every query head of the
     group in turn, in one loop: (head, block) are counters carried from step to step, no division."""
     if MASKED:
@@ -244,7 +256,7 @@ def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_
             stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
             stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2,
             seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, MASKED,
-            BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, not MASKED, DELTA_INLINE, UNHOISTED)
+            BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, not MASKED, DELTA_INLINE, UNHOISTED, DP_FIRST)
         i += 1
         g = tl.where(i == blocks, g + 1, g)
         i = tl.where(i == blocks, 0, i)
@@ -273,7 +285,7 @@ def _dkdv_program(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
-    GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
+    GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
     """dK and dV of key block n_block of kv head hk, batch entry b (fmha_bwd_dkdv, and the key-block
     programs of fmha_bwd_fused). With DELTA_INLINE, Lse2 and stride_delta_* are the LSE's, and Out is read."""
@@ -325,7 +337,7 @@ def _dkdv_program(
                 stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
-                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED)
+                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED, DP_FIRST)
     elif GROUP_LOOP and UNHOISTED:
         # The fused grid's GQA programs: one loop over the group's mask-free (head, block) steps, one over
         # its masked ones. Around the nest below, the head loop kept the fused object's register
@@ -340,7 +352,7 @@ def _dkdv_program(
                 stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
-                masked == 1, DELTA_INLINE, UNHOISTED)
+                masked == 1, DELTA_INLINE, UNHOISTED, DP_FIRST)
     else:
         # Without GROUP_LOOP (Hq == Hk) the loop has one step, which the compiler folds away: no loop around
         # the two inner loops keeps their state live (7-17% faster at 128 wide on the H200: NOTES.md, v5).
@@ -356,7 +368,7 @@ def _dkdv_program(
                 stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
-                DELTA_INLINE, UNHOISTED)
+                DELTA_INLINE, UNHOISTED, DP_FIRST)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
              + offs_n[:, None] * stride_dk_s + offs_dqk[None, :], (dk * softmax_scale).to(dK.dtype.element_ty),
@@ -400,7 +412,8 @@ def fmha_bwd_dkdv(
         stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8,
         head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
         has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False, False)
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False, False,
+        False)
 
 
 @triton.jit
@@ -637,7 +650,7 @@ def fmha_bwd_fused(
             softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
             write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
             BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP, DELTA_INLINE,
-            GROUP_LOOP)
+            GROUP_LOOP, not DELTA_INLINE)
     else:
         query_programs = tl.cdiv(seqlen_q, BLOCK_M2)
         t = pid - key_programs
