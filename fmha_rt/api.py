@@ -116,19 +116,36 @@ def _check_head_dims(dqk, dv):
             raise FmhaNotImplementedError(f"{name}={d}: supported head dims are 1..256")
 
 
-def _bias_shape(bias: Arg, b: int, h: int, sq: int, sk: int) -> str:
-    shape = tuple(bias.shape)
+def bias_shape_name(shape, b: int, h: int, sq: int, sk: int) -> str:
+    """The AttentionProblem.bias_shape ('11SS', '1HSS', 'B1SS', 'BHSS') of a bias of `shape`."""
+    shape = tuple(shape)
     if len(shape) != 4 or shape[2:] != (sq, sk) or shape[0] not in (1, b) or shape[1] not in (1, h):
         raise FmhaValueError(f"bias must broadcast from [1|{b}, 1|{h}, {sq}, {sk}], got {shape}")
     return ("B" if shape[0] == b and b > 1 else "1") + ("H" if shape[1] == h and h > 1 else "1") + "SS"
 
 
+def alibi_shape_name(shape, b: int, h: int) -> str:
+    """The AttentionProblem.alibi ('H' or 'BH') of ALiBi slopes of `shape`."""
+    if tuple(shape) not in ((h,), (b, h)):
+        raise FmhaValueError(f"alibi_slopes must have shape [{h}] or [{b}, {h}], got {tuple(shape)}")
+    return "H" if len(shape) == 1 else "BH"
+
+
+def check_one_score_term(bias, alibi_slopes) -> None:
+    if bias is not None and alibi_slopes is not None:
+        raise FmhaNotImplementedError("bias and alibi_slopes together are not supported; add the ALiBi term to the bias")
+
+
+def check_dropout_p(value, name="dropout_p") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise FmhaValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
 def _dropout(dropout_p, seed, offset, stream, imported=None):
     """Dropout options -> tensors entries. seed: an int, or a device array of two int64 (seed, offset)
     for graph capture; offset: the Philox offset (ignored when seed is an array)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise FmhaValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p == 0.0:
+    if check_dropout_p(dropout_p) == 0.0:
         return {}, []
     if seed is None:
         raise FmhaValueError("dropout_p > 0 needs seed= (an int, or a device int64 array [seed, offset]); "
@@ -268,18 +285,15 @@ def _prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         tq = tk = None
     check_sizes(sq, sk, hq, hk, dqk, dv)
     bias_shape = alibi = None
+    check_one_score_term(bias, alibi_slopes)
     if bias is not None:
-        if alibi_slopes is not None:
-            raise FmhaNotImplementedError("bias and alibi_slopes together are not supported; add the ALiBi term to the bias")
         ba = array("bias", bias, rank=4, dtypes=(qa.dtype,))
-        bias_shape = _bias_shape(ba, batch, hq, sq, sk)
+        bias_shape = bias_shape_name(ba.shape, batch, hq, sq, sk)
         _put(tensors, "bias", ba)
         inputs.append(ba)
     if alibi_slopes is not None:
         aa = array("alibi_slopes", alibi_slopes, rank=(1, 2), dtypes=("float32",))
-        if tuple(aa.shape) not in ((hq,), (batch, hq)):
-            raise FmhaValueError(f"alibi_slopes must have shape [{hq}] or [{batch}, {hq}], got {tuple(aa.shape)}")
-        alibi = "H" if len(aa.shape) == 1 else "BH"
+        alibi = alibi_shape_name(aa.shape, batch, hq)
         if alibi == "BH" and not 0 <= aa.strides[0] < INT32_LIMIT:
             raise FmhaValueError(f"alibi_slopes batch stride {aa.strides[0]} must be in [0, 2^31)")
         _put(tensors, "alibi", aa)
