@@ -2,6 +2,8 @@
 
     from fmha_rt.jax import flash_attention, flash_attention_varlen
     out = flash_attention(q, k, v, causal=True)        # q [B, Sq, Hq, D], k/v [B, Sk, Hk, D]: jax arrays
+    out = flash_attention(q, k, v, bias=bias)          # bias [1|B, 1|Hq, Sq, Sk]: jax.grad gives dbias too
+    out = flash_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
 
 How it runs. Shapes are static under jit, so when a call is traced fmha_rt validates it, plans its
 kernels for the GPU's arch and packs their arguments with placeholder pointers into a launch program
@@ -15,6 +17,22 @@ run one after another). The kernel images are
 registered with the shim at trace time; the handler loads them into the kernel map on first use, per
 device.
 
+Score terms and dropout. A bias (q's dtype, [1|B, 1|Hq, Sq, Sk]) is an operand of both custom calls;
+the backward returns dbias in the bias's shape, and only when the bias is differentiated (custom_vjp's
+`perturbed`), so a constant bias costs the backward no dS workspace. ALiBi slopes (float32 [Hq] or
+[B, Hq]) are an operand without a gradient. Dropout's Philox seed and offset are drawn from dropout_rng
+with jax.random inside the traced function: two int64 in [0, 2^62), carried as four little-endian
+uint32 words (so that no jax_enable_x64 is needed), one operand that both custom calls take, so the
+backward drops what the forward dropped. philox_seed_offset(key) gives that pair as ints, and
+fmha_rt.mha_dropout_mask(q, k, dropout_p=rate, seed=seed, offset=offset) the mask it draws.
+
+Under vmap (_fold_vmap) an unmapped [1, ..] bias and unmapped [Hq] slopes go to the folded call as they
+are; other biases and slopes are broadcast to the folded batch (an unmapped [1, ..] bias too, in a
+backward that returns dbias: each instance needs its own), and each instance's dbias is summed back to
+its bias's shape. An unmapped key seeds the one folded call: instance i draws rows i*B..(i+1)*B of the
+mask for the [V * B, ..] shapes (not the mask a separate call with that key draws). A mapped key runs
+the instances one after another (jax.lax.map), each with its own key.
+
 Semantics follow mha_fwd: masks align top-left unless causal_alignment="bottom_right" (as in
 jax.nn.dot_product_attention); window=(left, right) with -1 for unbounded; softmax_scale defaults to
 1/sqrt(D). The backward is deterministic by construction (bitwise equal across runs).
@@ -27,9 +45,21 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from . import backend, launch_program
-from .api import INT32_LIMIT, MaskSpec, batch_dims, check_sizes, resolve_mask
+from .api import (
+    INT32_LIMIT,
+    MaskSpec,
+    alibi_shape_name,
+    batch_dims,
+    bias_shape_name,
+    check_dropout_p,
+    check_one_score_term,
+    check_sizes,
+    resolve_mask,
+)
 from .arrays import ATTN_DTYPES
 from .backend import ffi, lib
 from .errors import (
@@ -41,7 +71,7 @@ from .errors import (
 from .problem import AttentionProblem
 from .registry import registry
 
-__all__ = ["flash_attention", "flash_attention_varlen", "handler_built", "register_targets"]
+__all__ = ["flash_attention", "flash_attention_varlen", "handler_built", "philox_seed_offset", "register_targets"]
 
 HANDLER = "fmha_xla_run_program"
 # One handler runs every program; the targets differ in name only, so that HLO dumps and profiles
@@ -136,11 +166,13 @@ class _Options:
     mask: MaskSpec
     deterministic: bool
     arch: str
+    dropout_p: float = 0.0
     max_seqlen_q: int = 0  # varlen only
     max_seqlen_k: int = 0
 
 
-def _static_options(causal, window, causal_alignment, softmax_scale, deterministic) -> tuple:
+def _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate) -> dict:
+    """_Options' fields (all but arch and the varlen lengths), validated."""
     mask = resolve_mask(causal, tuple(window) if isinstance(window, list) else window, None, causal_alignment)
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -151,17 +183,22 @@ def _static_options(causal, window, causal_alignment, softmax_scale, determinist
         softmax_scale = float(softmax_scale)
     if not isinstance(deterministic, bool):
         raise FmhaTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    return softmax_scale, mask, deterministic
+    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
+        raise FmhaTypeError(f"dropout_rate must be a Python float (it is static under jit), "
+                            f"got {type(dropout_rate).__name__}")
+    return {"softmax_scale": softmax_scale, "mask": mask, "deterministic": deterministic,
+            "dropout_p": check_dropout_p(dropout_rate, "dropout_rate")}
 
 
 def _dtype(q, k, v) -> str:
+    """The dtype of q, k and v (jax's name: 'float16' or 'bfloat16')."""
     names = [jnp.dtype(x.dtype).name for x in (q, k, v)]
     if names[0] not in ATTN_DTYPES:
         raise FmhaTypeError(f"q has dtype {names[0]}: fmha_rt takes {' or '.join(ATTN_DTYPES)}")
     for name, dtype in zip(("k", "v"), names[1:]):
         if dtype != names[0]:
             raise FmhaTypeError(f"{name} has dtype {dtype} but q has {names[0]}: they must match")
-    return ATTN_DTYPES[names[0]]
+    return names[0]
 
 
 def _rank(rank, **arrays) -> None:
@@ -170,26 +207,44 @@ def _rank(rank, **arrays) -> None:
             raise FmhaValueError(f"{name} must have {rank} dims, got shape {tuple(jnp.shape(x))}")
 
 
-def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, **varlen) -> AttentionProblem:
+def _score_terms(dtype, batch, sq, sk, hq, bias, alibi, bias_grad) -> dict:
+    """AttentionProblem's bias_shape, bias_grad and alibi for a bias (q's dtype, [1|B, 1|Hq, Sq, Sk]) and
+    ALiBi slopes (float32 [Hq] or [B, Hq]), each None when absent; validated as mha_fwd does."""
+    check_one_score_term(bias, alibi)
+    terms = {}
+    if bias is not None:
+        if jnp.dtype(bias.dtype).name != dtype:
+            raise FmhaTypeError(f"bias has dtype {jnp.dtype(bias.dtype).name} but q has {dtype}: they must match")
+        terms.update(bias_shape=bias_shape_name(jnp.shape(bias), batch, hq, sq, sk), bias_grad=bias_grad)
+    if alibi is not None:
+        if jnp.dtype(alibi.dtype) != jnp.float32:
+            raise FmhaTypeError(f"alibi_slopes must be float32, got {jnp.dtype(alibi.dtype).name}")
+        terms["alibi"] = alibi_shape_name(jnp.shape(alibi), batch, hq)
+    return terms
+
+
+def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, bias=None, alibi=None, bias_grad=False,
+             **varlen) -> AttentionProblem:
     check_sizes(sq, sk, hq, hk, dqk, dv)
     if dqk % 8 or dv % 8:  # the launch programs carry no head-padding copies
         raise FmhaNotImplementedError(f"fmha_rt.jax: head dims must be multiples of 8, got {dqk} and {dv} (pad "
                                       "the last dim with zeros to the next multiple of 8)")
     m = opts.mask
     return AttentionProblem(batch=batch, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk, head_dim_qk=dqk,
-                            head_dim_v=dv, dtype=dtype, softmax_scale=opts.softmax_scale, window_left=m.window_left,
-                            window_right=m.window_right, bottom_right=m.bottom_right,
-                            deterministic=opts.deterministic, **varlen)
+                            head_dim_v=dv, dtype=ATTN_DTYPES[dtype], softmax_scale=opts.softmax_scale,
+                            window_left=m.window_left, window_right=m.window_right, bottom_right=m.bottom_right,
+                            dropout_p=opts.dropout_p, deterministic=opts.deterministic,
+                            **_score_terms(dtype, batch, sq, sk, hq, bias, alibi, bias_grad), **varlen)
 
 
-def _batch_problem(q, k, v, opts: _Options) -> AttentionProblem:
+def _batch_problem(q, k, v, opts: _Options, bias=None, alibi=None, bias_grad=False) -> AttentionProblem:
     _rank(4, q=q, k=k, v=v)
     dtype = _dtype(q, k, v)
     b, sq, sk, hq, hk, dqk, dv = batch_dims(q.shape, k.shape, v.shape)
-    return _problem(dtype, b, sq, sk, hq, hk, dqk, dv, opts)
+    return _problem(dtype, b, sq, sk, hq, hk, dqk, dv, opts, bias, alibi, bias_grad)
 
 
-def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: _Options) -> AttentionProblem:
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: _Options, alibi=None) -> AttentionProblem:
     _rank(3, q=q, k=k, v=v)
     _rank(1, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     dtype = _dtype(q, k, v)
@@ -204,13 +259,70 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: _Options) -> Atte
         raise FmhaValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
                              f"{tuple(cu_seqlens_k.shape)} must both have B + 1 >= 2 entries")
     return _problem(dtype, cu_seqlens_q.shape[0] - 1, opts.max_seqlen_q, opts.max_seqlen_k, hq, hk, dqk, dv, opts,
-                    varlen=True, total_q=tq, total_k=tk)
+                    alibi=alibi, varlen=True, total_q=tq, total_k=tk)
 
 
 def _max_seqlen(name, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT32_LIMIT:
         raise FmhaValueError(f"{name} must be a Python int in [0, 2^31) (it is static under jit), got {value!r}")
     return value
+
+
+def _array(x):
+    """A bias or slopes argument as a jax array (None stays None)."""
+    return None if x is None else jnp.asarray(x)
+
+
+# ---------------------------------------------------------------------------------------- dropout
+
+# Seed and offset are each drawn in [0, 2^62), as the torch adapter draws them: the kernels' Philox
+# counters (offset plus at most B * Hq * Sq * Sk / 4) then never leave int64.
+_PHILOX_MASKS = (0xFFFFFFFF, 0x3FFFFFFF, 0xFFFFFFFF, 0x3FFFFFFF)
+
+
+def _dropout_key(dropout_p: float, dropout_rng):
+    """The typed PRNG key of a call with dropout (None without: then dropout_rng is not used)."""
+    if dropout_p == 0.0:
+        return None
+    if dropout_rng is None:
+        raise FmhaValueError("dropout_rate > 0 needs dropout_rng, a jax PRNG key (jax.random.key(n) or "
+                             "jax.random.PRNGKey(n)); split a fresh one for every step")
+    return _prng_key(dropout_rng)
+
+
+def _prng_key(rng):
+    """`rng` as one typed PRNG key: a typed key, or the raw uint32 data of one (jax.random.PRNGKey)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        key = rng
+    else:
+        try:
+            key = jax.random.wrap_key_data(rng)
+        except (TypeError, ValueError) as exc:
+            raise FmhaTypeError(f"dropout_rng must be a jax PRNG key (jax.random.key(n) or jax.random.PRNGKey(n)), "
+                                f"got {type(rng).__name__} of dtype {dtype} and shape {tuple(jnp.shape(rng))}") from exc
+    if jnp.shape(key) != ():
+        raise FmhaValueError(f"dropout_rng must be one PRNG key, got an array of keys of shape {jnp.shape(key)}")
+    return key
+
+
+def _philox_words(key):
+    """The dropout's Philox [seed, offset] drawn from `key`: two int64 as their four little-endian uint32
+    words [seed low, seed high, offset low, offset high], the operand both custom calls take (uint32, so
+    that no int64 array, and no jax_enable_x64, is needed)."""
+    bits = jax.random.bits(key, (launch_program.PHILOX_WORDS,), jnp.uint32)
+    return bits & jnp.array(_PHILOX_MASKS, jnp.uint32)
+
+
+def philox_seed_offset(dropout_rng) -> tuple[int, int]:
+    """The Philox (seed, offset) with which flash_attention(..., dropout_rate=p, dropout_rng=dropout_rng)
+    draws its dropout mask, as Python ints (call it outside jit). For tests and debugging:
+    fmha_rt.mha_dropout_mask(q, k, dropout_p=p, seed=seed, offset=offset) returns that call's keep mask
+    (uint8 [B, Hq, Sq, Sk], 1 = kept; for a varlen call, sequence b's mask is [b, :, :len_q, :len_k] of
+    the mask for [B, max_seqlen_q, ...] shapes)."""
+    words = np.asarray(_philox_words(_prng_key(dropout_rng)), dtype="<u4")
+    seed, offset = (int(x) for x in words.view("<i8"))
+    return seed, offset
 
 
 # ------------------------------------------------------------------------------------ the calls
@@ -227,72 +339,187 @@ def _program(kind: str, problem: AttentionProblem, arch: str):
     return program, words
 
 
+def _pad_keys(x, width):
+    """A bias whose rows are padded with zeros to `width` keys (the row pitch of the program's buffer)."""
+    pad = width - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
 def _call(kind: str, problem: AttentionProblem, arch: str, arrays):
-    """The custom call running `kind` ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd') on `arrays`: the
-    forwards return (out, lse), the backwards (dq, dk, dv)."""
+    """The custom call running `kind` ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd') on `arrays` in the
+    program's operand order, None where the call has no bias, slopes or seed: the forwards return
+    (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad."""
+    program, _ = _program(kind, problem, arch)
+    operands = [x for x in arrays if x is not None]
+    assert len(operands) == program.operands, (kind, len(operands), program.operands)
+    operands = [_pad_keys(x, b.shape[-1]) if b.name == "bias" else x for x, b in zip(operands, program.buffers)]
+    outs = _custom_call(kind, problem, arch, operands)
+    return tuple(o[..., :problem.seqlen_k] if b.name == "dbias" else o
+                 for o, b in zip(outs, program.results) if b.name != "workspace")
+
+
+def _custom_call(kind: str, problem: AttentionProblem, arch: str, operands):
+    """XLA's custom call of the launch program of `kind` and `problem` on `operands`: every result of
+    the program, the workspace included."""
     program, words = _program(kind, problem, arch)
     results = [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in program.results]
     # 'sequential' serves the varlen calls under vmap (a batch call folds the mapped axis instead):
     # the unbatched call keeps the shapes its program was built for.
-    outs = jax.ffi.ffi_call(TARGETS[kind], results, vmap_method="sequential")(*arrays, program=words)
-    return tuple(outs[:2] if kind.endswith("fwd") else outs[:3])
+    return jax.ffi.ffi_call(TARGETS[kind], results, vmap_method="sequential")(*operands, program=words)
 
 
-def _fold_vmap(fn):
-    """fn(*arrays) -> tuple of arrays, every one with the batch leading. Under vmap the mapped axis is
-    folded into that batch: one call over V * B, then split again."""
+# ------------------------------------------------------------------------------------------- vmap
+
+
+def _merge(x):
+    """[V, B, ...] -> [V * B, ...]."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _split(x, axis_size):
+    """[V * B, ...] -> [V, B, ...]."""
+    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+
+
+def _fold_bias(bias, batched, axis_size, batch, per_instance_grad):
+    """The bias of the folded call (batch V * B). An unmapped [1, ..] bias stays as it is, read by every
+    entry of the folded batch, unless each instance needs its own dbias; any other bias is folded with the
+    batch, broadcast over it where it has one row for it."""
+    if bias is None or (not batched and bias.shape[0] == 1 and not per_instance_grad):
+        return bias
+    stacked = bias if batched else bias[None]  # [V or 1, 1|B, 1|Hq, Sq, Sk]
+    return _merge(jnp.broadcast_to(stacked, (axis_size, batch, *stacked.shape[2:])))
+
+
+def _unfold_dbias(dbias, bias, batched, axis_size):
+    """dbias of the folded call ([V * B, ..]) as each instance's, in the shape of its bias ([V, 1|B, ..]):
+    summed over the batch (in float32) where the instance's bias has one row for it."""
+    rows = bias.shape[1] if batched else bias.shape[0]
+    split = _split(dbias, axis_size)
+    if split.shape[1] == rows:
+        return split
+    return split.astype(jnp.float32).sum(axis=1, keepdims=True).astype(dbias.dtype)
+
+
+def _fold_alibi(alibi, batched, axis_size, batch):
+    """The slopes of the folded call: unmapped [Hq] slopes stay, any others become [V * B, Hq]."""
+    if alibi is None or (not batched and alibi.ndim == 1):
+        return alibi
+    stacked = alibi if batched else alibi[None]  # [V or 1, (B,) Hq]
+    if stacked.ndim == 2:
+        stacked = stacked[:, None]
+    return _merge(jnp.broadcast_to(stacked, (axis_size, batch, stacked.shape[-1])))
+
+
+def _one_by_one(fn, in_batched, args):
+    """fn(*args) for each instance in turn (jax.lax.map over the mapped arrays, the others shared)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    mapped = jax.tree_util.tree_leaves(in_batched)
+    assert len(mapped) == len(leaves)
+
+    def one(xs):
+        picked = iter(xs)
+        return fn(*tree.unflatten([next(picked) if m else x for x, m in zip(leaves, mapped)]))
+
+    return jax.lax.map(one, [x for x, m in zip(leaves, mapped) if m])
+
+
+def _fold_vmap(fn, dbias=False):
+    """fn(arrays, bias, alibi, seed) -> tuple of arrays: `arrays` and the results have the batch leading,
+    bias, alibi and seed are the score terms and the dropout seed (each None when absent), and with
+    dbias=True the last result is dbias in the bias's shape.
+
+    Under vmap the mapped axis is folded into the batch: one call over V * B, then split again. The
+    score terms follow the batch (_fold_bias, _fold_alibi) and each instance gets dbias in its own bias's
+    shape. An unmapped seed serves the folded call, which draws one mask over the V * B batch entries;
+    a mapped seed (a key per instance) runs the instances one after another instead, each drawing its
+    own key's mask."""
     folded = jax.custom_batching.custom_vmap(fn)
 
     @folded.def_vmap
-    def _rule(axis_size, in_batched, *arrays):
-        arrays = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(arrays, in_batched)]
-        outs = folded(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in arrays))
-        return tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs), (True,) * len(outs)
+    def _rule(axis_size, in_batched, arrays, bias, alibi, seed):
+        arrays_batched, bias_batched, alibi_batched, seed_batched = in_batched
+        if seed_batched:
+            outs = _one_by_one(folded, in_batched, (arrays, bias, alibi, seed))
+            return tuple(outs), (True,) * len(outs)
+        arrays = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(arrays, arrays_batched)]
+        batch = arrays[0].shape[1]
+        outs = folded([_merge(x) for x in arrays], _fold_bias(bias, bias_batched, axis_size, batch, dbias),
+                      _fold_alibi(alibi, alibi_batched, axis_size, batch), seed)
+        outs = [_split(o, axis_size) for o in outs[:len(outs) - dbias]] + \
+            ([_unfold_dbias(outs[-1], bias, bias_batched, axis_size)] if dbias else [])
+        return tuple(outs), (True,) * len(outs)
 
     return folded
 
 
+# ------------------------------------------------------------------------------- differentiation
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _BiasGrad:
+    """A static residual: whether the backward returns dbias (the forward saw the bias differentiated)."""
+
+    wanted: bool
+
+
 @functools.cache
 def _batch_attention(opts: _Options):
-    """The differentiable attention of one set of options (cached, so jit sees one function)."""
-    fwd = _fold_vmap(lambda q, k, v: _call("fwd", _batch_problem(q, k, v, opts), opts.arch, (q, k, v)))
-    bwd = _fold_vmap(lambda dout, q, k, v, out, lse: _call(
-        "bwd", _batch_problem(q, k, v, opts), opts.arch, (dout, q, k, v, out, lse)))
+    """The differentiable attention of one set of options (cached, so jit sees one function):
+    attention(q, k, v, bias, alibi, seed), with None for an absent bias, slopes or seed."""
+    def call(kind, arrays, bias, alibi, seed, bias_grad=False):
+        q, k, v = arrays[:3] if kind == "fwd" else arrays[1:4]
+        problem = _batch_problem(q, k, v, opts, bias, alibi, bias_grad)
+        return _call(kind, problem, opts.arch, (*arrays, bias, alibi, seed))
+
+    fwd = _fold_vmap(functools.partial(call, "fwd"))
+    bwd = {grad: _fold_vmap(functools.partial(call, "bwd", bias_grad=grad), dbias=grad) for grad in (False, True)}
 
     @jax.custom_vjp
-    def attention(q, k, v):
-        return fwd(q, k, v)[0]
+    def attention(q, k, v, bias, alibi, seed):
+        return fwd((q, k, v), bias, alibi, seed)[0]
 
-    def forward(q, k, v):
-        out, lse = fwd(q, k, v)
-        return out, (q, k, v, out, lse)
+    def forward(*primals):
+        # symbolic_zeros: each argument comes as a CustomVJPPrimal. A bias that is not differentiated (a
+        # constant mask, say) needs no dbias, and so no dS workspace and no reduction in the backward.
+        bias_grad = primals[3] is not None and primals[3].perturbed
+        q, k, v, bias, alibi, seed = (None if x is None else x.value for x in primals)
+        out, lse = fwd((q, k, v), bias, alibi, seed)
+        return out, (q, k, v, out, lse, bias, alibi, seed, _BiasGrad(bias_grad))
 
     def backward(residuals, dout):
-        q, k, v, out, lse = residuals
-        return tuple(bwd(dout, q, k, v, out, lse))
+        q, k, v, out, lse, bias, alibi, seed, bias_grad = residuals
+        if isinstance(dout, SymbolicZero):  # nothing flows back
+            return (None,) * 6
+        grads = bwd[bias_grad.wanted]((dout, q, k, v, out, lse), bias, alibi, seed)
+        # slopes and seed take no gradient (None: a zero cotangent)
+        return (*grads[:3], grads[3] if bias_grad.wanted else None, None, None)
 
-    attention.defvjp(forward, backward)
+    attention.defvjp(forward, backward, symbolic_zeros=True)
     return attention
 
 
 @functools.cache
 def _varlen_attention(opts: _Options):
-    def problem(q, k, v, cu_q, cu_k):
-        return _varlen_problem(q, k, v, cu_q, cu_k, opts)
+    """attention(q, k, v, cu_q, cu_k, alibi, seed), with None for absent slopes or seed."""
+    def call(kind, arrays, cu_q, cu_k, alibi, seed):
+        q, k, v = arrays[:3] if kind == "varlen_fwd" else arrays[1:4]
+        problem = _varlen_problem(q, k, v, cu_q, cu_k, opts, alibi)
+        return _call(kind, problem, opts.arch, (*arrays, cu_q, cu_k, None, alibi, seed))
 
     @jax.custom_vjp
-    def attention(q, k, v, cu_q, cu_k):
-        return _call("varlen_fwd", problem(q, k, v, cu_q, cu_k), opts.arch, (q, k, v, cu_q, cu_k))[0]
+    def attention(q, k, v, cu_q, cu_k, alibi, seed):
+        return call("varlen_fwd", (q, k, v), cu_q, cu_k, alibi, seed)[0]
 
-    def forward(q, k, v, cu_q, cu_k):
-        out, lse = _call("varlen_fwd", problem(q, k, v, cu_q, cu_k), opts.arch, (q, k, v, cu_q, cu_k))
-        return out, (q, k, v, cu_q, cu_k, out, lse)
+    def forward(q, k, v, cu_q, cu_k, alibi, seed):
+        out, lse = call("varlen_fwd", (q, k, v), cu_q, cu_k, alibi, seed)
+        return out, (q, k, v, cu_q, cu_k, alibi, seed, out, lse)
 
     def backward(residuals, dout):
-        q, k, v, cu_q, cu_k, out, lse = residuals
-        dq, dk, dv = _call("varlen_bwd", problem(q, k, v, cu_q, cu_k), opts.arch,
-                           (dout, q, k, v, out, lse, cu_q, cu_k))
-        return dq, dk, dv, None, None  # the offsets are integers: no cotangent
+        q, k, v, cu_q, cu_k, alibi, seed, out, lse = residuals
+        dq, dk, dv = call("varlen_bwd", (dout, q, k, v, out, lse), cu_q, cu_k, alibi, seed)
+        return dq, dk, dv, None, None, None, None  # offsets, slopes and seed take no gradient
 
     attention.defvjp(forward, backward)
     return attention
@@ -302,7 +529,7 @@ def _varlen_attention(opts: _Options):
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), causal_alignment="top_left",
-                    deterministic=False):
+                    deterministic=False, bias=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None):
     """Attention with gradients, for jit, grad and vmap: q [B, Sq, Hq, D], k [B, Sk, Hk, D],
     v [B, Sk, Hk, Dv] (fp16 or bf16, on a GPU) -> out [B, Sq, Hq, Dv].
 
@@ -310,22 +537,39 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     "top_left" (default, as mha_fwd and jax.nn.dot_product_attention) or "bottom_right" (flash-attn).
     softmax_scale defaults to 1/sqrt(D). deterministic=True asks for a bitwise repeatable backward
     (every shipped backward is). Hq must be a multiple of Hk (GQA/MQA: K/V are never repeated).
+
+    bias: added to the scaled scores, q's dtype, broadcast from [1|B, 1|Hq, Sq, Sk]; jax.grad gives dbias
+    in the bias's shape (computed only when the bias is differentiated). alibi_slopes: float32 [Hq] or
+    [B, Hq], adding -slope * |i + off - j| (no gradient); not together with a bias. dropout_rate: a
+    Python float in [0, 1); with dropout_rate > 0, dropout_rng (a jax PRNG key) seeds the mask, the same
+    in the forward and the backward (philox_seed_offset(dropout_rng) gives its seed and offset).
     """
-    scale, mask, det = _static_options(causal, window, causal_alignment, softmax_scale, deterministic)
-    _batch_problem(q, k, v, _Options(scale, mask, det, arch=""))  # shape errors before platform errors
-    return _batch_attention(_Options(scale, mask, det, arch=_gpu_arch()))(q, k, v)
+    options = _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate)
+    bias, alibi_slopes = _array(bias), _array(alibi_slopes)
+    # shape errors before platform errors
+    _batch_problem(q, k, v, _Options(**options, arch=""), bias, alibi_slopes)
+    key = _dropout_key(options["dropout_p"], dropout_rng)
+    attention = _batch_attention(_Options(**options, arch=_gpu_arch()))
+    return attention(q, k, v, bias, alibi_slopes, None if key is None else _philox_words(key))
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, window=(-1, -1), causal_alignment="top_left", deterministic=False):
+                           softmax_scale=None, window=(-1, -1), causal_alignment="top_left", deterministic=False,
+                           bias=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None):
     """Attention over packed sequences, with gradients: q [total_q, Hq, D], k/v [total_k, Hk, D],
     cu_seqlens_q/k int32 [B + 1] jax arrays (sequence b is rows cu[b]:cu[b+1]), max_seqlen_q/k Python
     ints bounding every sequence (static under jit) -> out [total_q, Hq, Dv]. The offsets are used as
     they are: under jit they cannot be checked on the host. Masks apply per sequence; options as in
-    flash_attention. Under vmap the calls run one after another."""
-    scale, mask, det = _static_options(causal, window, causal_alignment, softmax_scale, deterministic)
+    flash_attention, with alibi_slopes [Hq] or [B, Hq] (B sequences) and dropout, but no bias (the
+    kernels take none with variable-length sequences). Under vmap the calls run one after another."""
+    options = _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate)
+    if bias is not None:
+        raise FmhaNotImplementedError("a tensor bias is not supported with variable-length sequences "
+                                      "(flash_attention_varlen, as mha_varlen_fwd); ALiBi slopes are")
     seqlens = {"max_seqlen_q": _max_seqlen("max_seqlen_q", max_seqlen_q),
                "max_seqlen_k": _max_seqlen("max_seqlen_k", max_seqlen_k)}
-    _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, _Options(scale, mask, det, arch="", **seqlens))
-    opts = _Options(scale, mask, det, arch=_gpu_arch(), **seqlens)
-    return _varlen_attention(opts)(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    alibi_slopes = _array(alibi_slopes)
+    _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, _Options(**options, arch="", **seqlens), alibi_slopes)
+    key = _dropout_key(options["dropout_p"], dropout_rng)
+    attention = _varlen_attention(_Options(**options, arch=_gpu_arch(), **seqlens))
+    return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, None if key is None else _philox_words(key))

@@ -36,10 +36,10 @@ from .registry import SCRATCH_POINTERS, registry
 MAGIC = int.from_bytes(b"FMHAPRG1", "little")
 FORMAT = 1
 # XLA's PrimitiveType numbers (xla_data.proto), which the FFI reports as a buffer's dtype.
-XLA_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "float16": 10, "float32": 11,
-              "bfloat16": 16}
-ITEM_BYTES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "float16": 2, "float32": 4,
-              "bfloat16": 2}
+XLA_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint32": 8, "float16": 10,
+              "float32": 11, "bfloat16": 16}
+ITEM_BYTES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "uint32": 4, "float16": 2,
+              "float32": 4, "bfloat16": 2}
 ATTENTION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 # A placeholder pointer is (buffer + 1) << 40 | offset: never NULL, 16-byte aligned when the offset is,
 # and it decodes back to (buffer, offset). 2**40 bytes is far above any buffer of one call.
@@ -108,7 +108,9 @@ class ProgramLaunch:
 
 
 @dataclasses.dataclass(frozen=True)
-class LaunchProgram:
+class _CallBuffers:
+    """A call's buffers and launches: a LaunchProgram (launches packed) or a Planned one (not yet)."""
+
     label: str
     buffers: tuple  # Buffer, operands first
     operands: int
@@ -118,6 +120,11 @@ class LaunchProgram:
     @property
     def results(self) -> tuple:
         return self.buffers[self.operands:]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchProgram(_CallBuffers):
+    """launches: ProgramLaunch, each launch's packed arguments and pointer patches."""
 
     def encode(self) -> np.ndarray:
         words = [MAGIC, FORMAT, self.operands, len(self.buffers) - self.operands, len(self.zero_fills),
@@ -220,6 +227,15 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
 # ------------------------------------------------------------------ the calls fmha_rt.jax makes
 
 
+@dataclasses.dataclass(frozen=True)
+class Planned(_CallBuffers):
+    """A call planned with placeholder pointers, before `build` packs it: launches are
+    portable_plan.Launch (every argument by name)."""
+
+    def build(self, arch: str) -> LaunchProgram:
+        return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)
+
+
 def _tensors(buffers) -> dict:
     """Plan inputs: each buffer's placeholder and strides, by name."""
     tensors = {}
@@ -239,35 +255,68 @@ def _inputs(problem) -> list:
     return buffers
 
 
+def bias_shape(problem) -> tuple:
+    """The bias buffer (and dbias result) of a problem with a bias: [1|B, 1|Hq, Sq, ceil8(Sk)]. Rows are
+    padded to a multiple of 8 keys (the kernels' row strides are multiples of 8 elements); the caller
+    pads the bias's rows and cuts the padding off dbias, whose padding columns are never written."""
+    p = problem
+    return (p.batch if p.bias_shape[0] == "B" else 1, p.heads_q if p.bias_shape[1] == "H" else 1, p.seqlen_q,
+            portable_plan.ceil8(p.seqlen_k))
+
+
+PHILOX_WORDS = 4  # the int64 pair [seed, offset] as four little-endian uint32 words: no int64 in JAX needed
+
+
+def _score_terms(problem) -> list:
+    """Operands after the inputs: bias (in q's dtype), ALiBi slopes (float32 [Hq] or [B, Hq]) and the
+    dropout's Philox [seed, offset], each when the problem has it."""
+    p = problem
+    buffers = []
+    if p.bias_shape is not None:
+        buffers.append(Buffer("bias", bias_shape(p), ATTENTION_DTYPES[p.dtype]))
+    if p.alibi is not None:
+        buffers.append(Buffer("alibi", (p.heads_q,) if p.alibi == "H" else (p.batch, p.heads_q), "float32"))
+    if p.has_dropout:
+        buffers.append(Buffer("philox_seed_offset", (PHILOX_WORDS,), "uint32"))
+    return buffers
+
+
 def label(problem, pass_name: str) -> str:
     p = problem
     shape = f"total_q={p.total_q} total_k={p.total_k} B={p.batch}" if p.varlen else f"B={p.batch}"
     mask = f" window=({p.window_left}, {p.window_right}){' bottom_right' if p.bottom_right else ''}"
+    terms = (f"{f' bias={p.bias_shape}' if p.bias_shape else ''}{f' alibi={p.alibi}' if p.alibi else ''}"
+             f"{f' dropout={p.dropout_p:g}' if p.has_dropout else ''}")
     return (f"{'varlen ' if p.varlen else ''}{pass_name} {p.dtype} {shape} Sq={p.seqlen_q} Sk={p.seqlen_k} "
-            f"Hq={p.heads_q} Hk={p.heads_k} D={p.head_dim_qk} Dv={p.head_dim_v}{mask}")
+            f"Hq={p.heads_q} Hk={p.heads_k} D={p.head_dim_qk} Dv={p.head_dim_v}{mask}{terms}")
 
 
-def forward(problem, arch: str) -> LaunchProgram:
-    """Operands q, k, v (+ cu_seqlens_q, cu_seqlens_k); results out, lse."""
+def planned_forward(problem, arch: str) -> Planned:
+    """Operands q, k, v (+ cu_seqlens_q, cu_seqlens_k) (+ bias) (+ alibi) (+ philox_seed_offset);
+    results out, lse."""
     dtype = ATTENTION_DTYPES[problem.dtype]
-    inputs = _inputs(problem)
+    inputs = _inputs(problem) + _score_terms(problem)
     buffers = inputs + [Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
                         Buffer("lse", _lse_shape(problem), "float32")]
     launches = portable_plan.plan_fwd(problem, arch, _tensors(buffers))
-    return build(label(problem, "forward"), arch, launches, buffers, len(inputs))
+    return Planned(label(problem, "forward"), tuple(buffers), len(inputs), (), tuple(launches))
 
 
-def backward(problem, arch: str) -> LaunchProgram:
-    """Operands dout, q, k, v, out, lse (+ cu_seqlens_q, cu_seqlens_k); results dq, dk, dv and, when the
-    plan needs one, the workspace (uint8), whose zero_init regions the handler zeroes."""
+def planned_backward(problem, arch: str) -> Planned:
+    """Operands dout, q, k, v, out, lse (+ cu_seqlens_q, cu_seqlens_k) (+ bias) (+ alibi)
+    (+ philox_seed_offset); results dq, dk, dv, dbias (in the bias buffer's shape) when the problem has
+    bias_grad and, when the plan needs one, the workspace (uint8), whose zero_init regions the handler
+    zeroes."""
     dtype = ATTENTION_DTYPES[problem.dtype]
     q, k, v, *seqlens = _inputs(problem)
     inputs = [Buffer("dout", _out_shape(problem, problem.head_dim_v), dtype), q, k, v,
               Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
-              Buffer("lse", _lse_shape(problem), "float32"), *seqlens]
+              Buffer("lse", _lse_shape(problem), "float32"), *seqlens, *_score_terms(problem)]
     buffers = inputs + [Buffer("dq", _out_shape(problem, problem.head_dim_qk), dtype),
                         Buffer("dk", _kv_shape(problem, problem.head_dim_qk), dtype),
                         Buffer("dv", _kv_shape(problem, problem.head_dim_v), dtype)]
+    if problem.bias_grad:
+        buffers.append(Buffer("dbias", bias_shape(problem), dtype))
     workspace = portable_plan.bwd_workspace(problem, arch)
     tensors = _tensors(buffers)
     fills = []
@@ -279,4 +328,14 @@ def backward(problem, arch: str) -> LaunchProgram:
             if region.zero_init:
                 fills.append(ZeroFill(index, region.offset, region.nbytes))
     launches = portable_plan.plan_bwd(problem, arch, tensors)
-    return build(label(problem, "backward"), arch, launches, buffers, len(inputs), fills)
+    return Planned(label(problem, "backward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
+
+
+def forward(problem, arch: str) -> LaunchProgram:
+    """The forward's program (planned_forward, packed)."""
+    return planned_forward(problem, arch).build(arch)
+
+
+def backward(problem, arch: str) -> LaunchProgram:
+    """The backward's program (planned_backward, packed)."""
+    return planned_backward(problem, arch).build(arch)

@@ -1,8 +1,10 @@
 """fmha_rt.jax without a GPU: the handler in the built shim, target registration, launch programs (their
 serialisation, what they hold against the plan, and the C handler reading them on XLA's CPU backend),
-lowering for CUDA, and the custom_vjp / vmap / jit plumbing with the custom calls replaced by a jnp
-reference."""
+lowering for CUDA, the custom_vjp / vmap / jit plumbing with the custom calls replaced by a jnp
+reference (bias, ALiBi and dropout against the float64 reference), and the sm_90 plans of the launch
+programs run by the kernels under the Triton interpreter on the buffers XLA would pass."""
 import ctypes
+import functools
 import math
 import pathlib
 import re
@@ -12,16 +14,17 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 import fmha_rt.jax as fj
-from fmha_rt import _shim, launch_program, portable_plan
+from fmha_rt import _shim, launch_program, portable_plan, reference
 from fmha_rt.errors import (
     FmhaNotImplementedError,
     FmhaRuntimeError,
     FmhaTypeError,
     FmhaValueError,
 )
-from fmha_rt.packing import NULL, pointer_value
+from fmha_rt.packing import NULL, Pointer, pointer_value
 from fmha_rt.problem import AttentionProblem
 from fmha_rt.registry import SCRATCH_POINTERS, registry
 
@@ -41,6 +44,15 @@ PROBLEMS = {
     "d192_dv128": problem(head_dim_qk=192, head_dim_v=128, heads_k=1),
     "varlen": problem(varlen=True, total_q=300, total_k=280, batch=3),
     "mha_one_launch": problem(heads_k=4),  # small enough for the one-launch backward, which has no workspace
+    "bias_11ss": problem(bias_shape="11SS", bias_grad=True),
+    "bias_1hss_causal_unaligned_keys": problem(bias_shape="1HSS", bias_grad=True, seqlen_k=157, window_right=0),
+    "bias_b1ss_fp16": problem(bias_shape="B1SS", bias_grad=True, dtype="fp16"),
+    "bias_bhss_dropout": problem(bias_shape="BHSS", bias_grad=True, dropout_p=0.1),
+    "bias_without_grad": problem(bias_shape="BHSS", heads_k=4),
+    "alibi_h": problem(alibi="H", heads_k=4),
+    "alibi_bh_window_br": problem(alibi="BH", window_left=32, window_right=8, bottom_right=True),
+    "dropout_d128": problem(dropout_p=0.25, head_dim_qk=128, head_dim_v=128),
+    "varlen_alibi_dropout": problem(varlen=True, total_q=300, total_k=280, batch=3, alibi="BH", dropout_p=0.2),
 }
 
 
@@ -156,6 +168,61 @@ def test_backward_operands_and_results(heads_k, workspace):
     assert program.operands == 8
 
 
+def _buffer(program, name):
+    return next(i for i, b in enumerate(program.buffers) if b.name == name)
+
+
+def _reads(planned, name, buffer):
+    """Whether every planned launch with a `name` argument points it at `buffer` (and some launch does)."""
+    values = [launch.args[name] for launch in planned.launches if name in launch.args]
+    return bool(values) and all(launch_program._resolve(v.address, len(planned.buffers), name) == (buffer, 0)
+                                for v in values)
+
+
+def test_score_terms_and_seed_follow_the_inputs_and_dbias_follows_dv():
+    """Bias (rows padded to 8 keys), then the Philox words; dbias has the bias buffer's shape, its dS
+    region is zeroed, and the kernels read the seed and offset from the operand."""
+    p = problem(bias_shape="1HSS", bias_grad=True, dropout_p=0.1, seqlen_k=157)
+    fwd, bwd = launch_program.planned_forward(p, ARCH), launch_program.planned_backward(p, ARCH)
+    assert [b.name for b in fwd.buffers] == ["q", "k", "v", "bias", "philox_seed_offset", "out", "lse"]
+    assert fwd.operands == 5
+    assert [b.name for b in bwd.buffers] == ["dout", "q", "k", "v", "out", "lse", "bias", "philox_seed_offset",
+                                             "dq", "dk", "dv", "dbias", "workspace"]
+    assert bwd.operands == 8
+    bias, dbias, seed = (bwd.buffers[_buffer(bwd, n)] for n in ("bias", "dbias", "philox_seed_offset"))
+    assert bias.shape == dbias.shape == (1, 4, 192, 160) and bias.dtype == dbias.dtype == "bfloat16"
+    assert (seed.shape, seed.dtype, seed.nbytes) == ((4,), "uint32", 16)
+    for planned in (fwd, bwd):
+        assert _reads(planned, "Bias", _buffer(planned, "bias"))
+        assert _reads(planned, "PhiloxSeedOffset", _buffer(planned, "philox_seed_offset"))
+        assert {launch.args["philox_from_ptr"] for launch in planned.launches if "philox_from_ptr" in launch.args} == {1}
+    ds = portable_plan.bwd_workspace(p, ARCH).region("ds")
+    assert (bwd.buffers[-1].name, ds.offset, ds.nbytes) in [("workspace", f.offset, f.nbytes) for f in bwd.zero_fills]
+    reduce = next(launch for launch in bwd.launches if launch.variant.startswith("fmha_bwd_dbias"))
+    assert _reads(bwd, "dBias", _buffer(bwd, "dbias"))
+    assert (reduce.args["reduce_batch"], reduce.args["reduce_heads"], reduce.args["stride_dbias_s"]) == (2, 1, 160)
+
+
+@pytest.mark.parametrize("alibi,shape", [("H", (4,)), ("BH", (2, 4))])
+def test_alibi_slopes_are_a_float32_operand_without_a_result(alibi, shape):
+    p = problem(alibi=alibi)
+    for planned in (launch_program.planned_forward(p, ARCH), launch_program.planned_backward(p, ARCH)):
+        slopes = planned.buffers[_buffer(planned, "alibi")]
+        assert (slopes.shape, slopes.dtype) == (shape, "float32") and _buffer(planned, "alibi") < planned.operands
+        assert _reads(planned, "Alibi", _buffer(planned, "alibi"))
+        assert [b.name for b in planned.results][:3] in (["out", "lse"], ["dq", "dk", "dv"])
+        assert "dbias" not in [b.name for b in planned.buffers]
+
+
+def test_a_bias_without_gradient_has_no_dbias_and_no_ds_workspace():
+    p = problem(bias_shape="B1SS")
+    planned = launch_program.planned_backward(p, ARCH)
+    assert "bias" in [b.name for b in planned.buffers[:planned.operands]]
+    assert [b.name for b in planned.results] == ["dq", "dk", "dv", "workspace"]
+    assert "ds" not in [r.name for r in portable_plan.bwd_workspace(p, ARCH).regions]
+    assert not any(launch.variant.startswith("fmha_bwd_dbias") for launch in planned.launches)
+
+
 # ------------------------------------------------------- the C handler, run by XLA's CPU backend
 
 PROBE = "fmha_rt_cpu_probe"  # the real handler under a test-only name, on the CPU platform
@@ -177,8 +244,10 @@ def cpu_probe():
     return run
 
 
-def test_handler_reads_a_valid_program_and_needs_a_gpu_stream(cpu_probe):
-    program = launch_program.backward(PROBLEMS["gqa"], ARCH)
+@pytest.mark.parametrize("name", ["gqa", "bias_bhss_dropout", "alibi_bh_window_br", "varlen_alibi_dropout"])
+def test_handler_reads_a_valid_program_and_needs_a_gpu_stream(cpu_probe, name):
+    """The buffers pass the handler's checks (the uint32 seed's dtype number is XLA's too)."""
+    program = launch_program.backward(PROBLEMS[name], ARCH)
     message = cpu_probe(program)
     assert program.label in message
     assert "not initialised" in message or "no GPU stream" in message
@@ -241,6 +310,52 @@ def test_validation_comes_before_the_platform(args, kwargs, error, match):
         fj.flash_attention(*args, **kwargs)
 
 
+def rand(shape, dtype=jnp.bfloat16, seed=9):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+KEY = jax.random.key(3)
+BROADCAST = r"bias must broadcast from \[1\|2, 1\|4, 128, 128\]"
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"bias": rand((1, 4, 128, 64))}, FmhaValueError, BROADCAST + r", got \(1, 4, 128, 64\)"),
+    ({"bias": rand((3, 1, 128, 128))}, FmhaValueError, BROADCAST),
+    ({"bias": rand((2, 2, 128, 128))}, FmhaValueError, BROADCAST),
+    ({"bias": rand((4, 128, 128))}, FmhaValueError, BROADCAST + r", got \(4, 128, 128\)"),
+    ({"bias": rand((1, 4, 128, 128), jnp.float32)}, FmhaTypeError, "bias has dtype float32 but q has bfloat16: they must match"),
+    ({"bias": rand((1, 4, 128, 128), jnp.float16)}, FmhaTypeError, "bias has dtype float16 but q has bfloat16: they must match"),
+    ({"alibi_slopes": rand((3,), jnp.float32)}, FmhaValueError, r"alibi_slopes must have shape \[4\] or \[2, 4\]"),
+    ({"alibi_slopes": rand((2, 4, 1), jnp.float32)}, FmhaValueError, r"alibi_slopes must have shape"),
+    ({"alibi_slopes": rand((4,))}, FmhaTypeError, "alibi_slopes must be float32, got bfloat16"),
+    ({"bias": rand((1, 4, 128, 128)), "alibi_slopes": rand((4,), jnp.float32)}, FmhaNotImplementedError,
+     "bias and alibi_slopes together are not supported"),
+    ({"dropout_rate": 1.0, "dropout_rng": KEY}, FmhaValueError, r"dropout_rate must be a number in \[0, 1\)"),
+    ({"dropout_rate": -0.1, "dropout_rng": KEY}, FmhaValueError, r"dropout_rate must be a number in \[0, 1\)"),
+    ({"dropout_rate": jnp.float32(0.1), "dropout_rng": KEY}, FmhaTypeError, "dropout_rate must be a Python float"),
+    ({"dropout_rate": True, "dropout_rng": KEY}, FmhaTypeError, "dropout_rate must be a Python float"),
+    ({"dropout_rate": 0.1}, FmhaValueError, "dropout_rate > 0 needs dropout_rng"),
+    ({"dropout_rate": 0.1, "dropout_rng": 7}, FmhaTypeError, "dropout_rng must be a jax PRNG key"),
+    ({"dropout_rate": 0.1, "dropout_rng": jnp.zeros(3, jnp.uint32)}, FmhaTypeError, "dropout_rng must be a jax PRNG key"),
+    ({"dropout_rate": 0.1, "dropout_rng": jnp.zeros(2, jnp.float32)}, FmhaTypeError, "dropout_rng must be a jax PRNG key"),
+    ({"dropout_rate": 0.1, "dropout_rng": jax.random.split(KEY, 2)}, FmhaValueError, r"one PRNG key, .* shape \(2,\)"),
+    ({"dropout_rate": 0.1, "dropout_rng": jax.random.split(jax.random.PRNGKey(0), 2)}, FmhaValueError,
+     "one PRNG key"),
+])
+def test_score_term_and_dropout_validation_comes_before_the_platform(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fj.flash_attention(*qkv(), **kwargs)
+
+
+def test_a_key_is_accepted_raw_or_typed_and_ignored_without_dropout():
+    """Valid arguments get as far as the platform (absent on CPU)."""
+    for kwargs in ({"dropout_rate": 0.1, "dropout_rng": KEY}, {"dropout_rate": 0.1, "dropout_rng": jax.random.PRNGKey(1)},
+                   {"dropout_rate": 0.0, "dropout_rng": "not a key"}, {"bias": np.ones((2, 1, 128, 128), jnp.bfloat16)},
+                   {"alibi_slopes": np.ones((2, 4), np.float32)}):
+        with pytest.raises(FmhaRuntimeError, match="no GPU platform"):
+            fj.flash_attention(*qkv(), **kwargs)
+
+
 def test_varlen_validation():
     q, k, v = (x[0] for x in qkv())
     cu = jnp.array([0, 64, 128], jnp.int32)
@@ -250,6 +365,15 @@ def test_varlen_validation():
         fj.flash_attention_varlen(q, k, v, cu, cu, 64.0, 64)
     with pytest.raises(FmhaValueError, match="B \\+ 1"):
         fj.flash_attention_varlen(q, k, v, cu, cu[:2], 64, 64)
+    with pytest.raises(FmhaNotImplementedError, match="tensor bias is not supported with variable-length"):
+        fj.flash_attention_varlen(q, k, v, cu, cu, 64, 64, bias=rand((1, 4, 64, 64)))
+    with pytest.raises(FmhaValueError, match=r"alibi_slopes must have shape \[4\] or \[2, 4\]"):
+        fj.flash_attention_varlen(q, k, v, cu, cu, 64, 64, alibi_slopes=rand((3, 4), jnp.float32))
+    with pytest.raises(FmhaValueError, match="needs dropout_rng"):
+        fj.flash_attention_varlen(q, k, v, cu, cu, 64, 64, dropout_rate=0.5)
+    with pytest.raises(FmhaRuntimeError, match="no GPU platform"):
+        fj.flash_attention_varlen(q, k, v, cu, cu, 64, 64, alibi_slopes=rand((2, 4), jnp.float32), dropout_rate=0.5,
+                                  dropout_rng=KEY)
 
 
 # ------------------------------------------------ lowering and plumbing, with the GPU pretended
@@ -302,9 +426,10 @@ def test_vmap_folds_into_one_call_over_the_batch(pretend_gpu):
     assert "(tensor<6x128x4x64xbf16>, tensor<6x128x4x64xbf16>" in backward  # dout, q, ... over B = 6
 
 
-def _reference(q, k, v, p, segments=None):
-    """(out, lse) in float32 with jnp, masks as fmha_rt.reference defines them; `segments` gives varlen
-    (query positions, key positions, query sequence ids, key sequence ids, query lengths, key lengths)."""
+def _reference(q, k, v, p, segments=None, bias=None, alibi=None, keep=None):
+    """(out, lse) in float32 with jnp, masks, bias, ALiBi and dropout as fmha_rt.reference defines them;
+    `segments` gives varlen (query positions, key positions, query sequence ids, key sequence ids, query
+    lengths, key lengths); `keep` is the dropout keep mask ([B, Hq, Sq, Sk], varlen [Hq, total_q, total_k])."""
     qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
     group = p.heads_q // p.heads_k
     kf, vf = jnp.repeat(kf, group, axis=-2), jnp.repeat(vf, group, axis=-2)
@@ -318,10 +443,20 @@ def _reference(q, k, v, p, segments=None):
         off = (len_k[None, :] - len_q[:, None]) if p.bottom_right else 0
         same = seq_q[:, None] == seq_k[None, :]
     rel = j - (i + off)
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    if alibi is not None:  # [Hq] or [B, Hq]: -slope * |i + off - j|
+        if segments is None:
+            slopes = alibi[..., None, None]
+        else:
+            slopes = (alibi[:, None, None] if alibi.ndim == 1 else alibi[seq_q].T[:, :, None])
+        s = s - slopes * jnp.abs(rel)
     visible = same & ((p.window_left < 0) | (rel >= -p.window_left)) & ((p.window_right < 0) | (rel <= p.window_right))
     s = jnp.where(visible, s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     probs = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    if keep is not None:
+        probs = jnp.where(keep, probs / (1.0 - p.dropout_p), 0.0)
     out = jnp.einsum("...hqk,...khd->...qhd", probs, vf)
     return out.astype(q.dtype), lse
 
@@ -335,23 +470,37 @@ def _segments(cu_q, cu_k, total_q, total_k):
     return pq, pk, sq, sk, lq, lk
 
 
+def _fake_keep(seed, rate, shape):
+    """The reference calls' dropout keep mask: drawn from the seed operand alone, so that a backward
+    keeps what its forward kept only when both got the same seed."""
+    return jax.random.bernoulli(jax.random.wrap_key_data(seed[:2] ^ seed[2:]), 1.0 - rate, shape)
+
+
 @pytest.fixture
 def reference_calls(pretend_gpu, monkeypatch):
-    """The custom calls replaced by the jnp reference (a backward by its vjp); counts calls by kind."""
+    """The custom calls replaced by the jnp reference (a backward by its vjp, with dbias when the problem
+    has bias_grad); records (kind, problem) of every call."""
     made = []
 
     def call(kind, p, arch, arrays):
         made.append((kind, p))
-        if kind == "fwd":
-            return _reference(*arrays, p)
-        if kind == "varlen_fwd":
-            q, k, v, cu_q, cu_k = arrays
-            out, lse = _reference(q, k, v, p, _segments(cu_q, cu_k, p.total_q, p.total_k))
-            return out, lse
-        dout, q, k, v, *rest = arrays
-        segments = _segments(rest[2], rest[3], p.total_q, p.total_k) if kind == "varlen_bwd" else None
-        _, vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, p, segments)[0], q, k, v)
-        return vjp(dout)
+        *tensors, bias, alibi, seed = arrays
+        assert (bias is None) == (p.bias_shape is None) and (alibi is None) == (p.alibi is None)
+        assert (seed is None) == (not p.has_dropout) and (seed is None or (seed.shape, seed.dtype) == ((4,), jnp.uint32))
+        forward = kind.endswith("fwd")
+        q, k, v, *offsets = tensors if forward else tensors[1:4] + tensors[6:]
+        segments = _segments(*offsets, p.total_q, p.total_k) if offsets else None
+        shape = (p.heads_q, p.total_q, p.total_k) if p.varlen else (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+        keep = None if seed is None else _fake_keep(seed, p.dropout_p, shape)
+
+        def attention(q, k, v, bias):
+            return _reference(q, k, v, p, segments, bias, alibi, keep)
+
+        if forward:
+            return attention(q, k, v, bias)
+        _, vjp = jax.vjp(lambda *x: attention(*x)[0], q, k, v, bias)
+        dq, dk, dv, dbias = vjp(tensors[0])
+        return (dq, dk, dv, dbias) if p.bias_grad else (dq, dk, dv)
 
     monkeypatch.setattr(fj, "_call", call)
     return made
@@ -430,3 +579,511 @@ def test_varlen_gradients(reference_calls):
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g[rows], np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
     assert math.prod(got[0].shape) == math.prod(q.shape)
+
+
+# ------------------------------------------------ bias, ALiBi and dropout through the custom_vjp
+
+TOL = 1e-2  # relative error against the float64 reference, as the GPU tests take it
+
+
+def _f64(x):
+    return None if x is None else np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def _assert_close(name, got, want, tol=TOL):
+    got = _f64(got)
+    assert got.shape == want.shape, f"{name}: shape {got.shape}, want {want.shape}"
+    assert not np.isnan(got).any(), f"{name}: NaN"
+    err = reference.rel_err(got, want)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+
+
+def _reference_mask(kw):
+    window = tuple(kw.get("window", (-1, -1)))
+    if kw.get("causal"):
+        window = (window[0], 0)
+    return {"softmax_scale": kw.get("softmax_scale"), "window": window,
+            "bottom_right": kw.get("causal_alignment") == "bottom_right"}
+
+
+def _float64(q, k, v, dout, kw, bias=None, alibi=None, keep=None, rate=0.0):
+    """(out, (dq, dk, dv, dbias)) of fmha_rt.reference for flash_attention's options `kw`."""
+    opts = dict(_reference_mask(kw), bias=_f64(bias), alibi_slopes=_f64(alibi), dropout_p=rate, dropout_keep=keep)
+    out, _ = reference.mha_fwd_ref(_f64(q), _f64(k), _f64(v), **opts)
+    return out, reference.mha_bwd_ref(_f64(dout), _f64(q), _f64(k), _f64(v), **opts)
+
+
+def _fwd_bwd(**kw):
+    """(q, k, v, bias, dout) -> (out, (dq, dk, dv, dbias)) of flash_attention with options `kw`, jitted."""
+    @jax.jit
+    def run(q, k, v, bias, dout):
+        out, vjp = jax.vjp(lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, **kw), q, k, v, bias)
+        return out, vjp(dout)
+    return run
+
+
+def _inputs(seed, b, sq, sk, hq, hk, d, dtype, bias_rows=None, slopes=None):
+    """q, k, v, dout, bias [*bias_rows, Sq, Sk] and ALiBi slopes of shape `slopes` (fresh draws; None
+    where not asked for)."""
+    q, k, v = qkv(b, sq, sk, hq, hk, d, dtype=dtype, seed=seed)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1000), 3)
+    dout = jax.random.normal(keys[0], (b, sq, hq, d), jnp.float32).astype(dtype)
+    bias = None if bias_rows is None else jax.random.normal(keys[1], (*bias_rows, sq, sk), jnp.float32).astype(dtype)
+    alibi = None if slopes is None else jax.random.uniform(keys[2], slopes, jnp.float32, 0.05, 0.5)
+    return q, k, v, dout, bias, alibi
+
+
+SCORE_CASES = {
+    # name: (bias rows or None, slopes shape or None, dropout rate, mask options, dtype)
+    "bias_11ss_causal": ((1, 1), None, 0.0, {"causal": True}, jnp.bfloat16),
+    "bias_1hss": ((1, 4), None, 0.0, {}, jnp.float16),
+    "bias_b1ss_window_br": ((2, 1), None, 0.0, {"window": (16, 8), "causal_alignment": "bottom_right"}, jnp.bfloat16),
+    "bias_bhss_dropout": ((2, 4), None, 0.2, {"causal": True}, jnp.float16),
+    "alibi_h_causal_br": (None, (4,), 0.0, {"causal": True, "causal_alignment": "bottom_right"}, jnp.bfloat16),
+    "alibi_bh_dropout": (None, (2, 4), 0.1, {}, jnp.float16),
+    "dropout_gqa_scale": (None, None, 0.3, {"softmax_scale": 0.2}, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_CASES))
+def test_score_terms_and_dropout_match_the_float64_reference(reference_calls, name):
+    """jax.vjp through the custom_vjp (with the calls replaced by the jnp reference, whose dropout mask
+    comes from the seed operand) against fmha_rt.reference: out, dq, dk, dv and dbias in the bias's
+    shape. The backward keeps what the forward kept only if both calls got the seed."""
+    bias_rows, slopes, rate, mask, dtype = SCORE_CASES[name]
+    b, sq, sk, hq = 2, 96, 80, 4
+    q, k, v, dout, bias, alibi = _inputs(sorted(SCORE_CASES).index(name), b, sq, sk, hq, 2, 64, dtype, bias_rows, slopes)
+    rng = jax.random.key(sorted(SCORE_CASES).index(name)) if rate else None
+    out, (dq, dk, dv, dbias) = _fwd_bwd(**mask, alibi_slopes=alibi, dropout_rate=rate, dropout_rng=rng)(
+        q, k, v, bias, dout)
+    keep = None
+    if rate:
+        keep = np.asarray(_fake_keep(fj._philox_words(rng), rate, (b, hq, sq, sk)))
+        assert abs(keep.mean() - (1 - rate)) < 0.02
+    want_out, want = _float64(q, k, v, dout, mask, bias, alibi, keep, rate)
+    _assert_close("out", out, want_out)
+    for n, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
+        if ref is None:
+            assert got is None
+        else:
+            _assert_close(n, got, ref)
+    (fwd_kind, fwd), (bwd_kind, bwd) = reference_calls
+    assert (fwd_kind, bwd_kind) == ("fwd", "bwd")
+    names = {None: None, (1, 1): "11SS", (1, 4): "1HSS", (2, 1): "B1SS", (2, 4): "BHSS"}
+    assert fwd.bias_shape == bwd.bias_shape == names[bias_rows]
+    assert not fwd.bias_grad and bwd.bias_grad == (bias is not None)
+    assert fwd.alibi == bwd.alibi == {None: None, (4,): "H", (2, 4): "BH"}[slopes]
+    assert fwd.dropout_p == bwd.dropout_p == rate
+
+
+def test_a_bias_that_is_not_differentiated_gets_no_dbias(reference_calls):
+    """custom_vjp's `perturbed`: a constant bias (closed over, or a jit argument not differentiated)
+    plans a backward without dbias, so no dS workspace; differentiating it asks for dbias."""
+    q, k, v, dout, bias, _ = _inputs(1, 2, 64, 64, 4, 2, 32, jnp.float16, (1, 1))
+    attention = lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, causal=True)
+    jax.grad(_loss(lambda q, k, v: attention(q, k, v, bias)), argnums=(0, 1, 2))(q, k, v)
+    jax.jit(jax.grad(lambda q, k, v, bias: _loss(lambda *x: attention(*x, bias))(q, k, v), argnums=(0, 1, 2)))(
+        q, k, v, bias)
+    assert [p.bias_grad for kind, p in reference_calls if kind == "bwd"] == [False, False]
+    del reference_calls[:]
+    dbias = jax.grad(lambda bias: _loss(lambda *x: attention(*x, bias))(q, k, v))(bias)
+    assert [p.bias_grad for kind, p in reference_calls if kind == "bwd"] == [True]
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype and np.abs(_f64(dbias)).sum() > 0
+
+
+def test_slopes_and_key_take_no_gradient(reference_calls):
+    q, k, v, _, _, alibi = _inputs(2, 2, 64, 64, 4, 2, 32, jnp.bfloat16, slopes=(2, 4))
+    loss = lambda alibi: _loss(lambda q, k, v: fj.flash_attention(q, k, v, alibi_slopes=alibi, dropout_rate=0.1,
+                                                                  dropout_rng=KEY))(q, k, v)
+    dslopes = jax.grad(loss)(alibi)
+    assert dslopes.shape == alibi.shape and not np.any(np.asarray(dslopes))
+
+
+def test_the_seed_is_drawn_from_the_key_inside_the_traced_function(reference_calls):
+    """One trace serves every key (the seed is an operand, not a constant of the program); the same key
+    gives the same seed, another key another; philox_seed_offset reads it back as two int64 below 2^62."""
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, key):
+        traces.append(1)
+        return fj.flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=key)
+
+    q, k, v = qkv(sq=64, sk=64, dtype=jnp.float16)
+    first, again, other = (step(q, k, v, key) for key in (KEY, KEY, jax.random.key(4)))
+    assert len(traces) == 1
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+    words = np.asarray(fj._philox_words(KEY))
+    seed, offset = fj.philox_seed_offset(KEY)
+    assert (seed, offset) == fj.philox_seed_offset(jax.random.key_data(KEY))  # a raw key gives the same
+    assert seed == int(words[0]) | int(words[1]) << 32 and offset == int(words[2]) | int(words[3]) << 32
+    assert 0 <= seed < 2**62 and 0 <= offset < 2**62 and (seed, offset) != fj.philox_seed_offset(jax.random.key(4))
+
+
+# ---------------------------------------------------------------- score terms and dropout under vmap
+
+FOLDS = {
+    # name: (term, its shape per instance, mapped, the folded (forward, backward) problem's bias_shape or alibi)
+    "bias_11ss_shared": ("bias", (1, 1), False, ("11SS", "B1SS")),
+    "bias_1hss_mapped": ("bias", (1, 4), True, ("BHSS", "BHSS")),
+    "bias_b1ss_mapped": ("bias", (2, 1), True, ("B1SS", "B1SS")),
+    "bias_bhss_shared": ("bias", (2, 4), False, ("BHSS", "BHSS")),
+    "alibi_h_shared": ("alibi", (4,), False, ("H", "H")),
+    "alibi_h_mapped": ("alibi", (4,), True, ("BH", "BH")),
+    "alibi_bh_shared": ("alibi", (2, 4), False, ("BH", "BH")),
+    "alibi_bh_mapped": ("alibi", (2, 4), True, ("BH", "BH")),
+}
+V = 3  # instances under vmap, each of batch 2
+
+
+def _stacked(count, **kw):
+    """q, k, v, dout of `count` instances, stacked on a leading axis."""
+    return [jnp.stack(xs) for xs in zip(*(_inputs(s, **kw)[:4] for s in range(count)))]
+
+
+def _assert_trees_close(got, want, tol=1e-2):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", sorted(FOLDS))
+def test_vmap_folds_score_terms_with_the_batch(reference_calls, name):
+    """One forward and one backward over the folded batch of V * 2; each instance's out, dq, dk, dv (and
+    dbias, in the instance's bias shape) equal a separate call's."""
+    term, shape, mapped, folded = FOLDS[name]
+    sizes = dict(b=2, sq=64, sk=48, hq=4, hk=2, d=32, dtype=jnp.float16)
+    qs, ks, vs, douts = _stacked(V, **sizes)
+    lead = (V,) if mapped else ()
+    if term == "bias":
+        x = jax.random.normal(jax.random.PRNGKey(7), (*lead, *shape, 64, 48), jnp.float32).astype(jnp.float16)
+    else:
+        x = jax.random.uniform(jax.random.PRNGKey(7), (*lead, *shape), jnp.float32, 0.05, 0.5)
+
+    def fwd_bwd(q, k, v, dout, x):
+        if term == "bias":
+            out, vjp = jax.vjp(lambda q, k, v, x: fj.flash_attention(q, k, v, causal=True, bias=x), q, k, v, x)
+        else:
+            out, vjp = jax.vjp(lambda q, k, v: fj.flash_attention(q, k, v, causal=True, alibi_slopes=x), q, k, v)
+        return out, vjp(dout)
+
+    batched = jax.jit(jax.vmap(fwd_bwd, in_axes=(0, 0, 0, 0, 0 if mapped else None)))(qs, ks, vs, douts, x)
+    attr = "bias_shape" if term == "bias" else "alibi"
+    assert {(kind, getattr(p, attr)) for kind, p in reference_calls if p.batch == V * 2} == \
+        {("fwd", folded[0]), ("bwd", folded[1])}
+    for i in range(V):
+        single = fwd_bwd(qs[i], ks[i], vs[i], douts[i], x[i] if mapped else x)
+        _assert_trees_close(jax.tree_util.tree_map(lambda y: y[i], batched), single)
+
+
+def test_vmap_over_the_bias_alone_broadcasts_q_k_v(reference_calls):
+    q, k, v, dout, _, _ = _inputs(3, 2, 64, 64, 4, 2, 32, jnp.float16)
+    biases = jax.random.normal(jax.random.PRNGKey(4), (V, 1, 4, 64, 64), jnp.float32).astype(jnp.float16)
+    run = _fwd_bwd(causal=True)
+    batched = jax.vmap(run, in_axes=(None, None, None, 0, None))(q, k, v, biases, dout)
+    assert {(kind, p.bias_shape) for kind, p in reference_calls if p.batch == V * 2} == {("fwd", "BHSS"), ("bwd", "BHSS")}
+    assert batched[1][3].shape == biases.shape
+    for i in range(V):
+        _assert_trees_close(jax.tree_util.tree_map(lambda y: y[i], batched), run(q, k, v, biases[i], dout))
+
+
+def test_vmap_keeps_a_constant_shared_bias_unfolded(reference_calls):
+    """A bias [1, ..] that is neither mapped nor differentiated is read by every entry of the folded
+    batch, in the backward too."""
+    qs, ks, vs, douts = _stacked(V, b=2, sq=64, sk=64, hq=4, hk=2, d=32, dtype=jnp.float16)
+    bias = rand((1, 4, 64, 64), jnp.float16)
+    grads = jax.vmap(jax.grad(_loss(lambda q, k, v: fj.flash_attention(q, k, v, bias=bias)), argnums=(0, 1, 2)))(
+        qs, ks, vs)
+    assert {(kind, p.bias_shape, p.bias_grad) for kind, p in reference_calls if p.batch == V * 2} == \
+        {("fwd", "1HSS", False), ("bwd", "1HSS", False)}
+    loop = jax.grad(_loss(lambda q, k, v: fj.flash_attention(q, k, v, bias=bias)), argnums=(0, 1, 2))(qs[1], ks[1], vs[1])
+    _assert_trees_close([g[1] for g in grads], loop)
+
+
+def test_grad_of_vmap_sums_each_instances_dbias(reference_calls):
+    qs, ks, vs, _ = _stacked(V, b=2, sq=64, sk=64, hq=4, hk=2, d=32, dtype=jnp.float16)
+    bias = rand((1, 1, 64, 64), jnp.float16)
+
+    def loss(qs, ks, vs, bias):
+        outs = jax.vmap(lambda q, k, v: fj.flash_attention(q, k, v, bias=bias))(qs, ks, vs)
+        return (outs.astype(jnp.float32) ** 2).sum()
+
+    dbias = jax.jit(jax.grad(loss, argnums=3))(qs, ks, vs, bias)
+    single = jax.grad(lambda q, k, v, bias: loss(q[None], k[None], v[None], bias), argnums=3)
+    want = sum(_f64(single(qs[i], ks[i], vs[i], bias)) for i in range(V))
+    assert dbias.shape == bias.shape
+    _assert_close("dbias", dbias, want)
+
+
+def test_vmap_with_one_key_is_one_call_over_the_folded_batch(reference_calls):
+    """An unmapped key: one seed serves the folded call, so the vmapped result is exactly that of one
+    call over the V * B batch with the same key."""
+    qs, ks, vs, douts = _stacked(V, b=2, sq=64, sk=64, hq=4, hk=2, d=32, dtype=jnp.float16)
+    bias = rand((1, 4, 64, 64), jnp.float16)
+
+    def fwd_bwd(q, k, v, dout, bias):
+        attention = lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, dropout_rate=0.25, dropout_rng=KEY)
+        out, vjp = jax.vjp(attention, q, k, v, bias)
+        return out, vjp(dout)
+
+    out, (dq, dk, dv, dbias) = jax.vmap(fwd_bwd, in_axes=(0, 0, 0, 0, None))(qs, ks, vs, douts, bias)
+    assert {(kind, p.batch) for kind, p in reference_calls if p.batch > 2} == {("fwd", V * 2), ("bwd", V * 2)}
+    merged = [x.reshape(V * 2, *x.shape[2:]) for x in (qs, ks, vs, douts)]
+    whole_out, (whole_dq, whole_dk, whole_dv, _) = fwd_bwd(*merged, jnp.broadcast_to(bias, (V * 2, 4, 64, 64)))
+    for got, want in ((out, whole_out), (dq, whole_dq), (dk, whole_dk), (dv, whole_dv)):
+        np.testing.assert_allclose(np.asarray(got.reshape(want.shape), np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-3, atol=1e-3)
+    assert dbias.shape == (V, 1, 4, 64, 64)
+
+
+def test_vmap_over_keys_runs_the_instances_one_after_another(reference_calls):
+    """A key per instance: each instance is its own call with its own seed (jax.lax.map), so the result
+    equals a loop over the instances."""
+    qs, ks, vs, douts = _stacked(V, b=2, sq=64, sk=64, hq=4, hk=2, d=32, dtype=jnp.float16)
+    bias = rand((1, 1, 64, 64), jnp.float16)
+    keys = jax.random.split(KEY, V)
+
+    def fwd_bwd(q, k, v, dout, bias, key):
+        attention = lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, causal=True, dropout_rate=0.25,
+                                                             dropout_rng=key)
+        out, vjp = jax.vjp(attention, q, k, v, bias)
+        return out, vjp(dout)
+
+    batched = jax.jit(jax.vmap(fwd_bwd, in_axes=(0, 0, 0, 0, None, 0)))(qs, ks, vs, douts, bias, keys)
+    assert {kind for kind, _ in reference_calls} == {"fwd", "bwd"}
+    assert {p.batch for _, p in reference_calls} == {2}
+    for i in range(V):
+        single = fwd_bwd(qs[i], ks[i], vs[i], douts[i], bias, keys[i])
+        _assert_trees_close(jax.tree_util.tree_map(lambda y: y[i], batched), single)
+    assert not np.array_equal(batched[0][0], batched[0][1])
+
+
+def test_vmap_of_varlen_with_slopes_and_a_key_matches_a_loop(reference_calls):
+    lengths = [40, 24]
+    cu = jnp.array(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    qs, ks, vs = (x[:, 0] for x in _stacked(2, b=1, sq=64, sk=64, hq=4, hk=2, d=32, dtype=jnp.float16)[:3])
+    slopes = jax.random.uniform(jax.random.PRNGKey(3), (2, 4), jnp.float32, 0.05, 0.5)
+    attention = lambda q, k, v: fj.flash_attention_varlen(q, k, v, cu, cu, 40, 40, alibi_slopes=slopes,
+                                                          dropout_rate=0.2, dropout_rng=KEY)
+    grad = jax.grad(_loss(attention), argnums=(0, 1, 2))
+    grads = jax.jit(jax.vmap(grad))(qs, ks, vs)
+    assert {(kind, p.alibi, p.dropout_p) for kind, p in reference_calls} == \
+        {("varlen_fwd", "BH", 0.2), ("varlen_bwd", "BH", 0.2)}
+    loop = jax.jit(grad)(qs[1], ks[1], vs[1])
+    _assert_trees_close([g[1] for g in grads], loop)
+
+
+# ------------------------------------------------------------------------------ lowering, terms
+
+
+def _custom_call_line(text, target):
+    return next(line for line in text.splitlines() if f"custom_call @{target}(" in line)
+
+
+def _signature(line):
+    """'(operand types) -> (result types)' of a custom call line."""
+    return re.search(r"\} : (\(.*\) -> \(.*\))$", line.strip()).group(1)
+
+
+def _holds(text, words):
+    """Whether the lowered text holds the program words (printed as a list or as hex)."""
+    listed = f"dense<[{', '.join(str(w) for w in words)}]> : tensor<{len(words)}xi64>"
+    return listed in text or f'dense<"0x{words.astype("<i8").tobytes().hex().upper()}">' in text
+
+
+def test_lowering_of_grad_holds_bias_seed_and_dbias(pretend_gpu):
+    """Both calls take the bias and one seed value (drawn once, in the traced function); the backward
+    returns dbias before its workspace, which holds dS. A constant bias: no dbias, a smaller workspace."""
+    q, k, v = qkv()
+    bias = rand((1, 4, 128, 128))
+    attention = lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, causal=True, dropout_rate=0.1,
+                                                         dropout_rng=KEY)
+    loss = lambda q, k, v, bias: attention(q, k, v, bias).astype(jnp.float32).sum()
+    qkv_types = "tensor<2x128x4x64xbf16>, tensor<2x128x2x64xbf16>, tensor<2x128x2x64xbf16>"
+    workspaces = []
+    for argnums in ((0, 1, 2, 3), (0, 1, 2)):
+        text = jax.jit(jax.grad(loss, argnums=argnums)).trace(q, k, v, bias).lower(
+            lowering_platforms=("cuda",)).as_text()
+        fwd, bwd = (_custom_call_line(text, f"fmha_rt_{kind}") for kind in ("fwd", "bwd"))
+        assert _signature(fwd) == (f"({qkv_types}, tensor<1x4x128x128xbf16>, tensor<4xui32>) -> "
+                                   "(tensor<2x128x4x64xbf16>, tensor<2x4x128xf32>)")
+        dbias = ", tensor<1x4x128x128xbf16>" if len(argnums) == 4 else ""
+        operands, results = _signature(bwd).split(" -> ")
+        assert operands == (f"(tensor<2x128x4x64xbf16>, {qkv_types}, tensor<2x128x4x64xbf16>, tensor<2x4x128xf32>, "
+                            "tensor<1x4x128x128xbf16>, tensor<4xui32>)")
+        workspace = re.fullmatch(rf"\({qkv_types}{dbias}, tensor<(\d+)xui8>\)", results)
+        assert workspace, results
+        workspaces.append(int(workspace.group(1)))
+        seeds = [re.search(rf"@fmha_rt_{kind}\((.*?)\)", line).group(1).split(", ")[-1] for kind, line in
+                 (("fwd", fwd), ("bwd", bwd))]
+        assert seeds[0] == seeds[1]  # one value feeds both calls
+        options = fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH, dropout_p=0.1)
+        p = fj._batch_problem(q, k, v, options, bias, None, bias_grad=len(argnums) == 4)
+        assert _holds(text, launch_program.forward(p, ARCH).encode()) and _holds(text, launch_program.backward(p, ARCH).encode())
+        assert workspaces[-1] == portable_plan.bwd_workspace(p, ARCH).total_bytes
+    ds = portable_plan.bwd_workspace(problem(batch=2, seqlen_q=128, seqlen_k=128, bias_shape="1HSS", bias_grad=True,
+                                             window_right=0, dropout_p=0.1), ARCH).region("ds")
+    assert workspaces[0] - workspaces[1] >= ds.nbytes
+
+
+def test_lowering_of_slopes_and_of_a_folded_bias(pretend_gpu):
+    q, k, v = qkv()
+    slopes = jax.random.uniform(jax.random.PRNGKey(0), (4,), jnp.float32)
+    text = jax.jit(lambda q, k, v: fj.flash_attention(q, k, v, alibi_slopes=slopes)).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "tensor<4xf32>) -> (tensor<2x128x4x64xbf16>, tensor<2x4x128xf32>)" in _custom_call_line(text, "fmha_rt_fwd")
+    stacked = [jnp.stack([x, x, x]) for x in (q, k, v)]
+    bias = rand((1, 1, 128, 128))
+    grad = jax.vmap(jax.grad(lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias).astype(jnp.float32).sum(),
+                             argnums=(0, 3)), in_axes=(0, 0, 0, None))
+    text = jax.jit(grad).trace(*stacked, bias).lower(lowering_platforms=("cuda",)).as_text()
+    fwd, bwd = (_signature(_custom_call_line(text, f"fmha_rt_{kind}")) for kind in ("fwd", "bwd"))
+    assert fwd.startswith("(tensor<6x128x4x64xbf16>") and "tensor<1x1x128x128xbf16>) ->" in fwd  # shared, as it is
+    assert "tensor<6x1x128x128xbf16>) ->" in bwd and "tensor<6x1x128x128xbf16>, tensor<" in bwd.split(" -> ")[1]
+
+
+# ------------------------------------------------- the sm_90 plans run by the kernels, interpreted
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    pytest.importorskip("torch")
+    import interpret_exec
+    return interpret_exec
+
+
+def _run_planned(ie, planned, arch, *operands):
+    """What the handler does with a program, on the host: one byte buffer per operand (a copy) and per
+    result (0xFF bytes: NaN in every float dtype, so an unwritten element shows), the zero fills, and each
+    launch's placeholder pointers replaced by views of those buffers at their offsets; the launches then
+    run under the Triton interpreter. Returns the results."""
+    import torch
+    buffers = [torch.from_numpy(np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8).copy()) for x in operands]
+    buffers += [torch.full((b.nbytes,), 0xFF, dtype=torch.uint8) for b in planned.results]
+    for fill in planned.zero_fills:
+        buffers[fill.buffer][fill.offset:fill.offset + fill.nbytes] = 0
+    variants = portable_plan.variant_map(arch)
+    launches = []
+    for launch in planned.launches:
+        signature, args = variants[launch.variant]["signature"], dict(launch.args)
+        for name, value in launch.args.items():
+            if isinstance(value, Pointer) and value.address:
+                buffer, offset = launch_program._resolve(value.address, len(buffers), name)
+                args[name] = buffers[buffer][offset:].view(ie._POINTER_DTYPES[signature[name]])
+        launches.append(portable_plan.Launch(launch.variant, launch.grid, args))
+    ie.run([launch for launch in launches if all(launch.grid)], arch)
+    return tuple(np.frombuffer(buf.numpy().tobytes(), jnp.dtype(b.dtype)).reshape(b.shape)
+                 for b, buf in zip(planned.results, buffers[planned.operands:]))
+
+
+@pytest.fixture
+def interpreted_calls(pretend_gpu, monkeypatch, interpreter):
+    """The custom calls run by the kernels of their sm_90 plans under the Triton interpreter (fp16 only:
+    the interpreter mishandles bf16), through jax.pure_callback; records (kind, problem) of every call."""
+    made = []
+
+    def custom_call(kind, problem, arch, operands):
+        made.append((kind, problem))
+        plan = launch_program.planned_backward if kind.endswith("bwd") else launch_program.planned_forward
+        planned = plan(problem, arch)
+        results = [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in planned.results]
+        return jax.pure_callback(functools.partial(_run_planned, interpreter, planned, arch), results, *operands,
+                                 vmap_method="sequential")
+
+    monkeypatch.setattr(fj, "_custom_call", custom_call)
+    return made
+
+
+def _kernel_mask(ie, rng, rate, b, hq, sq, sk):
+    """The keep mask the kernels draw for `rng`'s seed and offset (given by value), bool [B, Hq, Sq, Sk]."""
+    seed, offset = fj.philox_seed_offset(rng)
+    p = AttentionProblem(batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hq, head_dim_qk=32, head_dim_v=32,
+                         dtype="fp16", dropout_p=rate)
+    return ie.dropout_mask(p, {"philox_seed": seed, "philox_offset": offset}, arch=ARCH).numpy()
+
+
+KERNEL_CASES = {
+    # name: (Sk, bias rows or None, slopes shape or None, dropout rate, mask options)
+    "bias_1hss_unaligned_keys": (37, (1, 2), None, 0.0, {}),
+    "bias_b1ss_causal_dropout": (48, (2, 1), None, 0.2, {"causal": True}),
+    "alibi_bh_window_br": (56, None, (2, 2), 0.0, {"window": (8, 4), "causal_alignment": "bottom_right"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+def test_the_kernels_through_the_programs_buffers_match_the_float64_reference(interpreted_calls, interpreter, name):
+    """The real kernels on the buffers XLA would pass: a bias padded to 8 keys and its dbias cut back,
+    slopes, and the uint32 seed operand read as the int64 pair that philox_seed_offset gives."""
+    sk, bias_rows, slopes, rate, mask = KERNEL_CASES[name]
+    b, sq, hq = 2, 40, 2
+    q, k, v, dout, bias, alibi = _inputs(7, b, sq, sk, hq, 2, 32, jnp.float16, bias_rows, slopes)
+    rng = jax.random.key(11) if rate else None
+    out, (dq, dk, dv, dbias) = _fwd_bwd(**mask, alibi_slopes=alibi, dropout_rate=rate, dropout_rng=rng)(
+        q, k, v, bias, dout)
+    keep = _kernel_mask(interpreter, rng, rate, b, hq, sq, sk).astype(bool) if rate else None
+    want_out, want = _float64(q, k, v, dout, mask, bias, alibi, keep, rate)
+    _assert_close("out", out, want_out)
+    for n, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
+        if ref is not None:
+            _assert_close(n, got, ref)
+    assert [kind for kind, _ in interpreted_calls] == ["fwd", "bwd"]
+
+
+def test_the_kernels_under_vmap_with_a_shared_bias_and_one_key(interpreted_calls, interpreter):
+    """V instances folded into one call: each instance's dbias in its [1, Hq, ..] shape, and its dropout
+    mask the folded call's rows of that instance, which differ from what a call on it alone draws."""
+    b, s, hq, rate = 2, 32, 2, 0.25
+    qs, ks, vs, douts = _stacked(2, b=b, sq=s, sk=s, hq=hq, hk=1, d=32, dtype=jnp.float16)
+    bias = rand((1, hq, s, s), jnp.float16)
+    rng = jax.random.key(5)
+    outs, grads = jax.vmap(_fwd_bwd(dropout_rate=rate, dropout_rng=rng), in_axes=(0, 0, 0, None, 0))(
+        qs, ks, vs, bias, douts)
+    assert {(kind, p.batch, p.bias_shape) for kind, p in interpreted_calls if p.batch == 2 * b} == \
+        {("fwd", 4, "1HSS"), ("bwd", 4, "BHSS")}
+    keep = _kernel_mask(interpreter, rng, rate, 2 * b, hq, s, s).astype(bool)
+    for i in range(2):
+        want_out, want = _float64(qs[i], ks[i], vs[i], douts[i], {}, bias, None, keep[i * b:(i + 1) * b], rate)
+        _assert_close("out", outs[i], want_out)
+        for n, got, ref in zip(("dq", "dk", "dv", "dbias"), grads, want):
+            _assert_close(n, got[i], ref)
+    alone = _kernel_mask(interpreter, rng, rate, b, hq, s, s).astype(bool)
+    assert np.array_equal(alone, keep[:b]) and not np.array_equal(alone, keep[b:])
+
+
+def test_the_kernels_for_varlen_with_slopes_and_dropout(interpreted_calls, interpreter):
+    """Sequence b's dropout mask is [b, :, :len_q, :len_k] of the mask for the [B, max_seqlen] shapes."""
+    lengths_q, lengths_k, hq, rate = [30, 0, 17], [21, 9, 40], 2, 0.2
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    keys = jax.random.split(jax.random.PRNGKey(8), 4)
+    q, dout = (jax.random.normal(key, (cu_q[-1], hq, 32), jnp.float32).astype(jnp.float16) for key in keys[:2])
+    k, v = (jax.random.normal(key, (cu_k[-1], 1, 32), jnp.float32).astype(jnp.float16) for key in keys[2:])
+    slopes = jax.random.uniform(jax.random.PRNGKey(9), (3, hq), jnp.float32, 0.05, 0.5)
+    rng = jax.random.key(12)
+    kw = {"causal": True, "causal_alignment": "bottom_right", "alibi_slopes": slopes, "dropout_rate": rate,
+          "dropout_rng": rng}
+
+    @jax.jit
+    def run(q, k, v, dout):
+        f = lambda q, k, v: fj.flash_attention_varlen(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), 30, 40, **kw)
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(dout)
+
+    out, grads = run(q, k, v, dout)
+    mask = _kernel_mask(interpreter, rng, rate, 3, hq, 30, 40).astype(bool)
+    keep = [mask[i, :, :lq, :lk] for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k))]
+    opts = dict(window=(-1, 0), bottom_right=True, alibi_slopes=_f64(slopes), dropout_p=rate, dropout_keep=keep)
+    want_out, _ = reference.mha_varlen_fwd_ref(_f64(q), _f64(k), _f64(v), cu_q, cu_k, **opts)
+    want = reference.mha_varlen_bwd_ref(_f64(dout), _f64(q), _f64(k), _f64(v), cu_q, cu_k, **opts)
+    _assert_close("out", out, want_out)
+    for n, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        _assert_close(n, got, ref)
+    assert [(kind, p.alibi) for kind, p in interpreted_calls] == [("varlen_fwd", "BH"), ("varlen_bwd", "BH")]
+
+
+def test_a_symbolic_zero_cotangent_needs_no_backward(pretend_gpu):
+    """symbolic_zeros: a backward whose output cotangent is a symbolic zero returns zeros (None) at once."""
+    attention = fj._batch_attention(fj._Options(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
+    q, k, v = qkv()
+    residuals = (q, k, v, q, jnp.zeros((2, 4, 128), jnp.float32), None, None, None, fj._BiasGrad(False))
+    assert attention.bwd(residuals, SymbolicZero(jax.core.ShapedArray(q.shape, q.dtype))) == (None,) * 6
