@@ -1,5 +1,7 @@
 """fmha_rt.jax on the GPU: values and gradients under jit against the float64 reference, one compile for
-repeated calls, vmap, varlen, a bitwise-repeatable training loop, and the handler's own errors.
+repeated calls, vmap, varlen, a bitwise-repeatable training loop, and the handler's own errors; bias (every
+broadcast shape, dbias in its shape), ALiBi and dropout (against the reference with the kernels' own mask,
+from fmha_rt.mha_dropout_mask), also under vmap and in varlen calls.
 
 Inputs are fresh random draws; errors are relative, ||got - ref|| / ||ref|| < 1e-2. XLA allocates the
 outputs (they cannot be poisoned beforehand), so every output is also checked for NaN.
@@ -13,6 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU mem
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 
+import fmha_rt
 from fmha_rt import launch_program, reference
 from fmha_rt.problem import AttentionProblem
 
@@ -195,6 +198,212 @@ def test_deterministic_training_repeats_bitwise():
     assert first == second
     for name in params_a:
         np.testing.assert_array_equal(np.asarray(params_a[name]), np.asarray(params_b[name]))
+
+
+# ------------------------------------------------------------------------ bias, ALiBi, dropout
+
+
+def fwd_bwd(**kw):
+    """(q, k, v, bias, dout) -> (out, dq, dk, dv, dbias) of flash_attention with options `kw`, jitted;
+    dbias is None when bias is."""
+    @jax.jit
+    def run(q, k, v, bias, dout):
+        out, vjp = jax.vjp(lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, **kw), q, k, v, bias)
+        return (out, *vjp(dout))
+    return run
+
+
+def check_against_reference(q, k, v, dout, got, keep=None, **opts):
+    """got = (out, dq, dk, dv, dbias) against mha_fwd_ref / mha_bwd_ref with `opts` (bias and slopes as
+    jax arrays, the rest as the reference takes them) and the dropout keep mask `keep`."""
+    opts = {name: f64(x) if name in ("bias", "alibi_slopes") else x for name, x in opts.items()}
+    want_out, _ = reference.mha_fwd_ref(f64(q), f64(k), f64(v), dropout_keep=keep, **opts)
+    want = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), dropout_keep=keep, **opts)
+    out, *grads = got
+    assert out.shape == want_out.shape and out.dtype == q.dtype
+    assert_close("out", out, want_out)
+    for name, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, want):
+        if ref is None:
+            assert g is None, name
+        else:
+            assert g.shape == ref.shape, name
+            assert_close(name, g, ref)
+
+
+def kernel_keep(q, k, rate, rng):
+    """The keep mask (bool [B, Hq, Sq, Sk]) that flash_attention(q, k, .., dropout_rate=rate,
+    dropout_rng=rng) drew: fmha_rt.mha_dropout_mask with the key's seed and offset."""
+    seed, offset = fj.philox_seed_offset(rng)
+    keep = fmha_rt.mha_dropout_mask(q, k, dropout_p=rate, seed=seed, offset=offset)
+    return np.asarray(keep).astype(bool)
+
+
+def slopes_of(seed, shape):
+    return jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32, 0.05, 0.5)
+
+
+BIAS_ROWS = {"11SS": (1, 1), "1HSS": (1, 4), "B1SS": (2, 1), "BHSS": (2, 4)}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("shape", sorted(BIAS_ROWS))
+def test_bias_and_dbias_in_every_broadcast_shape(shape, dtype):
+    b, sq, sk, hq, hk, d = 2, 192, 160, 4, 2, 64
+    q, k, v, dout = inputs(31, b, sq, sk, hq, hk, d, d, DTYPES[dtype])
+    bias = rand(jax.random.PRNGKey(32), (*BIAS_ROWS[shape], sq, sk), DTYPES[dtype])
+    got = fwd_bwd(causal=True)(q, k, v, bias, dout)
+    assert got[4].shape == bias.shape and got[4].dtype == bias.dtype
+    check_against_reference(q, k, v, dout, got, window=(-1, 0), bias=bias)
+
+
+def test_bias_with_a_key_count_that_is_not_a_multiple_of_8():
+    """Sk = 90: the bias goes to the kernels in rows padded to 96 keys, dbias comes back [.., 70, 90]."""
+    b, sq, sk, h, d = 2, 70, 90, 2, 64
+    q, k, v, dout = inputs(33, b, sq, sk, h, h, d, d, jnp.bfloat16)
+    bias = rand(jax.random.PRNGKey(34), (1, h, sq, sk), jnp.bfloat16)
+    check_against_reference(q, k, v, dout, fwd_bwd()(q, k, v, bias, dout), bias=bias)
+
+
+def test_a_constant_bias_needs_no_dbias():
+    """Gradients of q, k, v only: the backward has no dbias to compute, and the values are the same."""
+    b, s, h, d = 2, 128, 4, 64
+    q, k, v, dout = inputs(35, b, s, s, h, h, d, d, jnp.bfloat16)
+    bias = rand(jax.random.PRNGKey(36), (b, 1, s, s), jnp.bfloat16)
+
+    @jax.jit
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(lambda q, k, v: fj.flash_attention(q, k, v, bias=bias), q, k, v)
+        return (out, *vjp(dout))  # no dbias: the reference's is not compared
+
+    check_against_reference(q, k, v, dout, run(q, k, v, dout), bias=bias)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("per_batch", [False, True], ids=["H", "BH"])
+def test_alibi(per_batch, dtype):
+    b, s, hq, hk, d = 2, 256, 4, 2, 64
+    q, k, v, dout = inputs(37, b, s, s, hq, hk, d, d, DTYPES[dtype])
+    slopes = slopes_of(38, (b, hq) if per_batch else (hq,))
+    got = fwd_bwd(causal=True, causal_alignment="bottom_right", alibi_slopes=slopes)(q, k, v, None, dout)
+    check_against_reference(q, k, v, dout, got, window=(-1, 0), bottom_right=True, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_dropout_matches_the_reference_with_the_kernels_own_mask(dtype):
+    b, s, hq, hk, d, rate = 2, 200, 4, 2, 64, 0.2
+    q, k, v, dout = inputs(39, b, s, s, hq, hk, d, d, DTYPES[dtype])
+    rng = jax.random.key(40)
+    got = fwd_bwd(dropout_rate=rate, dropout_rng=rng)(q, k, v, None, dout)
+    keep = kernel_keep(q, k, rate, rng)
+    assert keep.shape == (b, hq, s, s) and abs(keep.mean() - (1 - rate)) < 0.01
+    assert np.array_equal(keep, kernel_keep(q, k, rate, rng))
+    assert not np.array_equal(keep, kernel_keep(q, k, rate, jax.random.key(41)))
+    check_against_reference(q, k, v, dout, got, keep=keep, dropout_p=rate)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_dropout_with_a_bias_and_its_gradient(dtype):
+    b, sq, sk, h, d, rate = 2, 160, 192, 4, 128, 0.1
+    q, k, v, dout = inputs(42, b, sq, sk, h, h, d, d, DTYPES[dtype])
+    bias = rand(jax.random.PRNGKey(43), (b, h, sq, sk), DTYPES[dtype])
+    rng = jax.random.key(44)
+    got = fwd_bwd(causal=True, causal_alignment="bottom_right", dropout_rate=rate, dropout_rng=rng)(q, k, v, bias, dout)
+    check_against_reference(q, k, v, dout, got, keep=kernel_keep(q, k, rate, rng), window=(-1, 0), bottom_right=True,
+                            bias=bias, dropout_p=rate)
+
+
+def test_bias_and_dropout_repeat_bitwise():
+    """The same inputs and key give the same bits, in one jitted function and in a second one."""
+    b, s, h, d = 2, 256, 4, 64
+    q, k, v, dout = inputs(45, b, s, s, h, h, d, d, jnp.bfloat16)
+    bias = rand(jax.random.PRNGKey(46), (1, h, s, s), jnp.bfloat16)
+    kw = dict(causal=True, deterministic=True, dropout_rate=0.15, dropout_rng=jax.random.key(47))
+    first = fwd_bwd(**kw)(q, k, v, bias, dout)
+    for run in (fwd_bwd(**kw), fwd_bwd(**kw)):
+        again = run(q, k, v, bias, dout)
+        for name, a, b_ in zip(("out", "dq", "dk", "dv", "dbias"), first, again):
+            assert not np.isnan(f64(a)).any(), name
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=name)
+
+
+VMAP_TERMS = {
+    # name: (term, shape per instance, mapped)
+    "bias_1hss_shared": ("bias", (1, 4), False),
+    "bias_11ss_mapped": ("bias", (1, 1), True),
+    "bias_bhss_mapped": ("bias", (2, 4), True),
+    "alibi_h_mapped": ("alibi", (4,), True),
+    "alibi_bh_shared": ("alibi", (2, 4), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VMAP_TERMS))
+def test_vmap_with_bias_or_slopes_matches_the_reference(name):
+    """One folded call over V * B; every instance against the reference, dbias in its own bias's shape."""
+    term, shape, mapped = VMAP_TERMS[name]
+    count, b, s, hq, hk, d = 3, 2, 128, 4, 2, 64
+    qs, ks, vs, douts = (jnp.stack(xs) for xs in zip(*(inputs(50 + i, b, s, s, hq, hk, d, d, jnp.bfloat16)
+                                                        for i in range(count))))
+    lead = (count,) if mapped else ()
+    if term == "bias":
+        x = rand(jax.random.PRNGKey(49), (*lead, *shape, s, s), jnp.bfloat16)
+        run = jax.vmap(fwd_bwd(causal=True), in_axes=(0, 0, 0, 0 if mapped else None, 0))
+        got = run(qs, ks, vs, x, douts)
+    else:
+        x = slopes_of(49, (*lead, *shape))
+        one = lambda q, k, v, slopes, dout: fwd_bwd(causal=True, alibi_slopes=slopes)(q, k, v, None, dout)
+        got = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, 0 if mapped else None, 0)))(qs, ks, vs, x, douts)
+    for i in range(count):
+        xi = x[i] if mapped else x
+        opts = {"bias": xi} if term == "bias" else {"alibi_slopes": xi}
+        check_against_reference(qs[i], ks[i], vs[i], douts[i], [g if g is None else g[i] for g in got],
+                                window=(-1, 0), **opts)
+
+
+def test_vmap_with_one_key_draws_the_folded_batchs_mask():
+    """An unmapped key seeds one folded call: instance i's mask is rows i*B..(i+1)*B of the mask that
+    mha_dropout_mask draws for the [V * B, ..] shapes."""
+    count, b, s, hq, hk, d, rate = 2, 2, 192, 4, 2, 64, 0.2
+    qs, ks, vs, douts = (jnp.stack(xs) for xs in zip(*(inputs(60 + i, b, s, s, hq, hk, d, d, jnp.bfloat16)
+                                                        for i in range(count))))
+    rng = jax.random.key(62)
+    got = jax.vmap(fwd_bwd(dropout_rate=rate, dropout_rng=rng), in_axes=(0, 0, 0, None, 0))(qs, ks, vs, None, douts)
+    keep = kernel_keep(qs.reshape(count * b, s, hq, d), ks.reshape(count * b, s, hk, d), rate, rng)
+    for i in range(count):
+        check_against_reference(qs[i], ks[i], vs[i], douts[i], [g if g is None else g[i] for g in got],
+                                keep=keep[i * b:(i + 1) * b], dropout_p=rate)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_varlen_with_alibi_and_dropout(dtype):
+    """Sequence b's dropout mask is [b, :, :len_q, :len_k] of mha_dropout_mask's for [B, max_seqlen] shapes."""
+    lengths_q, lengths_k = [100, 0, 257, 64], [90, 17, 257, 128]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    batch, hq, hk, d, rate = len(lengths_q), 4, 2, 64, 0.15
+    max_q, max_k = max(lengths_q), max(lengths_k)
+    keys = jax.random.split(jax.random.PRNGKey(63), 4)
+    q, k, v = (rand(keys[0], (cu_q[-1], hq, d), DTYPES[dtype]), rand(keys[1], (cu_k[-1], hk, d), DTYPES[dtype]),
+               rand(keys[2], (cu_k[-1], hk, d), DTYPES[dtype]))
+    dout = rand(keys[3], (cu_q[-1], hq, d), DTYPES[dtype])
+    slopes = slopes_of(64, (batch, hq))
+    rng = jax.random.key(65)
+    kw = dict(causal=True, causal_alignment="bottom_right", alibi_slopes=slopes, dropout_rate=rate, dropout_rng=rng)
+
+    @jax.jit
+    def run(q, k, v, dout, cu_q, cu_k):
+        out, vjp = jax.vjp(lambda q, k, v: fj.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw), q, k, v)
+        return (out, *vjp(dout))
+
+    out, dq, dk, dv = run(q, k, v, dout, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    mask = kernel_keep(jnp.zeros((batch, max_q, hq, d), DTYPES[dtype]), jnp.zeros((batch, max_k, hk, d), DTYPES[dtype]),
+                       rate, rng)
+    keep = [mask[i, :, :lq, :lk] for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k))]
+    opts = dict(window=(-1, 0), bottom_right=True, alibi_slopes=f64(slopes), dropout_p=rate, dropout_keep=keep)
+    want_out, _ = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cu_q, cu_k, **opts)
+    want = reference.mha_varlen_bwd_ref(f64(dout), f64(q), f64(k), f64(v), cu_q, cu_k, **opts)
+    assert_close("out", out, want_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want[:3]):
+        assert_close(name, got, ref)
 
 
 def test_handler_errors_name_the_call_kernel_and_device():
