@@ -85,7 +85,7 @@ SIGNATURES = {
         stride_delta_b i64, stride_delta_h i64, {_BIAS_STRIDES},
         {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
         {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr, FLAT_LOOP constexpr,
-        GROUP_LOOP constexpr"""),
+        GROUP_LOOP constexpr, DP_FIRST constexpr"""),
     "fmha_bwd_dq": _signature(f"""
         Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, Bias *T, Alibi *fp32,
         PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "o", "do", "dq")},
@@ -168,6 +168,10 @@ TILES["gfx950"] = TILES["gfx942"]
 # its 256-wide fp32 accumulators), and loses where the nest fits the registers: 226 vs 285 at 64 wide,
 # 295 vs 318 at 128 wide (nest: bench/results/h200_tile_search_v2_s4k.json, flat: ..._v3.json).
 DKDV_FLAT_LOOP = {"sm_90": ((256, 256), (256, 128)), INTERPRET_ARCH: ((256, 256), (256, 128))}
+# Head-dim pairs whose two-kernel dK/dV objects without bias or dropout issue dO V^T before the
+# exponentials (DP_FIRST, as the fused grid's dK/dV programs do; NOTES.md v12). None yet on sm_90: there
+# it added spills (D=128 32x64: 0 -> 5 reloads per step), so it waits for its A/B; the interpreter runs it.
+DKDV_DP_FIRST = {INTERPRET_ARCH: ((64, 64), (128, 128))}
 # Archs that also build, for the nested dK/dV kernels, a variant for one query head per key head
 # (Hq == Hk, key suffix "_mha"): without the loop over a group's query heads around the two inner loops
 # the kernel spills less and runs 7-17% faster (H200, bf16, D=128, the shipped tile:
@@ -377,7 +381,10 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
             out.append(_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head), "fmha_bwd_dkdv",
                                 dtype, tile, dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC,
                                                   FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()),
-                                                  GROUP_LOOP=not single_head, **features),
+                                                  GROUP_LOOP=not single_head,
+                                                  DP_FIRST=(pair in DKDV_DP_FIRST.get(arch, ())
+                                                            and bias_kind == BIAS_NONE and not dropout),
+                                                  **features),
                                 dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC,
                                      single_head=single_head)))
     tile = tile_for(arch, "bwd_dq", pair, bias_kind, dropout)

@@ -96,9 +96,9 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
     this block's rows of O and dO, and Lse2 from the LSE, which Lse2_rows then points to.
     UNHOISTED (the fused grid's GQA programs): the Q and dO tile offsets stay inside the loop, where the
     backend would hoist their 64-bit forms and spill them (NOTES.md v10).
-    DP_FIRST (the fused grid's dK/dV programs): dO V^T is issued right after K Q^T, so that the tensor
-    cores compute it while the exponentials run, instead of after them behind the dV product (NOTES.md
-    v12; in the two-kernel objects it added spills)."""
+    DP_FIRST (the fused grid's dK/dV programs, and the two-kernel objects of DKDV_DP_FIRST): dO V^T is
+    issued right after K Q^T, so that the tensor cores compute it while the exponentials run, instead of
+    after them behind the dV product (NOTES.md v12; in the two-kernel objects it added spills)."""
     rows = m0 + offs_m
     q_ok = rows < sq
     m0_64 = tl.cast(m0, tl.int64)
@@ -399,7 +399,7 @@ def fmha_bwd_dkdv(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
-    GROUP_LOOP: tl.constexpr,
+    GROUP_LOOP: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
     _dkdv_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),  # dO stands in for Out, read only with DELTA_INLINE
@@ -413,7 +413,7 @@ def fmha_bwd_dkdv(
         head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
         has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False, False,
-        False)
+        DP_FIRST)
 
 
 @triton.jit

@@ -445,6 +445,21 @@ def test_short_key_forward_takes_the_two_programs_per_sm_tile():
         assert not launch.variant.endswith("_short"), launch.variant
 
 
+def test_two_kernel_dkdv_issues_dp_first_only_where_listed():
+    """DKDV_DP_FIRST: the two-kernel dK/dV objects of the listed pairs without bias or dropout issue
+    dO V^T before the exponentials (the interpreter runs that form in the tests above); none on sm_90 yet."""
+    for arch in ("sm_90", "gfx942", pp.INTERPRET_ARCH):
+        for key, variant in pp.variant_map(arch).items():
+            if variant["function"] != "fmha_bwd_dkdv":
+                continue
+            c = variant["constexprs"]
+            expected = ((c["BLOCK_DQK"], c["BLOCK_DV"]) in pp.DKDV_DP_FIRST.get(arch, ())
+                        and c["BIAS_KIND"] == pp.BIAS_NONE and not c["DROPOUT"])
+            assert c["DP_FIRST"] is expected, key
+    assert "sm_90" not in pp.DKDV_DP_FIRST
+    assert any(v["constexprs"].get("DP_FIRST") for v in pp.variant_map(pp.INTERPRET_ARCH).values())
+
+
 def test_fused_backward_is_chosen_where_it_measured_faster():
     """sm_90: D=128 without bias or dropout, from FUSED_MIN_SEQLEN_K keys, deterministic or not, for MHA
     (the `_mha` kernel) and GQA/MQA (the kernel with the loop over the group's heads); below that length,
