@@ -72,8 +72,10 @@ def resolve_variant(spec: str, workdir: pathlib.Path, checkout_hsa: pathlib.Path
         package_root = path
         if not list((path / "fmha_rt").glob("_shim*.so")):
             package_root = _with_this_shim(name, source, path, workdir)
+        # the package goes first on the path; what was there stays (e.g. where cffi was installed)
+        python_path = os.pathsep.join([str(package_root), *filter(None, [os.environ.get("PYTHONPATH")])])
         return Variant(name, "package", source,
-                       {"PYTHONPATH": str(package_root), "FMHA_RT_ASM_DIR": str(path / "hsa")}, package_root, [])
+                       {"PYTHONPATH": python_path, "FMHA_RT_ASM_DIR": str(path / "hsa")}, package_root, [])
     manifest = path / "manifest.json"
     if not manifest.is_file():
         raise AbError(f"--variant {name}: {source} is neither hsa/, a build folder with manifest.json, nor a "

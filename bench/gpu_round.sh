@@ -25,7 +25,7 @@ python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$OUT
   || { tail -20 "$OUT/install.log"; exit 1; }
 summary=()
 if [ "${TESTS:-1}" != 0 ]; then
-  python3 -m pytest -q tests/gpu > "$OUT/gpu_tests.log" 2>&1 || true
+  python3 -m pytest -q -rs tests/gpu > "$OUT/gpu_tests.log" 2>&1 || true
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
 fi
 if [ $# -ge 2 ]; then

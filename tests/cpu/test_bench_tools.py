@@ -169,12 +169,18 @@ def _checkout(root, c_source, shim=None):
     return root
 
 
-def test_ab_runs_another_checkout_with_its_own_shim_or_this_ones_for_the_same_c_sources(bench_script, tmp_path):
+def test_ab_runs_another_checkout_with_its_own_shim_or_this_ones_for_the_same_c_sources(bench_script, tmp_path,
+                                                                                         monkeypatch):
     ab = bench_script("ab")
     built = _checkout(tmp_path / "built", "int x;\n", shim=b"its shim")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     variant = ab.resolve_variant(f"prev={built}", tmp_path / "work")
     assert variant.kind == "package" and variant.cwd == built.resolve()
     assert variant.env == {"PYTHONPATH": str(built.resolve()), "FMHA_RT_ASM_DIR": str(built.resolve() / "hsa")}
+    # the caller's path stays behind the package's (where cffi may be installed)
+    monkeypatch.setenv("PYTHONPATH", "/site/of/cffi")
+    variant = ab.resolve_variant(f"again={built}", tmp_path / "work")
+    assert variant.env["PYTHONPATH"] == os.pathsep.join([str(built.resolve()), "/site/of/cffi"])
 
     this = _checkout(tmp_path / "this", "int x;\n", shim=b"this shim")
     bare = _checkout(tmp_path / "bare", "int x;\n")
