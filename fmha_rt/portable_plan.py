@@ -169,9 +169,10 @@ TILES["gfx950"] = TILES["gfx942"]
 # 295 vs 318 at 128 wide (nest: bench/results/h200_tile_search_v2_s4k.json, flat: ..._v3.json).
 DKDV_FLAT_LOOP = {"sm_90": ((256, 256), (256, 128)), INTERPRET_ARCH: ((256, 256), (256, 128))}
 # Head-dim pairs whose two-kernel dK/dV objects without bias or dropout issue dO V^T before the
-# exponentials (DP_FIRST, as the fused grid's dK/dV programs do; NOTES.md v12). None yet on sm_90: there
-# it added spills (D=128 32x64: 0 -> 5 reloads per step), so it waits for its A/B; the interpreter runs it.
-DKDV_DP_FIRST = {INTERPRET_ARCH: ((64, 64), (128, 128))}
+# exponentials (DP_FIRST, as the fused grid's dK/dV programs do; NOTES.md v12). On sm_90 it adds reloads
+# (D=128 32x64: 0 -> 5 per step) and still wins, the tensor cores busy while the MUFU runs: H200, bf16,
+# +0.4..4% at D=64/128 1k/4k, +4% at D=128 1k GQA (bench/results/h200_v12/ab_bwd_dp_all.json).
+DKDV_DP_FIRST = {"sm_90": ((64, 64), (128, 128)), INTERPRET_ARCH: ((64, 64), (128, 128))}
 # Archs that also build, for the nested dK/dV kernels, a variant for one query head per key head
 # (Hq == Hk, key suffix "_mha"): without the loop over a group's query heads around the two inner loops
 # the kernel spills less and runs 7-17% faster (H200, bf16, D=128, the shipped tile:
@@ -259,12 +260,13 @@ FEATURE_TILES = {
 }
 
 
-# The forward of short key sequences, where a program's start (Q and the first K/V blocks) and end (O's
-# stores) are a large share of its work (8 key blocks of 128 at 1k): a tile small enough for two programs
-# on an SM (one warpgroup, 234 registers, 112 KiB of shared memory on sm_90), so that one program's start
-# and end overlap the other's key loop, where the 128-row tile fills the SM alone. Without bias or dropout,
-# up to SHORT_FWD_MAX_SEQLEN_K keys. Not yet measured: both numbers are to be set from the forward's A/B
-# and tile timing at 1k-4k (bench/tune_tiles.py candidates 64x64w4s3 / s2).
+# The forward of short causal key sequences, where a program's start (Q and the first K/V blocks) and end
+# (O's stores) are a large share of its work, the more so as causal rows end early: a tile small enough for
+# two programs on an SM (one warpgroup, 234 registers, 112 KiB of shared memory on sm_90), so that one
+# program's start and end overlap the other's key loop, where the 128-row tile fills the SM alone. Causal,
+# without bias or dropout, up to SHORT_FWD_MAX_SEQLEN_K keys. H200, bf16, D=128, S=1k (NOTES.md v12,
+# bench/results/h200_v12/ab_fwd.json): causal +9% MHA (278 -> 304 TFLOP/s), +12% GQA 16/2; without a mask
+# it lost 3-4% (411 -> 400), so unmasked problems keep the regular tile.
 SHORT_FWD_TILES = {"sm_90": {(128, 128): Tile(64, 64, 4, 3)},
                    INTERPRET_ARCH: {(32, 32): Tile(16, 16, 4, 1), (128, 128): Tile(16, 16, 4, 1)}}
 SHORT_FWD_MAX_SEQLEN_K = 2048
@@ -273,7 +275,7 @@ SHORT_FWD_MAX_SEQLEN_K = 2048
 def short_fwd(problem, arch) -> bool:
     """Whether `problem`'s forward takes the short-keys tile on `arch`."""
     return (head_dim_tiles(problem) in SHORT_FWD_TILES.get(arch, {}) and _features(problem) == (BIAS_NONE, False)
-            and problem.seqlen_k <= SHORT_FWD_MAX_SEQLEN_K)
+            and problem.causal and problem.seqlen_k <= SHORT_FWD_MAX_SEQLEN_K)
 
 
 def _arch_tiles(arch):

@@ -421,10 +421,11 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
 
 
 def test_short_key_forward_takes_the_two_programs_per_sm_tile():
-    """sm_90, D=97..128 without bias or dropout, up to SHORT_FWD_MAX_SEQLEN_K keys: the `_short` variant,
-    its grid in its own (64-row) query blocks; longer keys, a score term, another head dim or another arch:
-    the regular tile."""
+    """sm_90, D=97..128, causal, without bias or dropout, up to SHORT_FWD_MAX_SEQLEN_K keys: the `_short`
+    variant, its grid in its own (64-row) query blocks; no mask or another window, longer keys, a score term,
+    another head dim or another arch: the regular tile."""
     def planned(arch="sm_90", sk=1024, d=128, **kw):
+        kw = {"window_left": -1, "window_right": 0, **kw}
         problem = AttentionProblem(4, 1000, sk, 16, 2, d, d, "bf16", **kw)
         x, kv = torch.zeros(4, 1000, 16, d), torch.zeros(4, sk, 2, d)
         inputs = {"q": x, "k": kv, "v": kv, "out": x, "lse": torch.zeros(4, 16, 1000)}
@@ -436,18 +437,19 @@ def test_short_key_forward_takes_the_two_programs_per_sm_tile():
         return launch
 
     short = pp.SHORT_FWD_TILES["sm_90"][(128, 128)]
-    for launch in (planned(), planned(window_left=-1, window_right=0), planned(sk=pp.SHORT_FWD_MAX_SEQLEN_K)):
+    for launch in (planned(), planned(sk=pp.SHORT_FWD_MAX_SEQLEN_K)):
         assert launch.variant == "fmha_fwd_bf16_d128_nobias_nodrop_short"
         assert launch.grid == (-(-1000 // short.block_m), 16, 4)
     assert pp.variant_map("sm_90")[launch.variant]["constexprs"]["BLOCK_M"] == short.block_m
-    for launch in (planned(sk=pp.SHORT_FWD_MAX_SEQLEN_K + 8), planned(bias_shape="11SS"), planned(dropout_p=0.1),
+    for launch in (planned(window_right=-1), planned(window_left=64, window_right=64),
+                   planned(sk=pp.SHORT_FWD_MAX_SEQLEN_K + 8), planned(bias_shape="11SS"), planned(dropout_p=0.1),
                    planned(d=64), planned("gfx942")):
         assert not launch.variant.endswith("_short"), launch.variant
 
 
 def test_two_kernel_dkdv_issues_dp_first_only_where_listed():
     """DKDV_DP_FIRST: the two-kernel dK/dV objects of the listed pairs without bias or dropout issue
-    dO V^T before the exponentials (the interpreter runs that form in the tests above); none on sm_90 yet."""
+    dO V^T before the exponentials (the interpreter runs that form in the tests above)."""
     for arch in ("sm_90", "gfx942", pp.INTERPRET_ARCH):
         for key, variant in pp.variant_map(arch).items():
             if variant["function"] != "fmha_bwd_dkdv":
@@ -456,7 +458,7 @@ def test_two_kernel_dkdv_issues_dp_first_only_where_listed():
             expected = ((c["BLOCK_DQK"], c["BLOCK_DV"]) in pp.DKDV_DP_FIRST.get(arch, ())
                         and c["BIAS_KIND"] == pp.BIAS_NONE and not c["DROPOUT"])
             assert c["DP_FIRST"] is expected, key
-    assert "sm_90" not in pp.DKDV_DP_FIRST
+    assert (128, 128) in pp.DKDV_DP_FIRST["sm_90"]
     assert any(v["constexprs"].get("DP_FIRST") for v in pp.variant_map(pp.INTERPRET_ARCH).values())
 
 
