@@ -19,7 +19,9 @@ and five arrays described from their attributes against the same through their i
 
 Shape as the GPU bench's overhead point: B=1 H=1 S=128 D=64 fp16, varlen as two sequences (48, 80);
 the rows "mha_bwd 2 launches" at S=1056, past the one-launch backward's limit (SINGLE_MAX_SCORES).
-Outputs (out/lse, dq/dk/dv) are given, as fmha_rt.torch gives them; the backward's workspace comes
+Outputs (out/lse, dq/dk/dv) are given, as fmha_rt.torch gives them, except in the rows "mha_fwd alloc"
+(fmha_rt has the arrays' framework allocate them, asking it for its current stream) and, with --gpu,
+"mha_fwd alloc side stream" (the call on another stream: each output is also tied to it); the backward's workspace comes
 from fmha_rt's own allocator (the buffer the shim keeps for the stream, taken in the replay), and in the row
 "mha_bwd torch ws" from fmha_rt.torch.caching_workspace, as fmha_rt.torch's backward takes it
 (torch's caching allocator). --out FILE (with --gpu) writes the numbers as JSON with the machine header (date, GPU,
@@ -170,6 +172,17 @@ def rows(make, suffix: str = "", workspace=None) -> dict:
     return table
 
 
+def allocating_rows(make, suffix: str = "", side_stream=None) -> dict:
+    """The forward with out and lse left to fmha_rt: the arrays' framework allocates them, and fmha_rt asks
+    it for its current stream once per output; on `side_stream` (a stream that is not the framework's
+    current one) each output is also tied to the call's stream (torch's record_stream)."""
+    q, k, v = (make.randn(B, S, H, D) for _ in range(3))
+    table = {f"mha_fwd alloc{suffix}": lambda: fmha_rt.mha_fwd(q, k, v)}
+    if side_stream is not None:
+        table[f"mha_fwd alloc side stream{suffix}"] = lambda: fmha_rt.mha_fwd(q, k, v, stream=side_stream)
+    return table
+
+
 def _cupy():
     """CuPy when it can be imported: the GPU rows need only torch."""
     try:
@@ -182,11 +195,15 @@ def _cupy():
 def calls(gpu: bool) -> dict:
     """name -> a zero-argument cached call (each called twice here: a signature is recorded the second
     time it is seen)."""
-    table = rows(TorchArrays("cuda" if gpu else "cpu"), workspace=lambda q: caching_workspace(q.device))
+    torch_arrays = TorchArrays("cuda" if gpu else "cpu")
+    table = rows(torch_arrays, workspace=lambda q: caching_workspace(q.device))
+    table.update(allocating_rows(torch_arrays, side_stream=torch.cuda.Stream() if gpu else None))
     if not gpu:
         table.update(rows(InterfaceArrays(), " cai"))
     elif (cupy := _cupy()) is not None:
-        table.update(rows(CupyArrays(cupy), " cupy"))
+        cupy_arrays = CupyArrays(cupy)
+        table.update(rows(cupy_arrays, " cupy"))
+        table.update(allocating_rows(cupy_arrays, " cupy", side_stream=cupy.cuda.Stream(non_blocking=True)))
     for call in table.values():
         call()
         call()

@@ -258,21 +258,20 @@ def test_fused_backward_at_long_keys_matches_float64_and_is_bitwise_reproducible
         assert all(torch.equal(a, b) for a, b in zip(grads, result))
 
 
-@pytest.mark.parametrize("dtype_name,causal", [("bf16", False), ("fp16", True)])
-def test_short_key_forward_matches_float64_and_writes_every_row(dtype_name, causal):
-    """D=128 up to 2048 keys takes the short-keys tile (two programs per SM); lengths that are not
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+def test_short_key_forward_matches_float64_and_writes_every_row(dtype_name):
+    """Causal D=128 up to 2048 keys takes the short-keys tile (two programs per SM); lengths that are not
     multiples of its blocks, so the last query and key blocks are partial. Against float64 computed on
     the GPU, outputs poisoned before the call."""
     dtype, B, Sq, Sk, Hq, Hk, D = DTYPES[dtype_name], 2, 1000, 1000, 16, 2, 128
-    gen = torch.Generator(device="cuda").manual_seed(11 + causal)
+    gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = rand((B, Sq, Hq, D), dtype, gen), rand((B, Sk, Hk, D), dtype, gen), rand((B, Sk, Hk, D), dtype, gen)
     out, lse = nan_like((B, Sq, Hq, D), dtype), nan_like((B, Hq, Sq), torch.float32)
-    fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, causal=causal)
+    fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, causal=True)
     assert fmha_rt.last_launch_info()["kernels"] == [f"fmha_fwd_{dtype_name}_d128_nobias_nodrop_short"]
     group = Hq // Hk
     scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, 2)) / math.sqrt(D)
-    if causal:
-        scores = scores.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
     ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v.double().repeat_interleave(group, 2))
     for name, got, want, tol in (("out", out, ref, TOL), ("lse", lse, torch.logsumexp(scores, -1), 1e-3)):
         assert not got.isnan().any(), f"{name}: unwritten elements"
