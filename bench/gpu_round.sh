@@ -46,15 +46,13 @@ if [ "${GRID:-1}" != 0 ]; then
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
   python3 - "$OUT/grid/results.json" > "$OUT/grid_vs_flex.txt" <<'PY'
 import sys
-from fmha_rt.bench import flops, report
+from fmha_rt.bench import report
 below = 0
 for by_impl in report.points([r for r in report.load(sys.argv[1])["rows"] if "tflops" in r]).values():
     flex, ours = by_impl.get("flex", {}).get("tflops"), by_impl.get("fmha_rt", {}).get("tflops")
     below += bool(flex and ours and ours < flex)
     # with --rounds, each implementation's range over the rounds' medians, [slowest-fastest]
-    cells = " ".join(f"{impl} {row['tflops']:.1f}" + (
-        f" [{min(rounds):.0f}-{max(rounds):.0f}]" if (rounds := [flops.tflops(row["flops"], ms) for ms in row.get("round_ms", [])])
-        else "") for impl, row in by_impl.items())
+    cells = " ".join(f"{impl} {row['tflops']:.1f}{report.round_range_text(row)}" for impl, row in by_impl.items())
     print(f"{report.point_text(next(iter(by_impl.values())))}: {cells}" + (f"  vs flex {ours / flex:.3f}" if flex and ours else ""))
 print(f"points below FlexAttention: {below}")
 PY

@@ -20,7 +20,7 @@ import json
 import os
 import statistics
 
-from . import grid, peers
+from . import flops, grid, peers
 
 FORMAT = "fmha_rt-bench/1"
 SUBJECT = "fmha_rt"
@@ -208,7 +208,7 @@ def _timing_text(settings):
         return f"{repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms"
     return (f"{rounds} x {repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms before each of"
             f" {rounds} rounds, in which the implementations of a point take turns in an order rotated every round"
-            " (each row's round_ms: the rounds' medians)")
+            " (each row's round_ms: the rounds' medians; [a-b] after a figure: its slowest and fastest round)")
 
 
 def _tflops_table(group):
@@ -234,7 +234,14 @@ def _tflops_cell(row):
         return None
     if "error" in row:
         return "error"
-    return f"{row['tflops']:.1f}"
+    return f"{row['tflops']:.1f}{round_range_text(row)}"
+
+
+def round_range_text(row):
+    """' [slowest-fastest]': the TFLOP/s of the row's slowest and fastest round medians, where it was timed
+    in several rounds (a point whose implementations' ranges overlap is not settled by its medians)."""
+    rounds = [flops.tflops(row["flops"], ms) for ms in row.get("round_ms", ())]
+    return f" [{min(rounds):.0f}-{max(rounds):.0f}]" if len(rounds) > 1 else ""
 
 
 def _memory_section(rows):

@@ -704,6 +704,22 @@ def test_the_recorded_command_names_the_output_folder_only():
     assert recorded_command(["--pass", "fwd"]) == ["bench", "--pass", "fwd"]
 
 
+def test_report_gives_each_figure_its_range_over_the_rounds(fixture_doc):
+    """With several rounds a TFLOP/s cell also shows its slowest and fastest round, from round_ms."""
+    doc = json.loads(json.dumps(fixture_doc))
+    doc["header"]["settings"]["rounds"] = 3
+    row = next(r for r in doc["rows"] if (r["impl"], r["pass"], r["dtype"]) == ("fmha_rt", "bwd", "bf16")
+               and "tflops" in r)
+    row["round_ms"] = [row["ms"] * 1.02, row["ms"], row["ms"] * 0.97]
+    slowest, fastest = (flops.tflops(row["flops"], row["ms"] * f) for f in (1.02, 0.97))
+    expected = f"{row['tflops']:.1f} [{slowest:.0f}-{fastest:.0f}]"
+    _, body = table_after(report.markdown(doc), "## bwd, bf16: TFLOP/s")
+    cells = [c[6] for c in body]
+    assert cells.count(expected) == 1 and sum("[" in c for c in cells) == 1
+    assert "[a-b] after a figure: its slowest and fastest round" in report.markdown(doc)
+    assert report.round_range_text({"flops": 1e12, "round_ms": [1.0]}) == ""
+
+
 def test_report_says_how_many_rounds_were_timed(fixture_doc):
     doc = json.loads(json.dumps(fixture_doc))
     repeats = doc["header"]["settings"]["repeats"]
