@@ -228,6 +228,8 @@ def _run(argv, args, points, discovered, adapters):
     except KeyboardInterrupt:
         print("fmha_rt bench: interrupted; writing what was measured", file=sys.stderr)
         return _finish(doc, json_path, out_dir, status=130)
+    finally:
+        device.close()
     return _finish(doc, json_path, out_dir, status=0)
 
 

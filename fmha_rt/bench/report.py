@@ -9,7 +9,8 @@ Document (format "fmha_rt-bench/1"):
   rows           one per (point, implementation): impl, kind, pass, dtype, B, Hq, Hk, Sq, Sk, D, causal
                  (+ seqlens for varlen), flops, then either ms, ms_min, ms_max, repeats, tflops,
                  first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt;
-                 + round_ms, each round's median, when settings.rounds > 1) or error
+                 + round_ms, each round's median, when settings.rounds > 1; + sm_mhz, power_w and, with
+                 several rounds, round_sm_mhz where nvidia-smi sampled the clock) or error
   host_overhead  one per (impl, kind, pass) at the tiny overhead shape (dense, and varlen where the impl has
                  it): us_per_call (repeated calls), first_call_us (the first, plan cache cleared),
                  uncached_us_per_call (impls with a plan cache: cleared before every call), or error
@@ -140,7 +141,7 @@ def markdown(doc, plot_names=()):
         lines += [f"## {pass_name}, {dtype}: TFLOP/s", ""] + _tflops_table(group) + [""]
     if plot_names:
         lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plot_names] + [""]
-    lines += _memory_section(rows) + _first_call_section(rows)
+    lines += _clock_section(rows) + _memory_section(rows) + _first_call_section(rows)
     lines += _overhead_section(doc.get("host_overhead", [])) + _cold_start_section(doc.get("cold_start", []))
     lines += _errors_section(rows)
     return "\n".join(lines).rstrip() + "\n"
@@ -242,6 +243,30 @@ def round_range_text(row):
     in several rounds (a point whose implementations' ranges overlap is not settled by its medians)."""
     rounds = [flops.tflops(row["flops"], ms) for ms in row.get("round_ms", ())]
     return f" [{min(rounds):.0f}-{max(rounds):.0f}]" if len(rounds) > 1 else ""
+
+
+def _clock_section(rows):
+    """Each row's SM clock and board power while it was timed, where they were sampled."""
+    if not any("sm_mhz" in row for row in rows):
+        return []
+    lines = ["## SM clock and power while timed", "",
+             "Medians of nvidia-smi's samples over each implementation's turns (warm-up and timed calls), "
+             "MHz / W; with several rounds, the slowest and fastest turn's clock in brackets.", ""]
+    for (pass_name, dtype), group in groups(rows):
+        impls = impl_order({row["impl"] for row in group})
+        body = [_point_cells(next(iter(by_impl.values()))) + [_clock_cell(by_impl.get(i)) for i in impls]
+                for by_impl in points(group).values()]
+        lines += ["<details><summary>" + f"{pass_name}, {dtype}" + "</summary>", ""]
+        lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls, body) + ["", "</details>", ""]
+    return lines
+
+
+def _clock_cell(row):
+    if row is None or "sm_mhz" not in row:
+        return None
+    turns = [mhz for mhz in row.get("round_sm_mhz", ()) if mhz is not None]
+    spread = f" [{min(turns):.0f}-{max(turns):.0f}]" if len(turns) > 1 else ""
+    return f"{row['sm_mhz']:.0f}{spread} / {row['power_w']:.0f}"
 
 
 def _memory_section(rows):

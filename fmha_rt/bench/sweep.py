@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import statistics
 import sys
+import time
 import warnings
 
 from . import flops, grid, peers, timing
@@ -74,7 +75,7 @@ def measure_point(point, adapters, device, settings, progress):
     """(rows of `point`, one per adapter, in the adapters' order; the row whose failure left the device
     broken, or None). A failure ends that implementation's measurement and becomes its row's error."""
     rows = {name: {"impl": name, **point.fields(), "flops": point.flops()} for name in adapters}
-    calls, samples = {}, {name: [] for name in adapters}
+    calls, samples, readings = {}, {name: [] for name in adapters}, {name: [] for name in adapters}
     for name, adapter in adapters.items():
         progress.start(f"{name} {point.label()}")
         with _failure_recorded(rows[name], adapter):
@@ -88,8 +89,10 @@ def measure_point(point, adapters, device, settings, progress):
             if round_index:
                 progress.start(f"{name} {point.label()} (round {round_index + 1}/{settings.rounds})")
             with _failure_recorded(rows[name], adapters[name]):
+                start = time.monotonic()
                 samples[name].append(timing.sample_calls(calls[name], device, warmup_ms=settings.warmup_ms,
                                                          repeats=settings.repeats))
+                readings[name].append(device.clock_reading(start, time.monotonic()))
             if "error" in rows[name]:
                 del calls[name]
                 progress.advance(settings.rounds - round_index)
@@ -100,10 +103,23 @@ def measure_point(point, adapters, device, settings, progress):
     for name in calls:
         measured = timing.summarize([ms for turn in samples[name] for ms in turn])
         rows[name].update(measured.fields(), tflops=flops.tflops(point.flops(), measured.ms))
+        rows[name].update(_clock_fields(readings[name]))
         if settings.rounds > 1:
             rows[name]["round_ms"] = [statistics.median(turn) for turn in samples[name]]
     device.release_cached()
     return list(rows.values()), None
+
+
+def _clock_fields(readings):
+    """sm_mhz and power_w, the medians over a row's turns (round_sm_mhz, each turn's clock, with several
+    turns); nothing where no turn had a reading."""
+    clocks = [r["sm_mhz"] for r in readings if r]
+    if not clocks:
+        return {}
+    fields = {"sm_mhz": statistics.median(clocks), "power_w": statistics.median(r["power_w"] for r in readings if r)}
+    if len(readings) > 1:
+        fields["round_sm_mhz"] = [r.get("sm_mhz") for r in readings]
+    return fields
 
 
 @contextlib.contextmanager

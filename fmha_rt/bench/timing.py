@@ -10,6 +10,8 @@
 - With several rounds (`--rounds`), the implementations of a point take turns, the order rotated each
   round, and the figure is the median over every round's calls (sweep.turn_order says why).
 - A backward is timed alone: the forward it needs runs once per copy before timing.
+- The SM clock and power while each implementation's turn ran are sampled beside it (clocks.py), since
+  at the power limit the clock moves with the kernel and with what ran before.
 
 Device access goes through `CudaDevice`, the few operations the harness needs, so that the logic above
 also runs (untimed) in tests on a CPU.
@@ -23,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from . import clocks
 
 DEFAULT_L2_BYTES = 60 * 1024**2
 L2_SPAN = 4          # a sweep over all copies touches at least this many L2s' worth of bytes
@@ -180,6 +184,15 @@ class CudaDevice:
         self.index = index
         self.name = f"cuda:{index}"
         torch.cuda.set_device(index)
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        self._clocks = clocks.Sampler(clocks.gpu_id(uuid, index))
+
+    def clock_reading(self, start, end):
+        """The SM clock and power between two time.monotonic() readings ({} where nvidia-smi is absent)."""
+        return self._clocks.reading(start, end)
+
+    def close(self):
+        self._clocks.close()
 
     def synchronize(self):
         self._torch.cuda.synchronize(self.index)

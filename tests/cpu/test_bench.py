@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fmha_rt
-from fmha_rt.bench import cli, flops, grid, machine, peers, report, sweep, timing
+from fmha_rt.bench import cli, clocks, flops, grid, machine, peers, report, sweep, timing
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_sample.json")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,9 +33,14 @@ class StandInDevice:
 
     name = "cpu"
 
-    def __init__(self, times=None, healthy=True):
+    def __init__(self, times=None, healthy=True, clock_readings=None):
         self.times = list(times or [])
         self.is_healthy = healthy
+        self.clock_readings = list(clock_readings or [])  # what successive clock_reading calls return
+
+    def clock_reading(self, start, end):
+        assert start <= end
+        return self.clock_readings.pop(0) if self.clock_readings else {}
 
     def synchronize(self):
         pass
@@ -435,6 +440,52 @@ def test_rounds_take_turns_and_pool_every_rounds_calls(monkeypatch):
     one = sweep.run_sweep(points[1:], {"flex": NamedCalls("flex")}, StandInDevice(), sweep.Settings(repeats=2, warmup_ms=0),
                           progress_stream=open(os.devnull, "w"))
     assert "round_ms" not in one[0] and one[0]["repeats"] == 2
+
+
+def test_rows_carry_the_clock_each_turn_ran_at(monkeypatch):
+    """sm_mhz / power_w: medians over an implementation's turns; round_sm_mhz with several turns (None for
+    a turn without a sample); no fields where nothing was sampled (nvidia-smi absent)."""
+    monkeypatch.setattr(timing, "sample_calls", lambda calls, device, *, warmup_ms, repeats: [1.0] * repeats)
+    readings = [{"sm_mhz": 1980.0, "power_w": 300.0}, {"sm_mhz": 1830.0, "power_w": 690.0},  # round 1: a, b
+                {"sm_mhz": 1840.0, "power_w": 680.0}, {}]                                   # round 2: b, a
+    adapters = {name: NamedCalls(name) for name in ("a", "b")}
+    rows = sweep.run_sweep([tiny_point("fwd")], adapters, StandInDevice(clock_readings=readings),
+                           sweep.Settings(repeats=2, warmup_ms=0, rounds=2), progress_stream=open(os.devnull, "w"))
+    by_impl = {row["impl"]: row for row in rows}
+    assert (by_impl["a"]["sm_mhz"], by_impl["a"]["power_w"], by_impl["a"]["round_sm_mhz"]) == (1980.0, 300.0,
+                                                                                              [1980.0, None])
+    assert (by_impl["b"]["sm_mhz"], by_impl["b"]["power_w"], by_impl["b"]["round_sm_mhz"]) == (1835.0, 685.0,
+                                                                                              [1830.0, 1840.0])
+    text = report.markdown({"header": {"settings": {"rounds": 2}}, "rows": rows})
+    assert "## SM clock and power while timed" in text
+    _, body = table_after(text[text.index("## SM clock"):], "<details><summary>fwd, fp16</summary>")
+    assert body[0][6:] == ["1980 / 300", "1835 [1830-1840] / 685"]
+    (plain,) = sweep.run_sweep([tiny_point("fwd")], {"a": NamedCalls("a")}, StandInDevice(), sweep.Settings(
+        repeats=2, warmup_ms=0), progress_stream=open(os.devnull, "w"))
+    assert not {"sm_mhz", "power_w", "round_sm_mhz"} & set(plain)
+    assert "SM clock" not in report.markdown({"header": {"settings": {}}, "rows": [plain]})
+
+
+def test_clock_samples_from_nvidia_smi_lines():
+    assert clocks.parse_line("1830, 655.41\n") == (1830.0, 655.41)
+    assert clocks.parse_line("[N/A], [N/A]") is None and clocks.parse_line("No devices were found") is None
+    samples = [(1.00, 1980.0, 100.0), (1.05, 1830.0, 690.0), (1.10, 1840.0, 670.0), (1.30, 1800.0, 700.0)]
+    assert clocks.window_reading(samples, 1.04, 1.11) == {"sm_mhz": 1835.0, "power_w": 680.0}
+    # a window shorter than the period: the first sample after its start, up to two periods late
+    assert clocks.window_reading(samples, 1.11, 1.12) == {}
+    assert clocks.window_reading(samples, 1.26, 1.27) == {"sm_mhz": 1800.0, "power_w": 700.0}
+    assert clocks.gpu_id("GPU-abc", 0) == clocks.gpu_id("abc", 3) == "GPU-abc" and clocks.gpu_id(None, 2) == "2"
+
+
+def test_clock_sampler_reads_a_running_command_and_tolerates_a_missing_one():
+    script = "print('1830, 650.5'); print('[N/A], [N/A]'); print('1850, 640.5')"
+    sampler = clocks.Sampler("0", command=[sys.executable, "-c", script])
+    sampler._reader.join(timeout=30)  # the command ends by itself; its lines are all read
+    assert sampler.reading(0.0, float("inf")) == {"sm_mhz": 1840.0, "power_w": 645.5}
+    sampler.close()
+    missing = clocks.Sampler("0", command=["/nonexistent/nvidia-smi"])
+    assert missing.reading(0.0, float("inf")) == {}
+    missing.close()
 
 
 def test_rounds_flag():
