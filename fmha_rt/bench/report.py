@@ -249,16 +249,9 @@ def _clock_section(rows):
     """Each row's SM clock and board power while it was timed, where they were sampled."""
     if not any("sm_mhz" in row for row in rows):
         return []
-    lines = ["## SM clock and power while timed", "",
-             "Medians of nvidia-smi's samples over each implementation's turns (warm-up and timed calls), "
-             "MHz / W; with several rounds, the slowest and fastest turn's clock in brackets.", ""]
-    for (pass_name, dtype), group in groups(rows):
-        impls = impl_order({row["impl"] for row in group})
-        body = [_point_cells(next(iter(by_impl.values()))) + [_clock_cell(by_impl.get(i)) for i in impls]
-                for by_impl in points(group).values()]
-        lines += ["<details><summary>" + f"{pass_name}, {dtype}" + "</summary>", ""]
-        lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls, body) + ["", "</details>", ""]
-    return lines
+    return _folded_tables(rows, "SM clock and power while timed", _clock_cell,
+                          "Medians of nvidia-smi's samples over each implementation's turns (warm-up and timed "
+                          "calls), MHz / W; with several rounds, the slowest and fastest turn's clock in brackets.")
 
 
 def _clock_cell(row):
@@ -270,12 +263,17 @@ def _clock_cell(row):
 
 
 def _memory_section(rows):
-    lines = ["## Device memory per call", "",
-             "Peak extra device memory of one call in MiB (torch allocator, measured around the call);"
-             f" for {SUBJECT}'s backward, `ws` is the workspace its API reports.", ""]
+    return _folded_tables(rows, "Device memory per call", _memory_cell,
+                          "Peak extra device memory of one call in MiB (torch allocator, measured around the call);"
+                          f" for {SUBJECT}'s backward, `ws` is the workspace its API reports.")
+
+
+def _folded_tables(rows, title, cell, intro):
+    """A section of one folded table per (pass, dtype): a row per point, cell(row) per implementation."""
+    lines = [f"## {title}", "", intro, ""]
     for (pass_name, dtype), group in groups(rows):
         impls = impl_order({row["impl"] for row in group})
-        body = [_point_cells(next(iter(by_impl.values()))) + [_memory_cell(by_impl.get(i)) for i in impls]
+        body = [_point_cells(next(iter(by_impl.values()))) + [cell(by_impl.get(i)) for i in impls]
                 for by_impl in points(group).values()]
         lines += ["<details><summary>" + f"{pass_name}, {dtype}" + "</summary>", ""]
         lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal"] + impls, body) + ["", "</details>", ""]
