@@ -40,8 +40,8 @@ def window_reading(samples, start, end):
 class Sampler:
     """nvidia-smi printing the clock and power of one GPU every PERIOD_MS, read by a daemon thread."""
 
-    def __init__(self, gpu_id, command=None, clock=time.monotonic):
-        self._samples, self._lock, self._clock = [], threading.Lock(), clock
+    def __init__(self, gpu_id, command=None):
+        self._samples, self._lock = [], threading.Lock()
         argv = command or ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                            "-lms", str(PERIOD_MS), "-i", str(gpu_id)]
         try:
@@ -57,7 +57,7 @@ class Sampler:
             reading = parse_line(line)
             if reading is not None:
                 with self._lock:
-                    self._samples.append((self._clock(), *reading))
+                    self._samples.append((time.monotonic(), *reading))
 
     def reading(self, start, end):
         """window_reading of the samples so far."""
@@ -66,11 +66,15 @@ class Sampler:
         return window_reading(samples, start, end)
 
     def close(self):
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
             self._proc.wait(timeout=10)
-        if self._proc is not None:
-            self._reader.join(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=10)
 
 
 def gpu_id(uuid, index):
