@@ -281,8 +281,9 @@ def allocate(kind: str, template, shape, dtype: str, device: int, stream: int, p
     if kind == "torch":
         torch = sys.modules["torch"]
         array = torch.empty(stored, dtype=getattr(torch, dtype), device=template.device)
-        if array.device.type == "cuda" and stream != _torch_current_stream(torch, array.device.index):
-            array.record_stream(_framework_stream(torch, "torch", stream, array.device.index))
+        # `device` is the array's ordinal: no torch.device objects built on this per-call path
+        if array.is_cuda and stream != _torch_current_stream(torch, device):
+            array.record_stream(_framework_stream(torch, "torch", stream, device))
         if pitch is not None:
             array = array[..., :shape[-1]]
         return array, array.data_ptr()

@@ -241,8 +241,12 @@ def _tflops_cell(row):
 def round_range_text(row):
     """' [slowest-fastest]': the TFLOP/s of the row's slowest and fastest round medians, where it was timed
     in several rounds (a point whose implementations' ranges overlap is not settled by its medians)."""
-    rounds = [flops.tflops(row["flops"], ms) for ms in row.get("round_ms", ())]
-    return f" [{min(rounds):.0f}-{max(rounds):.0f}]" if len(rounds) > 1 else ""
+    return _spread_text([flops.tflops(row["flops"], ms) for ms in row.get("round_ms", ())])
+
+
+def _spread_text(values):
+    """' [lowest-highest]' of several values, '' of fewer than two."""
+    return f" [{min(values):.0f}-{max(values):.0f}]" if len(values) > 1 else ""
 
 
 def _clock_section(rows):
@@ -258,8 +262,7 @@ def _clock_cell(row):
     if row is None or "sm_mhz" not in row:
         return None
     turns = [mhz for mhz in row.get("round_sm_mhz", ()) if mhz is not None]
-    spread = f" [{min(turns):.0f}-{max(turns):.0f}]" if len(turns) > 1 else ""
-    return f"{row['sm_mhz']:.0f}{spread} / {row['power_w']:.0f}"
+    return f"{row['sm_mhz']:.0f}{_spread_text(turns)} / {row['power_w']:.0f}"
 
 
 def _memory_section(rows):

@@ -14,6 +14,7 @@ from fmha_rt import arrays
 class StandInTensor:
     def __init__(self, shape, device_index):
         self.shape, self.device = shape, types.SimpleNamespace(type="cuda", index=device_index)
+        self.is_cuda = True
         self.recorded = []
 
     def record_stream(self, stream):
