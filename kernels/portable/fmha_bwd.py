@@ -244,18 +244,34 @@ def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_
         blocks = full_hi - full_lo
     g = 0
     i = 0
+    # The group's row pointers once per program: a step adds only its head's offset g within the group,
+    # so fewer 64-bit terms stay live across the loop and spill (NOTES.md v12). _dkdv_head_block sees
+    # batch 0, row 0 and head g of these bases; the batch-and-head index of the dropout counters and the
+    # ALiBi slope is b * Hq + the group's first head + g (a "batch" of one head each).
+    h0 = hk * kv_group_size
+    h0_64 = h0.to(tl.int64)
+    Q_group = Q + b64 * stride_q_b + q_row0 * stride_q_s + h0_64 * stride_q_h
+    dO_group = dO + b64 * stride_do_b + q_row0 * stride_do_s + h0_64 * stride_do_h
+    Lse2_group = Lse2 + b64 * stride_delta_b + h0_64 * stride_delta_h + stats_row0
+    Delta_group = Delta + b64 * stride_delta_b + h0_64 * stride_delta_h + stats_row0
+    Out_group = Out + b64 * stride_o_b + q_row0 * stride_o_s + h0_64 * stride_o_h
+    DqAcc_group = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h0_64 * stride_dqacc_h
+    Bias_group = Bias + b64 * stride_bias_b + h0_64 * stride_bias_h
+    dS_group = dS + b64 * stride_ds_b + h0_64 * stride_ds_h
+    Alibi_group = Alibi + b64 * alibi_stride_b + h0
     for _ in range(0, kv_group_size * blocks):
         if MASKED:
             blk = masked_block(i, lo, full_lo, full_hi)
         else:
             blk = full_lo + i
         dk, dv = _dkdv_head_block(
-            dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, stats_row0, sq, sk, off,
-            left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+            dk, dv, k, v, n0, keys, blk * BLOCK_M, g, b * num_heads_q + h0, 0, 0, 0, sq, sk, off, left, right,
+            Q_group, dO_group, Lse2_group, Delta_group, Out_group, DqAcc_group, Bias_group, dS_group, Alibi_group,
+            offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
             stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b, stride_o_s,
             stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
             stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2,
-            seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, MASKED,
+            seed, philox_off, 1, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, MASKED,
             BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, not MASKED, DELTA_INLINE, UNHOISTED, DP_FIRST)
         i += 1
         g = tl.where(i == blocks, g + 1, g)
