@@ -94,7 +94,7 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
     integer work: one predicate per 16-byte copy, recomputed every step (NOTES.md, v7).
     DELTA_INLINE (the one-launch backward, for problems too small to fill the GPU): Delta comes from
     this block's rows of O and dO, and Lse2 from the LSE, which Lse2_rows then points to.
-    UNHOISTED (the fused grid's GQA programs): the Q and dO tile offsets stay inside the loop, where the
+    UNHOISTED (the fused grid's dK/dV programs): the Q and dO tile offsets stay inside the loop, where the
     backend would hoist their 64-bit forms and spill them (NOTES.md v10).
     DP_FIRST (the fused grid's dK/dV programs, and the two-kernel objects of DKDV_DP_FIRST): dO V^T is
     issued right after K Q^T, so that the tensor cores compute it while the exponentials run, instead of
@@ -202,8 +202,12 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
                      DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr):
     """Query head h's share of the key block: the mask-free query blocks, then the masked ones, each
-    loop body compiled for its case."""
-    for blk in range(full_lo, full_hi):
+    loop body compiled for its case. Nothing is hoisted out of the two loops (disable_licm): hoisted
+    pointers stay live across the loop and spill, and the step's own integer work is cheaper than the
+    reloads (sm_90 bf16 two-kernel dK/dV, D=128 one head: 48 -> 0 bytes of stack, 5 -> 0 reloads per
+    step; backward +2-5% at D=64, NOTES.md v13). Not in the one-launch backward's objects (DELTA_INLINE),
+    which were not timed with it."""
+    for blk in tl.range(full_lo, full_hi, disable_licm=not DELTA_INLINE):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, stats_row0, sq, sk, off, left, right, Q, dO, Lse2,
             Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
@@ -213,7 +217,7 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
             seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
             BLOCK_N, True, DELTA_INLINE, UNHOISTED, DP_FIRST)
-    for t in range(0, (full_lo - lo) + (hi - full_hi)):
+    for t in tl.range(0, (full_lo - lo) + (hi - full_hi), disable_licm=not DELTA_INLINE):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0,
             stats_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk,
@@ -356,11 +360,12 @@ def _dkdv_program(
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
                 BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED, DP_FIRST)
-    elif GROUP_LOOP and UNHOISTED:
-        # The fused grid's GQA programs: one loop over the group's mask-free (head, block) steps, one over
-        # its masked ones. Around the nest below, the head loop kept the fused object's register
-        # allocation, which its dQ programs share, short enough to spill inside the hot loop
-        # (sm_90 bf16 D=128: 17 LDL / 9 STL per step; here 18 / 0, with the dQ key-loop split).
+    elif UNHOISTED:
+        # The fused grid's dK/dV programs (MHA: a group of one head): one loop over the group's mask-free
+        # (head, block) steps, one over its masked ones. In the nest below, the fused object's register
+        # allocation, which its dQ programs share, spilled inside the hot loop (sm_90 bf16 D=128, GQA:
+        # 17 LDL / 9 STL per step, here 10 / 0; MHA: 17 / 0 and 45 / 28 in the masked loop, here 10 / 0
+        # and 10 / 0; NOTES.md v12, v13).
         for masked in tl.static_range(2):
             dk, dv = _dkdv_group_blocks(
                 dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_group_size, b, b64, q_row0, stats_row0, sq,
@@ -626,10 +631,11 @@ def fmha_bwd_fused(
     batch entry), first one program per key block (BLOCK_N1 keys, BLOCK_M1 query rows per step), then
     one per query block of each query head of the group (BLOCK_M2 rows, BLOCK_N2 keys per step). The
     two kinds share the warp count; the hardware fills one kind's last wave with the other's programs,
-    where two launches each end in a part-empty wave. With GROUP_LOOP (GQA/MQA) the key-block programs,
-    each looping over the group's query heads and so the longest, all come first; they visit the
-    group's mask-free (head, block) steps in one loop and the masked ones in another, with the Q and dO
-    tile offsets inside the loop (UNHOISTED). Deterministic like the two-kernel strategy:
+    where two launches each end in a part-empty wave. The key-block programs visit their group's
+    mask-free (query head, block) steps in one loop and the masked ones in another, with the Q and dO
+    tile offsets inside the loop (UNHOISTED; one-head programs of the one-launch backward, DELTA_INLINE,
+    keep the per-head nest). With GROUP_LOOP (GQA/MQA) they loop over the group's query heads, so are
+    the longest, and all come first. Deterministic like the two-kernel strategy:
     every output tile has one program, which accumulates in a fixed order."""
     key_programs = tl.cdiv(seqlen_k, BLOCK_N1)
     if GROUP_LOOP:
@@ -668,7 +674,7 @@ def fmha_bwd_fused(
             softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
             write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
             BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP, DELTA_INLINE,
-            GROUP_LOOP, not DELTA_INLINE)
+            GROUP_LOOP or not DELTA_INLINE, not DELTA_INLINE)
     else:
         query_programs = tl.cdiv(seqlen_q, BLOCK_M2)
         t = pid - key_programs
