@@ -61,9 +61,8 @@ class Sampler:
 
     def reading(self, start, end):
         """window_reading of the samples so far."""
-        with self._lock:
-            samples = list(self._samples)
-        return window_reading(samples, start, end)
+        with self._lock:  # read in place: the reader thread only appends, under the lock
+            return window_reading(self._samples, start, end)
 
     def close(self):
         if self._proc is None:
