@@ -87,6 +87,8 @@ def build_parser():
     how.add_argument("--rounds", type=_positive_int, default=1,
                      help="times each implementation of a point takes its turn (a warm-up and --repeats calls), in an "
                           "order rotated every round; the figure is the median over all rounds (default 1)")
+    how.add_argument("--separate-det-turns", action="store_true",
+                     help="time the deterministic backward in turns of its own, not in the backward's rounds")
     how.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     how.add_argument("--no-extras", action="store_true", help="skip the host-overhead and cold-start measurements")
     how.add_argument("--overhead-only", action="store_true",
@@ -125,7 +127,8 @@ def settings_for(args):
     defaults = QUICK_MEASURE_DEFAULTS if args.quick else MEASURE_DEFAULTS
     return sweep.Settings(repeats=args.repeats or defaults["repeats"],
                           warmup_ms=defaults["warmup_ms"] if args.warmup_ms is None else args.warmup_ms,
-                          overhead_calls=defaults["overhead_calls"], rounds=args.rounds)
+                          overhead_calls=defaults["overhead_calls"], rounds=args.rounds,
+                          backward_turns_together=not args.separate_det_turns)
 
 
 def _unique(values):

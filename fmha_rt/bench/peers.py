@@ -295,6 +295,7 @@ PEERS = (
     PeerSpec("fa2", "flash-attn 2 (flash_attn)", "flash_attn", lambda: FlashFamilyAdapter("flash_attn")),
 )
 PEER_NAMES = tuple(spec.name for spec in PEERS)
+SUBJECT = PEERS[0].name  # the implementation under test; the others are its peers
 PEER_BY_NAME = {spec.name: spec for spec in PEERS}
 
 

@@ -21,10 +21,10 @@ import json
 import os
 import statistics
 
-from . import flops, grid, peers
+from . import flops, grid, peers, versus
 
 FORMAT = "fmha_rt-bench/1"
-SUBJECT = "fmha_rt"
+SUBJECT = peers.SUBJECT
 POINT_KEYS = ("kind", "pass", "dtype", "B", "Hq", "Hk", "Sq", "Sk", "D", "causal")
 MIB = 1024**2
 
@@ -139,6 +139,7 @@ def markdown(doc, plot_names=()):
     lines += _machine_section(header) + _impls_section(header) + _convention_section(header)
     for (pass_name, dtype), group in groups(rows):
         lines += [f"## {pass_name}, {dtype}: TFLOP/s", ""] + _tflops_table(group) + [""]
+    lines += _versus_section(rows, header.get("settings", {}).get("backward_turns_together", False))
     if plot_names:
         lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plot_names] + [""]
     lines += _clock_section(rows) + _memory_section(rows) + _first_call_section(rows)
@@ -209,6 +210,8 @@ def _timing_text(settings):
         return f"{repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms"
     return (f"{rounds} x {repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms before each of"
             f" {rounds} rounds, in which the implementations of a point take turns in an order rotated every round"
+            + (" (a shape's backward and deterministic backward take theirs together)"
+               if settings.get("backward_turns_together") else "") +
             " (each row's round_ms: the rounds' medians; [a-b] after a figure: its slowest and fastest round)")
 
 
@@ -223,6 +226,59 @@ def _tflops_table(group):
         body.append(_point_cells(first) + cells + [by_impl.get(SUBJECT, {}).get("family"),
                                                    None if ratio is None else f"{ratio:.2f}×"])
     return _table(headings, body)
+
+
+def _versus_section(rows, backward_turns_together):
+    """fmha_rt over each peer: a line per (peer, pass, dtype), then each peer's points folded away."""
+    found = versus.summaries(rows, [impl for impl in impl_order({r["impl"] for r in rows}) if impl != SUBJECT],
+                             backward_turns_together)
+    if not found:
+        return []
+    rounds = any(c.rounds_ahead for s in found for c in s.items)
+    body = [(s.peer, s.pass_name + (f" (against {s.peer}'s {s.lowest.theirs['pass']})" if s.stand_in else ""),
+             s.dtype, len(s.items), s.at_or_above, f"{s.lowest.ratio:.3f} ({_shape_text(s.lowest.ours)})",
+             f"{s.median_ratio:.3f}", f"{s.highest_ratio:.3f}") + ((_rounds_ahead_text(s.items),) if rounds else ())
+            for s in found]
+    lines = [f"## {SUBJECT} against each peer", "",
+             f"{SUBJECT}'s TFLOP/s over the peer's at each point both timed. A peer without a deterministic backward"
+             " is held against the deterministic backward with its only backward."]
+    if rounds:
+        lines[-1] += (f" Rounds ahead: the rounds, summed over the points, in which {SUBJECT}'s median was at least"
+                      " the peer's (both took a turn in every round).")
+    lines += [""] + _table(["peer", "pass", "dtype", "points", "at or above", "lowest (at)", "median", "highest"]
+                           + (["rounds ahead"] if rounds else []), body) + [""]
+    for peer in dict.fromkeys(s.peer for s in found):
+        passes = [s for s in found if s.peer == peer]
+        by_shape = {}
+        for s in passes:
+            for c in s.items:
+                by_shape.setdefault(versus.shape_key(c.ours), {})[(s.pass_name, s.dtype)] = c
+        columns = list(dict.fromkeys(s.pass_name for s in passes))
+        ordered = points([next(iter(cells.values())).ours for cells in by_shape.values()])
+        body = [_point_cells(first) + [_ratio_cell(by_shape[versus.shape_key(first)].get((p, first["dtype"])))
+                                       for p in columns]
+                for first in (next(iter(by_impl.values())) for by_impl in ordered.values())]
+        lines += [f"<details><summary>{SUBJECT} / {peer}, point by point</summary>", ""]
+        lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal", *columns], body) + ["", "</details>", ""]
+    return lines
+
+
+def _ratio_cell(comparison):
+    if comparison is None:
+        return None
+    ahead = _rounds_ahead_text([comparison])
+    return f"{comparison.ratio:.3f}" + (f" ({ahead})" if ahead else "")
+
+
+def _rounds_ahead_text(comparisons):
+    counted = [c.rounds_ahead for c in comparisons if c.rounds_ahead is not None]
+    if not counted:
+        return None
+    return f"{sum(a for a, _ in counted)}/{sum(n for _, n in counted)}"
+
+
+def _shape_text(row):
+    return f"{row['kind']} D={row['D']} S={row['Sq']}{' causal' if row['causal'] else ''}"
 
 
 def _point_cells(row):

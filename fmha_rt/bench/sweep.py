@@ -24,6 +24,9 @@ class Settings:
     warmup_ms: float = 50.0
     overhead_calls: int = 2000
     rounds: int = 1
+    # A shape's backward and deterministic backward take turns in the same rounds (turn_groups); False
+    # gives each its own, as records before this setting did.
+    backward_turns_together: bool = True
 
     def fields(self):
         return dataclasses.asdict(self)
@@ -47,65 +50,84 @@ def turn_order(names, round_index):
     return list(names[shift:]) + list(names[:shift])
 
 
+def turn_groups(pairs, backward_together=True):
+    """`pairs` split into the groups whose members take turns in the same rounds: the pairs of one point,
+    except that (with `backward_together`) a shape's backward and deterministic backward form one group.
+    Timed alone, back to back,
+    a deterministic backward held the GPU at its power limit longer than a backward whose turns alternate
+    with other implementations', and ran at a lower clock (H200, 16k tokens, D=128: 1808 MHz against
+    1853 for the same kernels in the backward's group), which a comparison of it against the peers'
+    backward would count against it. Groups in the order of their first pair; pairs in `pairs`' order."""
+    groups = {}
+    for point, name in pairs:
+        key = dataclasses.replace(point, pass_name="bwd") if backward_together and point.backward else point
+        groups.setdefault(key, []).append((point, name))
+    return list(groups.values())
+
+
 def run_sweep(points, adapters, device, settings, *, on_point=None, progress_stream=sys.stderr):
-    """Measure every supported pair; `adapters` maps impl names to adapters. Each point's
-    implementations are prepared, then timed in `settings.rounds` rounds (turn_order). After each
-    point, on_point(rows so far) runs (the CLI saves partial results there)."""
+    """Measure every supported pair; `adapters` maps impl names to adapters. The pairs of each turn group
+    are prepared, then timed in `settings.rounds` rounds (turn_order). After each group, on_point(rows so
+    far) runs (the CLI saves partial results there)."""
     pairs = planned_pairs(points, adapters)
-    points_in_order = list(dict.fromkeys(point for point, _ in pairs))
     progress = Progress(len(pairs) * settings.rounds, progress_stream)
     rows = []
     try:
-        for point in points_in_order:
-            names = [name for p, name in pairs if p == point]
-            point_rows, lost = measure_point(point, {name: adapters[name] for name in names}, device, settings,
-                                             progress)
-            rows.extend(point_rows)
+        for group in turn_groups(pairs, settings.backward_turns_together):
+            group_rows, lost = measure_group(group, adapters, device, settings, progress)
+            rows.extend(group_rows)
             if on_point:
                 on_point(rows)
             if lost:
-                raise DeviceLost(f"the device stopped working after {lost['impl']} at {point.label()}: "
+                raise DeviceLost(f"the device stopped working after {lost['impl']} at {lost['label']}: "
                                  f"{lost['error']}")
     finally:
         progress.close()
     return rows
 
 
-def measure_point(point, adapters, device, settings, progress):
-    """(rows of `point`, one per adapter, in the adapters' order; the row whose failure left the device
-    broken, or None). A failure ends that implementation's measurement and becomes its row's error."""
-    rows = {name: {"impl": name, **point.fields(), "flops": point.flops()} for name in adapters}
-    calls, samples, readings = {}, {name: [] for name in adapters}, {name: [] for name in adapters}
-    for name, adapter in adapters.items():
+def measure_group(group, adapters, device, settings, progress):
+    """(rows of the (point, impl name) pairs of `group`, in its order; the failure that left the device
+    broken, as {impl, label, error}, or None). A failure ends that pair's measurement and becomes its row's
+    error."""
+    rows = {pair: {"impl": pair[1], **pair[0].fields(), "flops": pair[0].flops()} for pair in group}
+    calls, samples, readings = {}, {pair: [] for pair in group}, {pair: [] for pair in group}
+
+    def lost(pair):
+        return {"impl": pair[1], "label": pair[0].label(), "error": rows[pair]["error"]}
+
+    for pair in group:
+        point, name = pair
         progress.start(f"{name} {point.label()}")
-        with _failure_recorded(rows[name], adapter):
-            calls[name] = _prepare_point(adapter, point, device, rows[name])
-        if name not in calls:
+        with _failure_recorded(rows[pair], adapters[name]):
+            calls[pair] = _prepare_point(adapters[name], point, device, rows[pair])
+        if pair not in calls:
             progress.advance(settings.rounds)
             if not device.healthy():
-                return list(rows.values()), rows[name]
+                return list(rows.values()), lost(pair)
     for round_index in range(settings.rounds):
-        for name in turn_order(list(calls), round_index):
+        for pair in turn_order(list(calls), round_index):
+            point, name = pair
             if round_index:
                 progress.start(f"{name} {point.label()} (round {round_index + 1}/{settings.rounds})")
-            with _failure_recorded(rows[name], adapters[name]):
+            with _failure_recorded(rows[pair], adapters[name]):
                 start = time.monotonic()
-                samples[name].append(timing.sample_calls(calls[name], device, warmup_ms=settings.warmup_ms,
+                samples[pair].append(timing.sample_calls(calls[pair], device, warmup_ms=settings.warmup_ms,
                                                          repeats=settings.repeats))
-                readings[name].append(device.clock_reading(start, time.monotonic()))
-            if "error" in rows[name]:
-                del calls[name]
+                readings[pair].append(device.clock_reading(start, time.monotonic()))
+            if "error" in rows[pair]:
+                del calls[pair]
                 progress.advance(settings.rounds - round_index)
                 if not device.healthy():
-                    return list(rows.values()), rows[name]
+                    return list(rows.values()), lost(pair)
             else:
                 progress.advance()
-    for name in calls:
-        measured = timing.summarize([ms for turn in samples[name] for ms in turn])
-        rows[name].update(measured.fields(), tflops=flops.tflops(point.flops(), measured.ms))
-        rows[name].update(_clock_fields(readings[name]))
+    for pair in calls:
+        measured = timing.summarize([ms for turn in samples[pair] for ms in turn])
+        rows[pair].update(measured.fields(), tflops=flops.tflops(rows[pair]["flops"], measured.ms))
+        rows[pair].update(_clock_fields(readings[pair]))
         if settings.rounds > 1:
-            rows[name]["round_ms"] = [statistics.median(turn) for turn in samples[name]]
+            rows[pair]["round_ms"] = [statistics.median(turn) for turn in samples[pair]]
     device.release_cached()
     return list(rows.values()), None
 

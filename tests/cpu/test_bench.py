@@ -1,6 +1,7 @@
 """The benchmark harness on a CPU: FLOP counts, the grid and its flags, the report writers on a
 synthetic fixture, peer discovery, and the sweep's bookkeeping (through a stand-in device, untimed)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -440,6 +441,51 @@ def test_rounds_take_turns_and_pool_every_rounds_calls(monkeypatch):
     one = sweep.run_sweep(points[1:], {"flex": NamedCalls("flex")}, StandInDevice(), sweep.Settings(repeats=2, warmup_ms=0),
                           progress_stream=open(os.devnull, "w"))
     assert "round_ms" not in one[0] and one[0]["repeats"] == 2
+
+
+def test_a_shapes_backward_passes_take_turns_together(monkeypatch):
+    """bwd and bwd_det of one shape share their rounds (the deterministic backward is not timed alone, back to
+    back); the forward and other shapes keep their own; --separate-det-turns restores a group per point."""
+    fwd, bwd, det = (tiny_point(p) for p in ("fwd", "bwd", "bwd_det"))
+    other = tiny_point("bwd", causal=True)
+    pairs = [(fwd, "a"), (fwd, "b"), (bwd, "a"), (bwd, "b"), (det, "a"), (other, "a")]
+    assert sweep.turn_groups(pairs) == [pairs[:2], pairs[2:5], pairs[5:]]
+    assert sweep.turn_groups(pairs, backward_together=False) == [pairs[:2], pairs[2:4], pairs[4:5], pairs[5:]]
+
+    turns = []
+
+    def sample_calls(calls, device, *, warmup_ms, repeats):
+        turns.append(calls[0].impl)
+        return [1.0] * repeats
+
+    monkeypatch.setattr(timing, "sample_calls", sample_calls)
+
+    class PassNamedCalls(NamedCalls):
+        has_deterministic = True
+
+        def backward(self, case, deterministic):
+            call = self.forward(case)
+            call.impl = f"{self.name} {'bwd_det' if deterministic else 'bwd'}"
+            return call
+
+    class NoDeterministicMode(PassNamedCalls):
+        has_deterministic = False
+
+    adapters = {"a": PassNamedCalls("a"), "b": NoDeterministicMode("b")}
+    saved = []
+    rows = sweep.run_sweep([bwd, det], adapters, StandInDevice(), sweep.Settings(repeats=1, warmup_ms=0, rounds=3),
+                           on_point=lambda r: saved.append(len(r)), progress_stream=open(os.devnull, "w"))
+    assert turns == ["a bwd", "b bwd", "a bwd_det", "b bwd", "a bwd_det", "a bwd", "a bwd_det", "a bwd", "b bwd"]
+    assert [(r["impl"], r["pass"]) for r in rows] == [("a", "bwd"), ("b", "bwd"), ("a", "bwd_det")] and saved == [3]
+    assert all(len(r["round_ms"]) == 3 for r in rows)
+    turns.clear()
+    settings = cli.settings_for(cli.build_parser().parse_args(["--rounds", "2", "--separate-det-turns"]))
+    assert settings.backward_turns_together is False and cli.settings_for(
+        cli.build_parser().parse_args([])).backward_turns_together is True
+    saved.clear()
+    sweep.run_sweep([bwd, det], adapters, StandInDevice(), dataclasses.replace(settings, repeats=1, warmup_ms=0),
+                    on_point=lambda r: saved.append(len(r)), progress_stream=open(os.devnull, "w"))
+    assert turns == ["a bwd", "b bwd", "b bwd", "a bwd", "a bwd_det", "a bwd_det"] and saved == [2, 3]
 
 
 def test_rows_carry_the_clock_each_turn_ran_at(monkeypatch):
