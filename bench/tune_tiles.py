@@ -310,8 +310,8 @@ class PassBench:
                                   head_dim_v=d, dtype="bf16", window_right=0 if causal else -1,
                                   deterministic=deterministic)
         self.strategy = contextlib.nullcontext if deterministic else atomic_dq_strategy
-        # the two-kernel strategy by name: the default at some of these shapes is FUSED
-        self.request = pp.DQ_DETERMINISTIC if deterministic else None
+        # each strategy by name: the default from FUSED_MIN_SEQLEN_K keys is FUSED
+        self.request = pp.DQ_DETERMINISTIC if deterministic else pp.DQ_ATOMIC
         self.pair, self.causal = (d, d), causal
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn((b, s, h, d), generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
@@ -354,9 +354,12 @@ class PassBench:
         if pass_name == "bwd_fused":  # the whole backward, either strategy
             return self.plan(pass_name, record)
         key = record["key"] if record else pass_key(pass_name, self.pair)
-        if pass_name == "bwd_atomic":  # dK/dV (with dQ atomics) and the dQ conversion
-            return [x for x in self.plan(pass_name, record) if x.variant in (key, pp.dq_convert_key("bf16", self.pair[0]))]
-        return [x for x in self.plan(pass_name, record) if x.variant == key]
+        # bwd_atomic: dK/dV (with dQ atomics) and the dQ conversion
+        keys = (key, pp.dq_convert_key("bf16", self.pair[0])) if pass_name == "bwd_atomic" else (key,)
+        launches = [x for x in self.plan(pass_name, record) if x.variant in keys]
+        if not launches:  # the plan took another strategy: timing nothing would report an absurd speed
+            raise SystemExit(f"the plan of {pass_name} at {self.p} launches no {key}")
+        return launches
 
     def zero_workspace(self):
         for name in self.zeroed:
