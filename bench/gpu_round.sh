@@ -44,20 +44,10 @@ if [ "${GRID:-1}" != 0 ]; then
   python3 -m fmha_rt bench --dtype bf16 --hdim 64 128 --seqlen 1k 4k 16k --causal both --pass fwd bwd bwd_det \
     --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --rounds "${GRID_ROUNDS:-1}" --out "$OUT/grid" \
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
-  python3 - "$OUT/grid/results.json" > "$OUT/grid_vs_flex.txt" <<'PY'
-import sys
-from fmha_rt.bench import report
-below = 0
-for by_impl in report.points([r for r in report.load(sys.argv[1])["rows"] if "tflops" in r]).values():
-    flex, ours = by_impl.get("flex", {}).get("tflops"), by_impl.get("fmha_rt", {}).get("tflops")
-    below += bool(flex and ours and ours < flex)
-    # with --rounds, each implementation's range over the rounds' medians, [slowest-fastest]
-    cells = " ".join(f"{impl} {row['tflops']:.1f}{report.round_range_text(row)}" for impl, row in by_impl.items())
-    print(f"{report.point_text(next(iter(by_impl.values())))}: {cells}" + (f"  vs flex {ours / flex:.3f}" if flex and ours else ""))
-print(f"points below FlexAttention: {below}")
-PY
+  # the report's comparison with each peer: its summary printed, the whole section (point by point) kept
+  sed -n '/^## fmha_rt against each peer/,/^## Plots/p' "$OUT/grid/results.md" | sed '$d' > "$OUT/grid_vs_peers.md"
+  summary+=("$(sed -n '1,/^<details>/p' "$OUT/grid_vs_peers.md" | sed '$d')")
 fi
 for line in "${summary[@]}"; do echo "$line"; done
 for f in "$OUT"/ab*.md; do [ -f "$f" ] && cat "$f"; done
-[ -f "$OUT/grid_vs_flex.txt" ] && cat "$OUT/grid_vs_flex.txt"
 exit 0
