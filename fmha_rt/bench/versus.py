@@ -54,11 +54,14 @@ def comparisons(rows, peer, backward_turns_together=False):
     """Every (point, pass) at which both fmha_rt and `peer` have a timed row, in the rows' order;
     `backward_turns_together`: the run's setting of that name (whether a stand-in row shared our rounds)."""
     timed = {(shape_key(r), r["pass"], r["impl"]): r for r in rows if r.get("tflops")}
+    # a peer's failed row of a pass it has is no reason to compare with another pass
+    has_pass = {(shape_key(r), r["pass"], r["impl"]) for r in rows}
     found = []
     for (shape, pass_name, impl), ours in timed.items():
         if impl != SUBJECT:
             continue
-        theirs = timed.get((shape, pass_name, peer)) or timed.get((shape, STAND_IN_PASS.get(pass_name), peer))
+        key = (shape, pass_name, peer)
+        theirs = timed.get(key) if key in has_pass else timed.get((shape, STAND_IN_PASS.get(pass_name), peer))
         if theirs is not None:
             found.append(Comparison(pass_name, ours, theirs, backward_turns_together))
     return found

@@ -43,6 +43,10 @@ def test_each_pass_against_the_same_pass_or_the_peers_only_backward(rows):
     assert found["bwd_det"].theirs["pass"] == "bwd" and found["bwd_det"].ours["pass"] == "bwd_det"
     assert [c.pass_name for c in versus.comparisons(rows, "sdpa_cudnn")] == ["fwd"]
     assert versus.comparisons(rows, "fa4") == []
+    # A peer whose deterministic backward failed is not compared through its backward instead.
+    failed = rows + [row("sdpa_cudnn", "bwd", 500.0), {**row("sdpa_cudnn", "bwd_det", 1.0), "error": "x"}]
+    del failed[-1]["tflops"]
+    assert [c.pass_name for c in versus.comparisons(failed, "sdpa_cudnn")] == ["fwd", "bwd"]
 
 
 def test_rounds_ahead_pairs_rounds_only_where_both_took_turns_in_them(rows):
