@@ -714,6 +714,7 @@ def test_markdown_sections(fixture_doc):
 def test_png_plots_one_per_pass_and_dtype(fixture_doc, tmp_path):
     paths = report.write_reports(fixture_doc, str(tmp_path), "sample")
     expected = {f"sample_{p}_{d}.png" for p, d in {(r["pass"], r["dtype"]) for r in fixture_doc["rows"]}}
+    expected.add("sample_versus.png")  # fmha_rt over each peer
     assert {os.path.basename(p) for p in paths} == expected | {"sample.md"}
     for name in expected:
         data = (tmp_path / name).read_bytes()
@@ -721,6 +722,10 @@ def test_png_plots_one_per_pass_and_dtype(fixture_doc, tmp_path):
         width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
         assert width > 300 and height > 200
     assert "![sample_fwd_bf16.png](sample_fwd_bf16.png)" in (tmp_path / "sample.md").read_text()
+    assert "![sample_versus.png](sample_versus.png)" in (tmp_path / "sample.md").read_text()
+    alone = dict(fixture_doc, rows=[r for r in fixture_doc["rows"] if r["impl"] == "fmha_rt"])
+    names = {os.path.basename(p) for p in report.write_reports(alone, str(tmp_path / "alone"), "sample")}
+    assert "sample_versus.png" not in names and "sample_fwd_bf16.png" in names
 
 
 def test_report_flag_needs_only_the_json(tmp_path):

@@ -105,3 +105,10 @@ def test_no_section_without_a_peer_or_rounds_column_without_rounds(rows):
     text = section(report.markdown({"header": {}, "rows": single}))
     assert "rounds ahead" not in text and "Rounds ahead" not in text
     assert "| flex | bwd | bf16 | 1 | 0 | 0.950 (dense D=128 S=16384) | 0.950 | 0.950 |" in text
+
+
+def test_plot_labels_name_the_point():
+    assert report._short_point(row("fmha_rt", "bwd", 1.0, causal=True)) == "D128 16k causal"
+    assert report._short_point(row("fmha_rt", "bwd", 1.0, Hk=2, Sq=4096, Sk=4096)) == "GQA 16/2 D128 4k"
+    assert report._short_point(row("fmha_rt", "fwd", 1.0, Sq=512, Sk=512, D=64)) == "D64 512"
+    assert report._short_point(dict(row("fmha_rt", "fwd", 1.0, D=64), seqlens=[3, 5])) == "varlen D64"
