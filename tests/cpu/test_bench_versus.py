@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from fmha_rt.bench import flops, report, versus
+from fmha_rt.bench import flops, plots, report, versus
 
 SHAPE = {"kind": "dense", "dtype": "bf16", "B": 1, "Hq": 16, "Hk": 16, "Sq": 16384, "Sk": 16384, "D": 128}
 
@@ -108,7 +108,7 @@ def test_no_section_without_a_peer_or_rounds_column_without_rounds(rows):
 
 
 def test_plot_labels_name_the_point():
-    assert report._short_point(row("fmha_rt", "bwd", 1.0, causal=True)) == "D128 16k causal"
-    assert report._short_point(row("fmha_rt", "bwd", 1.0, Hk=2, Sq=4096, Sk=4096)) == "GQA 16/2 D128 4k"
-    assert report._short_point(row("fmha_rt", "fwd", 1.0, Sq=512, Sk=512, D=64)) == "D64 512"
-    assert report._short_point(dict(row("fmha_rt", "fwd", 1.0, D=64), seqlens=[3, 5])) == "varlen D64"
+    assert plots._short_point(row("fmha_rt", "bwd", 1.0, causal=True)) == "D128 16k causal"
+    assert plots._short_point(row("fmha_rt", "bwd", 1.0, Hk=2, Sq=4096, Sk=4096)) == "GQA 16/2 D128 4k"
+    assert plots._short_point(row("fmha_rt", "fwd", 1.0, Sq=512, Sk=512, D=64)) == "D64 512"
+    assert plots._short_point(dict(row("fmha_rt", "fwd", 1.0, D=64), seqlens=[3, 5])) == "varlen D64"
