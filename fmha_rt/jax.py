@@ -226,9 +226,6 @@ def _score_terms(dtype, batch, sq, sk, hq, bias, alibi, bias_grad) -> dict:
 def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, bias=None, alibi=None, bias_grad=False,
              **varlen) -> AttentionProblem:
     check_sizes(sq, sk, hq, hk, dqk, dv)
-    if dqk % 8 or dv % 8:  # the launch programs carry no head-padding copies
-        raise FmhaNotImplementedError(f"fmha_rt.jax: head dims must be multiples of 8, got {dqk} and {dv} (pad "
-                                      "the last dim with zeros to the next multiple of 8)")
     m = opts.mask
     return AttentionProblem(batch=batch, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk, head_dim_qk=dqk,
                             head_dim_v=dv, dtype=ATTN_DTYPES[dtype], softmax_scale=opts.softmax_scale,
@@ -525,6 +522,23 @@ def _varlen_attention(opts: _Options):
     return attention
 
 
+def _padded_head_dims(q, k, v, problem: AttentionProblem, options: dict):
+    """((q, k, v) with their head dims zero-padded to multiples of 8, a function cutting the output back to
+    Dv), and `options` given the unpadded default scale. The launch programs carry no head-padding copies
+    (mha_fwd's widen and narrow passes), so the padding happens here, where jax differentiates it: the
+    zero columns add nothing to Q K^T, give zero output columns, and their gradients are cut off."""
+    dqk, dv = problem.head_dim_qk, problem.head_dim_v
+    if dqk % 8 == 0 and dv % 8 == 0:
+        return (q, k, v), lambda out: out
+    options["softmax_scale"] = problem.softmax_scale  # 1/sqrt(D) of the unpadded D unless given
+
+    def widen(x):
+        pad = -x.shape[-1] % 8
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+    return (widen(q), widen(k), widen(v)), lambda out: out[..., :dv]
+
+
 # ------------------------------------------------------------------------------------ public API
 
 
@@ -547,10 +561,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     options = _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate)
     bias, alibi_slopes = _array(bias), _array(alibi_slopes)
     # shape errors before platform errors
-    _batch_problem(q, k, v, _Options(**options, arch=""), bias, alibi_slopes)
+    problem = _batch_problem(q, k, v, _Options(**options, arch=""), bias, alibi_slopes)
     key = _dropout_key(options["dropout_p"], dropout_rng)
+    (q, k, v), unpad = _padded_head_dims(q, k, v, problem, options)
     attention = _batch_attention(_Options(**options, arch=_gpu_arch()))
-    return attention(q, k, v, bias, alibi_slopes, None if key is None else _philox_words(key))
+    return unpad(attention(q, k, v, bias, alibi_slopes, None if key is None else _philox_words(key)))
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -569,7 +584,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     seqlens = {"max_seqlen_q": _max_seqlen("max_seqlen_q", max_seqlen_q),
                "max_seqlen_k": _max_seqlen("max_seqlen_k", max_seqlen_k)}
     alibi_slopes = _array(alibi_slopes)
-    _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, _Options(**options, arch="", **seqlens), alibi_slopes)
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, _Options(**options, arch="", **seqlens),
+                              alibi_slopes)
     key = _dropout_key(options["dropout_p"], dropout_rng)
+    (q, k, v), unpad = _padded_head_dims(q, k, v, problem, options)
     attention = _varlen_attention(_Options(**options, arch=_gpu_arch(), **seqlens))
-    return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, None if key is None else _philox_words(key))
+    return unpad(attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                           None if key is None else _philox_words(key)))

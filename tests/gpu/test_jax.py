@@ -72,6 +72,10 @@ CASES = [
     ("d128_causal_scale", 2, 512, 512, 4, 2, 128, 128, {"causal": True, "softmax_scale": 0.1}),
     ("d192_dv128", 1, 256, 256, 2, 2, 192, 128, {}),
     ("d256_gqa", 1, 160, 160, 4, 2, 256, 256, {"causal": True}),
+    # head dims that are not multiples of 8: zero-padded around the custom calls
+    ("d13_dv20_gqa_causal", 2, 200, 180, 4, 2, 13, 20, {"causal": True}),
+    ("d100_mqa_window", 1, 256, 256, 4, 1, 100, 100, {"window": (32, 8)}),
+    ("d1_mha", 1, 64, 64, 2, 2, 1, 1, {}),
 ]
 
 
