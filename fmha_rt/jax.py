@@ -35,7 +35,9 @@ the instances one after another (jax.lax.map), each with its own key.
 
 Semantics follow mha_fwd: masks align top-left unless causal_alignment="bottom_right" (as in
 jax.nn.dot_product_attention); window=(left, right) with -1 for unbounded; softmax_scale defaults to
-1/sqrt(D). The backward is deterministic by construction (bitwise equal across runs).
+1/sqrt(D). The backward is deterministic by construction (bitwise equal across runs). Head dims that
+are not multiples of 8 are zero-padded around the custom calls (_padded_head_dims), whose programs
+carry no padding copies.
 """
 from __future__ import annotations
 

@@ -599,6 +599,13 @@ def test_head_dims_that_are_not_multiples_of_8_run_zero_padded(reference_calls, 
     padded = {(call.head_dim_qk, call.head_dim_v, call.softmax_scale) for _, call in reference_calls}
     assert padded == {(-(-d // 8) * 8, -(-dv // 8) * 8, kwargs.get("softmax_scale", 1 / math.sqrt(d)))}
     assert [kind for kind, _ in reference_calls] == ["fwd", "bwd"]
+    # under vmap: one folded call over the padded arrays, each instance as a call of its own
+    qs, ks, vs = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
+    mapped = jax.vmap(lambda q, k, v: fj.flash_attention(q, k, v, **kwargs))(qs, ks, vs)
+    assert mapped.shape == (2, *q.shape[:3], dv)
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(mapped[i], np.float32),
+                                   np.asarray(fj.flash_attention(qs[i], ks[i], vs[i], **kwargs), np.float32))
 
 
 # ------------------------------------------------ bias, ALiBi and dropout through the custom_vjp
