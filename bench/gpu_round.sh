@@ -11,7 +11,8 @@
 #                several sets separated by ';' run one after the other, each with its own record (ab1.json, ...)
 #   AB_ROUNDS    rounds of the A/B (default 2)
 #   GRID=0       skip the grid; TESTS=0 skip the GPU tests
-#   GRID_ROUNDS  rounds of the grid (--rounds: the implementations of a point take turns; default 1)
+#   GRID_ROUNDS  rounds of the grid (--rounds: the implementations of a point take turns; default 2)
+#   SETTLE_ROUNDS  rounds in all of the grid's points within 3% of FlexAttention after those (--settle; default 8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_round}
@@ -42,7 +43,8 @@ if [ $# -ge 2 ]; then
 fi
 if [ "${GRID:-1}" != 0 ]; then
   python3 -m fmha_rt bench --dtype bf16 --hdim 64 128 --seqlen 1k 4k 16k --causal both --pass fwd bwd bwd_det \
-    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --rounds "${GRID_ROUNDS:-1}" --out "$OUT/grid" \
+    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --rounds "${GRID_ROUNDS:-2}" \
+    --settle flex --settle-rounds "${SETTLE_ROUNDS:-8}" --out "$OUT/grid" \
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
   # the report's comparison with each peer: its summary printed, the whole section (point by point) kept
   sed -n '/^## fmha_rt against each peer/,/^## Plots/p' "$OUT/grid/results.md" | sed '$d' > "$OUT/grid_vs_peers.md"

@@ -19,6 +19,8 @@ examples:
   python -m fmha_rt bench --gqa only --causal 1   only the GQA rows, causal
   python -m fmha_rt bench --hdim 128 --seqlen 16k --causal 0 --pass bwd --rounds 3
                                                   close comparisons: implementations take turns 3 times
+  python -m fmha_rt bench --rounds 2 --settle flex --settle-rounds 8
+                                                  points within 3% of flex after 2 rounds get 8 in all
   python -m fmha_rt bench --list                  which implementations this machine has
   python -m fmha_rt bench --overhead-only --impl fmha_rt sdpa_flash
                                                   host cost per call only (cached, uncached, first)
@@ -87,6 +89,13 @@ def build_parser():
     how.add_argument("--rounds", type=_positive_int, default=1,
                      help="times each implementation of a point takes its turn (a warm-up and --repeats calls), in an "
                           "order rotated every round; the figure is the median over all rounds (default 1)")
+    how.add_argument("--settle", metavar="IMPL", choices=[n for n in peers.PEER_NAMES if n != peers.SUBJECT],
+                     help="points where fmha_rt and IMPL are within --settle-within of each other after --rounds "
+                          "are timed to --settle-rounds rounds in all (decided once, on closeness alone)")
+    how.add_argument("--settle-rounds", type=_positive_int, default=8,
+                     help="rounds in all of a point that --settle extends (default 8)")
+    how.add_argument("--settle-within", type=_non_negative_float, default=3.0, metavar="PERCENT",
+                     help="how close counts as close for --settle, in percent (default 3)")
     how.add_argument("--separate-det-turns", action="store_true",
                      help="time the deterministic backward in turns of its own, not in the backward's rounds")
     how.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
@@ -128,7 +137,8 @@ def settings_for(args):
     return sweep.Settings(repeats=args.repeats or defaults["repeats"],
                           warmup_ms=defaults["warmup_ms"] if args.warmup_ms is None else args.warmup_ms,
                           overhead_calls=defaults["overhead_calls"], rounds=args.rounds,
-                          backward_turns_together=not args.separate_det_turns)
+                          backward_turns_together=not args.separate_det_turns, settle=args.settle,
+                          settle_within=args.settle_within / 100, settle_rounds=args.settle_rounds)
 
 
 def _unique(values):
@@ -143,6 +153,10 @@ def main(argv=None):
         return _write_reports(parser, args)
     if args.overhead_only and args.no_extras:
         parser.error("--overhead-only measures one of the extras that --no-extras skips")
+    if args.settle and args.impl and not {peers.SUBJECT, args.settle} <= set(args.impl):
+        parser.error(f"--settle {args.settle} compares {peers.SUBJECT} with {args.settle}: --impl must name both")
+    if args.settle and args.settle_rounds <= args.rounds:
+        parser.error(f"--settle-rounds ({args.settle_rounds}) must be more than --rounds ({args.rounds})")
     points = grid.build_grid(**selection(args))
     if not points:
         parser.error(f"no point matches these flags (GQA rows exist at D={grid.GQA_HEAD_DIM} only)")

@@ -207,12 +207,14 @@ def _convention_section(h):
 def _timing_text(settings):
     """'N calls timed ... after a warm-up of W ms', with the rounds where there were several."""
     rounds, repeats, warmup = settings.get("rounds", 1), settings.get("repeats"), settings.get("warmup_ms")
-    if rounds == 1:
+    if rounds == 1 and not settings.get("settle"):
         return f"{repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms"
     return (f"{rounds} x {repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms before each of"
             f" {rounds} rounds, in which the implementations of a point take turns in an order rotated every round"
             + (" (a shape's backward and deterministic backward take theirs together)"
-               if settings.get("backward_turns_together") else "") +
+               if settings.get("backward_turns_together") else "")
+            + (f"; points where {SUBJECT} and {settings['settle']} were within {settings['settle_within']:.0%} after"
+               f" them took {settings['settle_rounds']} rounds in all" if settings.get("settle") else "") +
             " (each row's round_ms: the rounds' medians; [a-b] after a figure: its slowest and fastest round)")
 
 

@@ -27,6 +27,12 @@ class Settings:
     # A shape's backward and deterministic backward take turns in the same rounds (turn_groups); False
     # gives each its own, as records before this setting did.
     backward_turns_together: bool = True
+    # Points where fmha_rt and the `settle` peer are within `settle_within` of each other after `rounds`
+    # are timed to `settle_rounds` rounds in all: the decision is taken once, on closeness alone, so
+    # that it favours neither side (extending until one side pulls ahead would).
+    settle: str | None = None
+    settle_within: float = 0.03
+    settle_rounds: int = 8
 
     def fields(self):
         return dataclasses.asdict(self)
@@ -105,31 +111,61 @@ def measure_group(group, adapters, device, settings, progress):
             progress.advance(settings.rounds)
             if not device.healthy():
                 return list(rows.values()), lost(pair)
-    for round_index in range(settings.rounds):
-        for pair in turn_order(list(calls), round_index):
-            point, name = pair
-            if round_index:
-                progress.start(f"{name} {point.label()} (round {round_index + 1}/{settings.rounds})")
-            with _failure_recorded(rows[pair], adapters[name]):
-                start = time.monotonic()
-                samples[pair].append(timing.sample_calls(calls[pair], device, warmup_ms=settings.warmup_ms,
-                                                         repeats=settings.repeats))
-                readings[pair].append(device.clock_reading(start, time.monotonic()))
-            if "error" in rows[pair]:
-                del calls[pair]
-                progress.advance(settings.rounds - round_index)
-                if not device.healthy():
-                    return list(rows.values()), lost(pair)
-            else:
-                progress.advance()
+    def take_turns(first, last):
+        """Rounds first..last-1, each pair of the group once per round in turn_order; the failure that left
+        the device broken, or None."""
+        for round_index in range(first, last):
+            for pair in turn_order(list(calls), round_index):
+                point, name = pair
+                if round_index:
+                    progress.start(f"{name} {point.label()} (round {round_index + 1}/{last})")
+                with _failure_recorded(rows[pair], adapters[name]):
+                    start = time.monotonic()
+                    samples[pair].append(timing.sample_calls(calls[pair], device, warmup_ms=settings.warmup_ms,
+                                                             repeats=settings.repeats))
+                    readings[pair].append(device.clock_reading(start, time.monotonic()))
+                if "error" in rows[pair]:
+                    del calls[pair]
+                    progress.advance(last - round_index)
+                    if not device.healthy():
+                        return lost(pair)
+                else:
+                    progress.advance()
+        return None
+
+    failure = take_turns(0, settings.rounds)
+    if failure is None and settles(group, calls, samples, settings):
+        progress.extend(len(calls) * (settings.settle_rounds - settings.rounds))
+        failure = take_turns(settings.rounds, settings.settle_rounds)
+    if failure is not None:
+        return list(rows.values()), failure
     for pair in calls:
         measured = timing.summarize([ms for turn in samples[pair] for ms in turn])
         rows[pair].update(measured.fields(), tflops=flops.tflops(rows[pair]["flops"], measured.ms))
         rows[pair].update(_clock_fields(readings[pair]))
-        if settings.rounds > 1:
+        if len(samples[pair]) > 1:
             rows[pair]["round_ms"] = [statistics.median(turn) for turn in samples[pair]]
     device.release_cached()
     return list(rows.values()), None
+
+
+def settles(group, calls, samples, settings):
+    """Whether `group` takes the settle rounds: fmha_rt and the settle peer both still timed, and at some
+    pass their medians so far within settle_within (the peer's backward standing in for a deterministic
+    backward it lacks, as the report compares them)."""
+    if not settings.settle or settings.settle_rounds <= settings.rounds:
+        return False
+    medians = {(point.pass_name, name): statistics.median(ms for turn in samples[(point, name)] for ms in turn)
+               for point, name in group if (point, name) in calls}
+    for (pass_name, name), ours in medians.items():
+        if name != peers.SUBJECT:
+            continue
+        theirs = medians.get((pass_name, settings.settle))
+        if theirs is None and pass_name == "bwd_det":
+            theirs = medians.get(("bwd", settings.settle))
+        if theirs is not None and abs(theirs / ours - 1) < settings.settle_within:
+            return True
+    return False
 
 
 def _clock_fields(readings):
@@ -240,6 +276,13 @@ class Progress:
             self._bar.set_postfix_str(label, refresh=True)
         else:
             print(f"[{self._done + 1}/{self._total}] {label}", file=self._stream, flush=True)
+
+    def extend(self, steps):
+        """More steps than the bar was made for (a group that takes the settle rounds)."""
+        self._total += steps
+        if self._bar is not None:
+            self._bar.total += steps
+            self._bar.refresh()
 
     def advance(self, steps=1):
         self._done += steps

@@ -404,6 +404,17 @@ class NamedCalls(peers._Adapter):
         return self.forward(case)
 
 
+class PassNamedCalls(NamedCalls):
+    """NamedCalls whose backward calls also carry their pass ("name bwd", "name bwd_det")."""
+
+    has_deterministic = True
+
+    def backward(self, case, deterministic):
+        call = self.forward(case)
+        call.impl = f"{self.name} {'bwd_det' if deterministic else 'bwd'}"
+        return call
+
+
 def test_turn_order_rotates_one_place_per_round():
     assert [sweep.turn_order(["a", "b", "c"], r) for r in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
@@ -460,14 +471,6 @@ def test_a_shapes_backward_passes_take_turns_together(monkeypatch):
 
     monkeypatch.setattr(timing, "sample_calls", sample_calls)
 
-    class PassNamedCalls(NamedCalls):
-        has_deterministic = True
-
-        def backward(self, case, deterministic):
-            call = self.forward(case)
-            call.impl = f"{self.name} {'bwd_det' if deterministic else 'bwd'}"
-            return call
-
     class NoDeterministicMode(PassNamedCalls):
         has_deterministic = False
 
@@ -486,6 +489,58 @@ def test_a_shapes_backward_passes_take_turns_together(monkeypatch):
     sweep.run_sweep([bwd, det], adapters, StandInDevice(), dataclasses.replace(settings, repeats=1, warmup_ms=0),
                     on_point=lambda r: saved.append(len(r)), progress_stream=open(os.devnull, "w"))
     assert turns == ["a bwd", "b bwd", "b bwd", "a bwd", "a bwd_det", "a bwd_det"] and saved == [2, 3]
+
+
+def test_close_points_take_the_settle_rounds_and_others_do_not(monkeypatch):
+    """--settle: after the planned rounds, a group in which fmha_rt and the settle peer are within
+    settle_within at some pass (the deterministic backward against the peer's backward) is timed to
+    settle_rounds in all; a group where they are apart keeps its rounds. The decision is taken once."""
+    ms = {}
+
+    def sample_calls(calls, device, *, warmup_ms, repeats):
+        return [ms[calls[0].impl]] * repeats
+
+    monkeypatch.setattr(timing, "sample_calls", sample_calls)
+
+    adapters = {"fmha_rt": PassNamedCalls("fmha_rt"), "flex": NamedCalls("flex")}  # flex: no bwd_det
+    settings = sweep.Settings(repeats=1, warmup_ms=0, rounds=2, settle="flex", settle_within=0.03, settle_rounds=5)
+    points = [tiny_point("fwd"), tiny_point("bwd"), tiny_point("bwd_det")]
+
+    def run(fwd, flex_fwd, bwd, det, flex_bwd):
+        """Rounds per row, for these times per call (ms)."""
+        ms.update({"fmha_rt": fwd, "fmha_rt bwd": bwd, "fmha_rt bwd_det": det})
+        rows = []
+        for group in sweep.turn_groups(sweep.planned_pairs(points, adapters)):
+            ms["flex"] = flex_fwd if group[0][0].pass_name == "fwd" else flex_bwd
+            rows += sweep.measure_group(group, adapters, StandInDevice(), settings,
+                                        sweep.Progress(0, open(os.devnull, "w")))[0]
+        return {(r["impl"], r["pass"]): len(r.get("round_ms", ())) for r in rows}
+
+    # forward 10% apart: 2 rounds; backward 1% apart: 5 rounds for every backward row
+    assert run(1.0, 1.1, 1.0, 1.2, 1.01) == {("fmha_rt", "fwd"): 2, ("flex", "fwd"): 2, ("fmha_rt", "bwd"): 5,
+                                            ("flex", "bwd"): 5, ("fmha_rt", "bwd_det"): 5}
+    # only the deterministic backward is close to flex's backward: the group still settles
+    assert run(1.0, 1.01, 1.0, 1.5, 1.52)[("fmha_rt", "bwd")] == 5
+    # nothing close: the planned rounds only
+    assert set(run(1.0, 1.5, 1.0, 1.2, 1.5).values()) == {2}
+    assert not sweep.settles([(points[0], "fmha_rt")], {}, {}, sweep.Settings(rounds=2))
+    # the report says what was extended
+    settings_text = report._timing_text({"rounds": 2, "repeats": 1, "warmup_ms": 0, "settle": "flex",
+                                         "settle_within": 0.03, "settle_rounds": 5})
+    assert "points where fmha_rt and flex were within 3% after them took 5 rounds in all" in settings_text
+
+
+def test_settle_flags(capsys):
+    parsed = cli.build_parser().parse_args(["--rounds", "2", "--settle", "flex", "--settle-within", "2.5"])
+    settings = cli.settings_for(parsed)
+    assert (settings.settle, settings.settle_within, settings.settle_rounds) == ("flex", 0.025, 8)
+    assert cli.settings_for(cli.build_parser().parse_args([])).settle is None
+    for argv, message in ((["--settle", "flex", "--impl", "fmha_rt", "sdpa_flash"], "--impl must name both"),
+                          (["--settle", "flex", "--rounds", "8"], "must be more than --rounds"),
+                          (["--settle", "fmha_rt"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_rows_carry_the_clock_each_turn_ran_at(monkeypatch):
