@@ -12,7 +12,8 @@
 #   AB_ROUNDS    rounds of the A/B (default 2)
 #   GRID=0       skip the grid; TESTS=0 skip the GPU tests
 #   GRID_ROUNDS  rounds of the grid (--rounds: the implementations of a point take turns; default 2)
-#   SETTLE_ROUNDS  rounds in all of the grid's points within 3% of FlexAttention after those (--settle; default 8)
+#   SETTLE_ROUNDS  rounds in all of the grid's points within 3% of FlexAttention after those (--settle; default 8;
+#                not more than GRID_ROUNDS: no settling)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_round}
@@ -42,9 +43,12 @@ if [ $# -ge 2 ]; then
   done
 fi
 if [ "${GRID:-1}" != 0 ]; then
+  grid_rounds=${GRID_ROUNDS:-2}
+  settle=()
+  if [ "${SETTLE_ROUNDS:-8}" -gt "$grid_rounds" ]; then settle=(--settle flex --settle-rounds "${SETTLE_ROUNDS:-8}"); fi
   python3 -m fmha_rt bench --dtype bf16 --hdim 64 128 --seqlen 1k 4k 16k --causal both --pass fwd bwd bwd_det \
-    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --rounds "${GRID_ROUNDS:-2}" \
-    --settle flex --settle-rounds "${SETTLE_ROUNDS:-8}" --out "$OUT/grid" \
+    --gqa 1 --varlen 0 --impl fmha_rt sdpa_cudnn sdpa_flash flex --no-extras --repeats 15 --rounds "$grid_rounds" \
+    ${settle[@]+"${settle[@]}"} --out "$OUT/grid" \
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }
   # the report's comparison with each peer: its summary printed, the whole section (point by point) kept
   sed -n '/^## fmha_rt against each peer/,/^## Plots/p' "$OUT/grid/results.md" | sed '$d' > "$OUT/grid_vs_peers.md"

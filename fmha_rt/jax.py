@@ -348,6 +348,7 @@ def _call(kind: str, problem: AttentionProblem, arch: str, arrays):
     """The custom call running `kind` ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd') on `arrays` in the
     program's operand order, None where the call has no bias, slopes or seed: the forwards return
     (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad."""
+    assert problem.head_dim_qk % 8 == 0 and problem.head_dim_v % 8 == 0, "padded by _padded_head_dims"
     program, _ = _program(kind, problem, arch)
     operands = [x for x in arrays if x is not None]
     assert len(operands) == program.operands, (kind, len(operands), program.operands)

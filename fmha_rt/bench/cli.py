@@ -164,6 +164,10 @@ def main(argv=None):
     print_discovery(discovered)
     if args.list:
         return 0
+    if args.settle and discovered[args.settle].status != "found":
+        print(f"fmha_rt bench: --settle {args.settle}, but {args.settle} is not available here "
+              f"({discovered[args.settle].reason}). Nothing was measured.", file=sys.stderr)
+        return 1
     problem = gpu_problem(args.device)
     if problem:
         print(f"fmha_rt bench: {problem}. Nothing was measured; `--report FILE` rebuilds the reports of a "

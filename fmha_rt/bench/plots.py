@@ -77,11 +77,11 @@ def _write_versus_plot(doc, out_dir, stem):
             ratios = [cells[k].ratio if k in cells else float("nan") for k in shapes]
             ax.bar([x + (i - (len(peer_names) - 1) / 2) * width for x in range(len(shapes))], ratios, width,
                    color=_colour(peer), label=peer)
-        stand_in = any(c.stand_in for s in found if (s.pass_name, s.dtype) == (pass_name, dtype) for c in s.items)
+        stand_ins = [s.peer for s in found if (s.pass_name, s.dtype) == (pass_name, dtype) and s.stand_in]
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xticks(range(len(shapes)), [_short_point(r) for r in firsts], rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(f"{SUBJECT} / peer")
-        ax.set_title(f"{pass_name}, {dtype}" + (" (against the peers' bwd)" if stand_in else ""))
+        ax.set_title(f"{pass_name}, {dtype}" + (f" ({', '.join(stand_ins)}: their bwd)" if stand_ins else ""))
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_locator(MultipleLocator(0.25))
         ax.grid(axis="y", alpha=0.3)

@@ -10,8 +10,9 @@ Document (format "fmha_rt-bench/1"):
   rows           one per (point, implementation): impl, kind, pass, dtype, B, Hq, Hk, Sq, Sk, D, causal
                  (+ seqlens for varlen), flops, then either ms, ms_min, ms_max, repeats, tflops,
                  first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt;
-                 + round_ms, each round's median, when settings.rounds > 1; + sm_mhz, power_w and, with
-                 several rounds, round_sm_mhz where nvidia-smi sampled the clock) or error
+                 + round_ms, each round's median, when the row was timed in several rounds; + settle_error
+                 where a --settle round failed after the planned ones; + sm_mhz, power_w and, with several
+                 rounds, round_sm_mhz where nvidia-smi sampled the clock) or error
   host_overhead  one per (impl, kind, pass) at the tiny overhead shape (dense, and varlen where the impl has
                  it): us_per_call (repeated calls), first_call_us (the first, plan cache cleared),
                  uncached_us_per_call (impls with a plan cache: cleared before every call), or error
@@ -140,7 +141,7 @@ def markdown(doc, plot_names=()):
     lines += _machine_section(header) + _impls_section(header) + _convention_section(header)
     for (pass_name, dtype), group in groups(rows):
         lines += [f"## {pass_name}, {dtype}: TFLOP/s", ""] + _tflops_table(group) + [""]
-    lines += _versus_section(rows, header.get("settings", {}).get("backward_turns_together", False))
+    lines += _versus_section(rows, header.get("settings", {}), bool(header.get("merged_from")))
     if plot_names:
         lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plot_names] + [""]
     lines += _clock_section(rows) + _memory_section(rows) + _first_call_section(rows)
@@ -213,8 +214,8 @@ def _timing_text(settings):
             f" {rounds} rounds, in which the implementations of a point take turns in an order rotated every round"
             + (" (a shape's backward and deterministic backward take theirs together)"
                if settings.get("backward_turns_together") else "")
-            + (f"; points where {SUBJECT} and {settings['settle']} were within {settings['settle_within']:.0%} after"
-               f" them took {settings['settle_rounds']} rounds in all" if settings.get("settle") else "") +
+            + (f"; points where {SUBJECT} and {settings['settle']} were within {settings['settle_within'] * 100:g}%"
+               f" after them took {settings['settle_rounds']} rounds in all" if settings.get("settle") else "") +
             " (each row's round_ms: the rounds' medians; [a-b] after a figure: its slowest and fastest round)")
 
 
@@ -231,45 +232,59 @@ def _tflops_table(group):
     return _table(headings, body)
 
 
-def _versus_section(rows, backward_turns_together):
-    """fmha_rt over each peer: a line per (peer, pass, dtype), then each peer's points folded away."""
+def _versus_section(rows, settings, merged):
+    """fmha_rt over each peer: a line per (peer, pass, dtype), then each peer's points folded away. Rounds
+    ahead only for one run's record (a merged one pairs rows of different runs)."""
     found = versus.summaries(rows, [impl for impl in impl_order({r["impl"] for r in rows}) if impl != SUBJECT],
-                             backward_turns_together)
+                             settings.get("backward_turns_together", False))
     if not found:
         return []
-    rounds = any(c.rounds_ahead for s in found for c in s.items)
-    body = [(s.peer, s.pass_name + (f" (against {s.peer}'s {s.lowest.theirs['pass']})" if s.stand_in else ""),
-             s.dtype, len(s.items), s.at_or_above, f"{s.lowest.ratio:.3f} ({_shape_text(s.lowest.ours)})",
-             f"{s.median_ratio:.3f}", f"{s.highest_ratio:.3f}") + ((_rounds_ahead_text(s.items),) if rounds else ())
-            for s in found]
+    rounds = not merged and any(c.rounds_ahead for s in found for c in s.items)
+    failed = any(s.failed for s in found)
+    body = []
+    for s in found:
+        against = {"all": f" (against {s.peer}'s bwd)", "some": f" (some against {s.peer}'s bwd)", "": ""}[s.stand_in]
+        lowest = s.lowest
+        body.append((s.peer, s.pass_name + against, s.dtype, len(s.items), s.at_or_above,
+                     None if lowest is None else f"{lowest.ratio:.3f} ({_shape_text(lowest.ours)})",
+                     _ratio_text(s.median_ratio), _ratio_text(s.highest_ratio))
+                    + ((len(s.failed),) if failed else ()) + ((_rounds_ahead_text(s.items),) if rounds else ()))
     lines = [f"## {SUBJECT} against each peer", "",
              f"{SUBJECT}'s TFLOP/s over the peer's at each point both timed. A peer without a deterministic backward"
              " is held against the deterministic backward with its only backward."]
+    if failed:
+        lines[-1] += (f" {SUBJECT} failed: points the peer has a figure for and {SUBJECT} has none (see Errors);"
+                      " they are not among the points compared.")
     if rounds:
-        lines[-1] += (f" Rounds ahead: the rounds, summed over the points, in which {SUBJECT}'s median was at least"
-                      " the peer's (both took a turn in every round).")
+        lines[-1] += (f" Rounds ahead: the rounds, summed over the points, in which {SUBJECT}'s median time was at"
+                      " most the peer's (both took a turn in every round).")
     lines += [""] + _table(["peer", "pass", "dtype", "points", "at or above", "lowest (at)", "median", "highest"]
-                           + (["rounds ahead"] if rounds else []), body) + [""]
+                           + ([f"{SUBJECT} failed"] if failed else []) + (["rounds ahead"] if rounds else []),
+                           body) + [""]
     for peer in dict.fromkeys(s.peer for s in found):
         passes = [s for s in found if s.peer == peer]
         by_shape = {}
         for s in passes:
             for c in s.items:
-                by_shape.setdefault(versus.shape_key(c.ours), {})[(s.pass_name, s.dtype)] = c
-        columns = list(dict.fromkeys(s.pass_name for s in passes))
+                by_shape.setdefault(versus.shape_key(c.ours), {})[s.pass_name] = c
+        columns = list(dict.fromkeys(s.pass_name for s in passes if s.items))
         ordered = points([next(iter(cells.values())).ours for cells in by_shape.values()])
-        body = [_point_cells(first) + [_ratio_cell(by_shape[versus.shape_key(first)].get((p, first["dtype"])))
-                                       for p in columns]
+        body = [_point_cells(first) + [first["dtype"]]
+                + [_ratio_cell(by_shape[versus.shape_key(first)].get(p), rounds) for p in columns]
                 for first in (next(iter(by_impl.values())) for by_impl in ordered.values())]
         lines += [f"<details><summary>{SUBJECT} / {peer}, point by point</summary>", ""]
-        lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal", *columns], body) + ["", "</details>", ""]
+        lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal", "dtype", *columns], body) + ["", "</details>", ""]
     return lines
 
 
-def _ratio_cell(comparison):
+def _ratio_text(ratio):
+    return None if ratio is None else f"{ratio:.3f}"
+
+
+def _ratio_cell(comparison, rounds):
     if comparison is None:
         return None
-    ahead = _rounds_ahead_text([comparison])
+    ahead = _rounds_ahead_text([comparison]) if rounds else None
     return f"{comparison.ratio:.3f}" + (f" ({ahead})" if ahead else "")
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from . import flops, grid, peers, timing
+from . import flops, grid, peers, timing, versus
 
 ERROR_CHARS = 1000
 
@@ -94,13 +94,50 @@ def run_sweep(points, adapters, device, settings, *, on_point=None, progress_str
 
 def measure_group(group, adapters, device, settings, progress):
     """(rows of the (point, impl name) pairs of `group`, in its order; the failure that left the device
-    broken, as {impl, label, error}, or None). A failure ends that pair's measurement and becomes its row's
-    error."""
+    broken, as {impl, label, error}, or None). A failure in preparation or in the planned rounds ends that
+    pair's measurement and becomes its row's error; one in the settle rounds ends its turns there, keeps
+    its figures from the rounds before and is noted as the row's settle_error."""
     rows = {pair: {"impl": pair[1], **pair[0].fields(), "flops": pair[0].flops()} for pair in group}
     calls, samples, readings = {}, {pair: [] for pair in group}, {pair: [] for pair in group}
 
-    def lost(pair):
-        return {"impl": pair[1], "label": pair[0].label(), "error": rows[pair]["error"]}
+    def lost(pair, field):
+        return {"impl": pair[1], "label": pair[0].label(), "error": rows[pair][field]}
+
+    def finish(failure=None):
+        for pair in group:
+            if "error" in rows[pair] or not samples[pair]:
+                continue
+            measured = timing.summarize([ms for turn in samples[pair] for ms in turn])
+            rows[pair].update(measured.fields(), tflops=flops.tflops(rows[pair]["flops"], measured.ms))
+            rows[pair].update(_clock_fields(readings[pair]))
+            if len(samples[pair]) > 1:
+                rows[pair]["round_ms"] = [statistics.median(turn) for turn in samples[pair]]
+        device.release_cached()
+        return list(rows.values()), failure
+
+    def take_turns(first, last, field):
+        """Rounds first..last-1, each pair still timed once per round in turn_order, a failure recorded in its
+        row's `field`; the failure that left the device broken, or None."""
+        for round_index in range(first, last):
+            for pair in turn_order(list(calls), round_index):
+                point, name = pair
+                if round_index:
+                    progress.start(f"{name} {point.label()} (round {round_index + 1}/{last})")
+                failed = {}
+                with _failure_recorded(failed, adapters[name]):
+                    start = time.monotonic()
+                    samples[pair].append(timing.sample_calls(calls[pair], device, warmup_ms=settings.warmup_ms,
+                                                             repeats=settings.repeats))
+                    readings[pair].append(device.clock_reading(start, time.monotonic()))
+                if failed:
+                    rows[pair][field] = failed["error"]
+                    del calls[pair]
+                    progress.advance(last - round_index)
+                    if not device.healthy():
+                        return lost(pair, field)
+                else:
+                    progress.advance()
+        return None
 
     for pair in group:
         point, name = pair
@@ -110,59 +147,28 @@ def measure_group(group, adapters, device, settings, progress):
         if pair not in calls:
             progress.advance(settings.rounds)
             if not device.healthy():
-                return list(rows.values()), lost(pair)
-    def take_turns(first, last):
-        """Rounds first..last-1, each pair of the group once per round in turn_order; the failure that left
-        the device broken, or None."""
-        for round_index in range(first, last):
-            for pair in turn_order(list(calls), round_index):
-                point, name = pair
-                if round_index:
-                    progress.start(f"{name} {point.label()} (round {round_index + 1}/{last})")
-                with _failure_recorded(rows[pair], adapters[name]):
-                    start = time.monotonic()
-                    samples[pair].append(timing.sample_calls(calls[pair], device, warmup_ms=settings.warmup_ms,
-                                                             repeats=settings.repeats))
-                    readings[pair].append(device.clock_reading(start, time.monotonic()))
-                if "error" in rows[pair]:
-                    del calls[pair]
-                    progress.advance(last - round_index)
-                    if not device.healthy():
-                        return lost(pair)
-                else:
-                    progress.advance()
-        return None
-
-    failure = take_turns(0, settings.rounds)
+                return finish(lost(pair, "error"))
+    failure = take_turns(0, settings.rounds, "error")
     if failure is None and settles(group, calls, samples, settings):
         progress.extend(len(calls) * (settings.settle_rounds - settings.rounds))
-        failure = take_turns(settings.rounds, settings.settle_rounds)
-    if failure is not None:
-        return list(rows.values()), failure
-    for pair in calls:
-        measured = timing.summarize([ms for turn in samples[pair] for ms in turn])
-        rows[pair].update(measured.fields(), tflops=flops.tflops(rows[pair]["flops"], measured.ms))
-        rows[pair].update(_clock_fields(readings[pair]))
-        if len(samples[pair]) > 1:
-            rows[pair]["round_ms"] = [statistics.median(turn) for turn in samples[pair]]
-    device.release_cached()
-    return list(rows.values()), None
+        failure = take_turns(settings.rounds, settings.settle_rounds, "settle_error")
+    return finish(failure)
 
 
 def settles(group, calls, samples, settings):
     """Whether `group` takes the settle rounds: fmha_rt and the settle peer both still timed, and at some
-    pass their medians so far within settle_within (the peer's backward standing in for a deterministic
-    backward it lacks, as the report compares them)."""
+    pass their median times so far within settle_within (the peer's backward standing in for a
+    deterministic backward it has no pair of, as versus.comparisons compares them)."""
     if not settings.settle or settings.settle_rounds <= settings.rounds:
         return False
+    passes = {(point.pass_name, name) for point, name in group}
     medians = {(point.pass_name, name): statistics.median(ms for turn in samples[(point, name)] for ms in turn)
                for point, name in group if (point, name) in calls}
     for (pass_name, name), ours in medians.items():
         if name != peers.SUBJECT:
             continue
-        theirs = medians.get((pass_name, settings.settle))
-        if theirs is None and pass_name == "bwd_det":
-            theirs = medians.get(("bwd", settings.settle))
+        peer_pass = pass_name if (pass_name, settings.settle) in passes else versus.STAND_IN_PASS.get(pass_name)
+        theirs = medians.get((peer_pass, settings.settle))
         if theirs is not None and abs(theirs / ours - 1) < settings.settle_within:
             return True
     return False

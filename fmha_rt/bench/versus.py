@@ -37,9 +37,9 @@ class Comparison:
 
     @property
     def rounds_ahead(self):
-        """(rounds in which fmha_rt's median was at least the peer's, rounds) where both rows were timed in
-        the same rounds (implementations of a point take adjacent turns, so round i of one row and of the
-        other ran under the same conditions); None otherwise."""
+        """(rounds in which fmha_rt's median time was at most the peer's, rounds) where both rows were timed
+        in the same rounds (implementations of a point take adjacent turns, so round i of one row and of
+        the other ran under the same conditions); None otherwise."""
         ours, theirs = self.ours.get("round_ms"), self.theirs.get("round_ms")
         if (self.stand_in and not self.stand_in_shared_rounds) or not ours or not theirs or len(ours) != len(theirs):
             return None
@@ -50,21 +50,35 @@ def shape_key(row):
     return tuple(row.get(key) for key in SHAPE_KEYS) + (tuple(row.get("seqlens") or ()),)
 
 
-def comparisons(rows, peer, backward_turns_together=False):
-    """Every (point, pass) at which both fmha_rt and `peer` have a timed row, in the rows' order;
-    `backward_turns_together`: the run's setting of that name (whether a stand-in row shared our rounds)."""
+def _counterparts(rows, peer):
+    """[(fmha_rt's row, the peer's timed row it is compared with)] for every fmha_rt row, timed or not, that
+    has one: the peer's row of the same point and pass, or, where the peer has no row of that pass (a
+    failed one counts as a row), of STAND_IN_PASS's pass."""
     timed = {(shape_key(r), r["pass"], r["impl"]): r for r in rows if r.get("tflops")}
-    # a peer's failed row of a pass it has is no reason to compare with another pass
     has_pass = {(shape_key(r), r["pass"], r["impl"]) for r in rows}
     found = []
-    for (shape, pass_name, impl), ours in timed.items():
-        if impl != SUBJECT:
+    for ours in rows:
+        if ours["impl"] != SUBJECT:
             continue
+        shape, pass_name = shape_key(ours), ours["pass"]
         key = (shape, pass_name, peer)
         theirs = timed.get(key) if key in has_pass else timed.get((shape, STAND_IN_PASS.get(pass_name), peer))
         if theirs is not None:
-            found.append(Comparison(pass_name, ours, theirs, backward_turns_together))
+            found.append((ours, theirs))
     return found
+
+
+def comparisons(rows, peer, backward_turns_together=False):
+    """Every (point, pass) at which both fmha_rt and `peer` have a timed row, in the rows' order;
+    `backward_turns_together`: the run's setting of that name (whether a stand-in row shared our rounds)."""
+    return [Comparison(ours["pass"], ours, theirs, backward_turns_together)
+            for ours, theirs in _counterparts(rows, peer) if ours.get("tflops")]
+
+
+def failures(rows, peer):
+    """fmha_rt's rows without a figure (an error) at points where `peer` has one to compare with: a target
+    of "at least the peer on every point" is not met there, whatever the other points say."""
+    return [ours for ours, _ in _counterparts(rows, peer) if not ours.get("tflops")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +88,7 @@ class Summary:
     pass_name: str
     dtype: str
     items: tuple
+    failed: tuple = ()  # fmha_rt's rows of this pass and dtype without a figure where the peer has one
 
     @property
     def at_or_above(self):
@@ -81,19 +96,21 @@ class Summary:
 
     @property
     def lowest(self):
-        return min(self.items, key=lambda c: c.ratio)
+        return min(self.items, key=lambda c: c.ratio, default=None)
 
     @property
     def median_ratio(self):
-        return statistics.median(c.ratio for c in self.items)
+        return statistics.median(c.ratio for c in self.items) if self.items else None
 
     @property
     def highest_ratio(self):
-        return max(c.ratio for c in self.items)
+        return max((c.ratio for c in self.items), default=None)
 
     @property
     def stand_in(self):
-        return any(c.stand_in for c in self.items)
+        """'all', 'some' or '' of the comparisons against the peer's row of another pass."""
+        count = sum(c.stand_in for c in self.items)
+        return "all" if count and count == len(self.items) else "some" if count else ""
 
 
 def summaries(rows, peers, backward_turns_together=False):
@@ -101,9 +118,12 @@ def summaries(rows, peers, backward_turns_together=False):
     the benchmark's order."""
     found = []
     for peer in peers:
-        by_pass = {}
+        by_pass, failed = {}, {}
         for c in comparisons(rows, peer, backward_turns_together):
             by_pass.setdefault((c.pass_name, c.ours["dtype"]), []).append(c)
-        order = sorted(by_pass, key=lambda k: (flops.PASSES.index(k[0]) if k[0] in flops.PASSES else 99, k[1]))
-        found += [Summary(peer, p, d, tuple(by_pass[(p, d)])) for p, d in order]
+        for row in failures(rows, peer):
+            failed.setdefault((row["pass"], row["dtype"]), []).append(row)
+        order = sorted(set(by_pass) | set(failed),
+                       key=lambda k: (flops.PASSES.index(k[0]) if k[0] in flops.PASSES else 99, k[1]))
+        found += [Summary(peer, p, d, tuple(by_pass.get((p, d), ())), tuple(failed.get((p, d), ()))) for p, d in order]
     return found

@@ -1,6 +1,7 @@
 """The benchmark harness on a CPU: FLOP counts, the grid and its flags, the report writers on a
 synthetic fixture, peer discovery, and the sweep's bookkeeping (through a stand-in device, untimed)."""
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -494,40 +495,81 @@ def test_a_shapes_backward_passes_take_turns_together(monkeypatch):
 def test_close_points_take_the_settle_rounds_and_others_do_not(monkeypatch):
     """--settle: after the planned rounds, a group in which fmha_rt and the settle peer are within
     settle_within at some pass (the deterministic backward against the peer's backward) is timed to
-    settle_rounds in all; a group where they are apart keeps its rounds. The decision is taken once."""
-    ms = {}
+    settle_rounds in all; a group where they are apart keeps its rounds. The decision is taken once, on
+    the planned rounds' medians; a failure in a settle round keeps the figures of the rounds before."""
+    times, turns = {}, collections.Counter()
 
     def sample_calls(calls, device, *, warmup_ms, repeats):
-        return [ms[calls[0].impl]] * repeats
+        name = calls[0].impl
+        turns[name] += 1
+        value = times[name][min(turns[name], len(times[name])) - 1]
+        if value is None:
+            raise RuntimeError("launch failed")
+        return [value] * repeats
 
     monkeypatch.setattr(timing, "sample_calls", sample_calls)
 
-    adapters = {"fmha_rt": PassNamedCalls("fmha_rt"), "flex": NamedCalls("flex")}  # flex: no bwd_det
+    class NoDeterministicMode(PassNamedCalls):
+        has_deterministic = False
+
+    adapters = {"fmha_rt": PassNamedCalls("fmha_rt"), "flex": NoDeterministicMode("flex")}
     settings = sweep.Settings(repeats=1, warmup_ms=0, rounds=2, settle="flex", settle_within=0.03, settle_rounds=5)
     points = [tiny_point("fwd"), tiny_point("bwd"), tiny_point("bwd_det")]
 
-    def run(fwd, flex_fwd, bwd, det, flex_bwd):
-        """Rounds per row, for these times per call (ms)."""
-        ms.update({"fmha_rt": fwd, "fmha_rt bwd": bwd, "fmha_rt bwd_det": det})
+    def run(**per_turn):
+        """{(impl, pass): rows' rounds (or the row's error)} for these times per turn (ms; a list is consumed
+        turn by turn, its last value repeating; None fails that turn). Keys: fmha_rt, flex (forwards),
+        fmha_rt_bwd, fmha_rt_bwd_det, flex_bwd."""
+        times.clear(), turns.clear()
+        times.update({name.replace("_bwd", " bwd"): v if isinstance(v, list) else [v] for name, v in per_turn.items()})
+        pairs = sweep.planned_pairs(points, adapters)
+        progress = sweep.Progress(len(pairs) * settings.rounds, open(os.devnull, "w"))
         rows = []
-        for group in sweep.turn_groups(sweep.planned_pairs(points, adapters)):
-            ms["flex"] = flex_fwd if group[0][0].pass_name == "fwd" else flex_bwd
-            rows += sweep.measure_group(group, adapters, StandInDevice(), settings,
-                                        sweep.Progress(0, open(os.devnull, "w")))[0]
-        return {(r["impl"], r["pass"]): len(r.get("round_ms", ())) for r in rows}
+        for group in sweep.turn_groups(pairs):
+            rows += sweep.measure_group(group, adapters, StandInDevice(), settings, progress)[0]
+        assert progress._done == progress._total
+        return {(r["impl"], r["pass"]): r.get("settle_error") or r.get("error") or len(r.get("round_ms", ()))
+                for r in rows}
 
     # forward 10% apart: 2 rounds; backward 1% apart: 5 rounds for every backward row
-    assert run(1.0, 1.1, 1.0, 1.2, 1.01) == {("fmha_rt", "fwd"): 2, ("flex", "fwd"): 2, ("fmha_rt", "bwd"): 5,
-                                            ("flex", "bwd"): 5, ("fmha_rt", "bwd_det"): 5}
+    assert run(fmha_rt=1.0, flex=1.1, fmha_rt_bwd=1.0, fmha_rt_bwd_det=1.2, flex_bwd=1.01) == {
+        ("fmha_rt", "fwd"): 2, ("flex", "fwd"): 2, ("fmha_rt", "bwd"): 5, ("flex", "bwd"): 5, ("fmha_rt", "bwd_det"): 5}
+    # decided once: close in the planned rounds, apart afterwards, still 5; apart, then close, still 2
+    got = run(fmha_rt=1.0, flex=1.5, fmha_rt_bwd=1.0, fmha_rt_bwd_det=1.5, flex_bwd=[1.01, 1.01, 2.0])
+    assert got[("flex", "bwd")] == 5
+    got = run(fmha_rt=1.0, flex=1.5, fmha_rt_bwd=1.0, fmha_rt_bwd_det=1.2, flex_bwd=[1.5, 1.5, 1.0])
+    assert set(got.values()) == {2}
     # only the deterministic backward is close to flex's backward: the group still settles
-    assert run(1.0, 1.01, 1.0, 1.5, 1.52)[("fmha_rt", "bwd")] == 5
-    # nothing close: the planned rounds only
-    assert set(run(1.0, 1.5, 1.0, 1.2, 1.5).values()) == {2}
+    assert run(fmha_rt=1.0, flex=1.5, fmha_rt_bwd=1.0, fmha_rt_bwd_det=1.5, flex_bwd=1.52)[("fmha_rt", "bwd")] == 5
+    # flex fails in its fourth round: its row keeps three rounds' figures and says why it stopped
+    got = run(fmha_rt=1.0, flex=1.5, fmha_rt_bwd=1.0, fmha_rt_bwd_det=1.5, flex_bwd=[1.01] * 3 + [None])
+    assert got[("flex", "bwd")] == "RuntimeError: launch failed" and got[("fmha_rt", "bwd")] == 5
     assert not sweep.settles([(points[0], "fmha_rt")], {}, {}, sweep.Settings(rounds=2))
     # the report says what was extended
     settings_text = report._timing_text({"rounds": 2, "repeats": 1, "warmup_ms": 0, "settle": "flex",
                                          "settle_within": 0.03, "settle_rounds": 5})
     assert "points where fmha_rt and flex were within 3% after them took 5 rounds in all" in settings_text
+
+
+def test_a_failed_settle_round_keeps_the_planned_figures(monkeypatch):
+    calls_made = collections.Counter()
+
+    def sample_calls(calls, device, *, warmup_ms, repeats):
+        calls_made[calls[0].impl] += 1
+        if calls[0].impl == "flex" and calls_made["flex"] == 3:
+            raise RuntimeError("launch failed")
+        return [1.0 if calls[0].impl == "fmha_rt" else 1.01] * repeats
+
+    monkeypatch.setattr(timing, "sample_calls", sample_calls)
+    adapters = {"fmha_rt": NamedCalls("fmha_rt"), "flex": NamedCalls("flex")}
+    settings = sweep.Settings(repeats=2, warmup_ms=0, rounds=2, settle="flex", settle_rounds=4)
+    rows, lost = sweep.measure_group([(tiny_point("fwd"), "fmha_rt"), (tiny_point("fwd"), "flex")], adapters,
+                                     StandInDevice(), settings, sweep.Progress(4, open(os.devnull, "w")))
+    by_impl = {r["impl"]: r for r in rows}
+    assert lost is None and by_impl["fmha_rt"]["round_ms"] == [1.0] * 4
+    flex = by_impl["flex"]
+    assert flex["settle_error"] == "RuntimeError: launch failed" and "error" not in flex
+    assert flex["round_ms"] == [1.01, 1.01] and flex["ms"] == 1.01 and flex["repeats"] == 4
 
 
 def test_settle_flags(capsys):
@@ -541,6 +583,10 @@ def test_settle_flags(capsys):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert message in capsys.readouterr().err
+    # a settle peer that this machine does not have: said before anything runs
+    missing = next(name for name, found in peers.discover(peers.PEER_NAMES).items() if found.status != "found")
+    assert cli.main(["--rounds", "2", "--settle", missing, "--no-extras"]) == 1
+    assert f"--settle {missing}, but {missing} is not available here" in capsys.readouterr().err
 
 
 def test_rows_carry_the_clock_each_turn_ran_at(monkeypatch):

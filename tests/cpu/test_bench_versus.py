@@ -93,7 +93,7 @@ def test_report_section(rows):
     ]
     assert "Rounds ahead" in text
     assert "<summary>fmha_rt / flex, point by point</summary>" in text
-    assert "| dense | 1 | 16/16 | 16384 | 128 | no | 1.100 | 0.950 (2/3) | 1.020 |" in text
+    assert "| dense | 1 | 16/16 | 16384 | 128 | no | bf16 | 1.100 | 0.950 (2/3) | 1.020 |" in text
     doc["header"]["settings"]["backward_turns_together"] = True
     assert "| 1.020 (dense D=128 S=16384) | 1.020 | 1.020 | 3/3 |" in section(report.markdown(doc))
 
@@ -112,3 +112,31 @@ def test_plot_labels_name_the_point():
     assert plots._short_point(row("fmha_rt", "bwd", 1.0, Hk=2, Sq=4096, Sk=4096)) == "GQA 16/2 D128 4k"
     assert plots._short_point(row("fmha_rt", "fwd", 1.0, Sq=512, Sk=512, D=64)) == "D64 512"
     assert plots._short_point(dict(row("fmha_rt", "fwd", 1.0, D=64), seqlens=[3, 5])) == "varlen D64"
+
+
+def test_failures_stand_ins_and_merged_records_in_the_section(rows):
+    """fmha_rt's failed rows where the peer has a figure are counted apart; a summary mixing stand-in and
+    real comparisons says "some"; a merged record shows no rounds ahead (its rows come from other runs)."""
+    failed = {**row("fmha_rt", "bwd", 1.0, Sq=1024, Sk=1024, B=16), "error": "RuntimeError: x"}
+    del failed["tflops"]
+    mixed = rows + [failed, row("flex", "bwd", 300.0, Sq=1024, Sk=1024, B=16),
+                    row("fmha_rt", "bwd_det", 330.0, causal=True), row("flex", "bwd_det", 300.0, causal=True),
+                    row("flex", "bwd", 200.0, causal=True)]
+    by_pass = {s.pass_name: s for s in versus.summaries(mixed, ["flex"])}
+    assert [r["Sq"] for r in by_pass["bwd"].failed] == [1024] and len(by_pass["bwd"].items) == 1
+    assert by_pass["bwd_det"].stand_in == "some" and len(by_pass["bwd_det"].items) == 2
+    text = section(report.markdown({"header": {"settings": {"rounds": 3}}, "rows": mixed}))
+    assert "fmha_rt failed" in text and "| flex | bwd | bf16 | 1 | 0 | 0.950 (dense D=128 S=16384) | 0.950 | 0.950 | 1 |" in text
+    assert "| flex | bwd_det (some against flex's bwd) | bf16 | 2 |" in text
+    merged = section(report.markdown({"header": {"settings": {"rounds": 3}, "merged_from": ["a", "b"]}, "rows": rows}))
+    assert "rounds ahead" not in merged.lower() and "(2/3)" not in merged
+    only_failed = versus.summaries([failed, row("flex", "bwd", 300.0, Sq=1024, Sk=1024, B=16)], ["flex"])
+    assert [(s.items, len(s.failed), s.lowest, s.median_ratio) for s in only_failed] == [((), 1, None, None)]
+    assert "| flex | bwd | bf16 | 0 | 0 | – | – | – | 1 |" in section(report.markdown(
+        {"header": {}, "rows": [failed, row("flex", "bwd", 300.0, Sq=1024, Sk=1024, B=16)]}))
+
+
+def test_settle_threshold_is_printed_as_given():
+    text = report._timing_text({"rounds": 2, "repeats": 1, "warmup_ms": 0, "settle": "flex", "settle_within": 0.025,
+                                "settle_rounds": 8})
+    assert "within 2.5% after them took 8 rounds in all" in text

@@ -586,16 +586,18 @@ def test_varlen_gradients(reference_calls):
 def test_head_dims_that_are_not_multiples_of_8_run_zero_padded(reference_calls, d, dv, kwargs):
     """The custom calls see q, k and v padded to multiples of 8 (the launch programs have no padding copies)
     with the scale of the unpadded D; out and the gradients come back at the caller's head dims."""
-    q, k, v = qkv(sq=72, sk=56, d=d, dv=dv, dtype=jnp.float16, seed=random.randrange(2**31))
+    seed = random.randrange(2**31)
+    q, k, v = qkv(sq=72, sk=56, d=d, dv=dv, dtype=jnp.float16, seed=seed)
     mask = fj.resolve_mask(kwargs.get("causal", False), kwargs.get("window", (-1, -1)), None, "top_left")
     p = fj._batch_problem(q, k, v, fj._Options(kwargs.get("softmax_scale"), mask, False, ARCH))
     ours = jax.jit(jax.value_and_grad(_loss(lambda q, k, v: fj.flash_attention(q, k, v, **kwargs)), argnums=(0, 1, 2)))
     want = jax.value_and_grad(_loss(lambda q, k, v: _reference(q, k, v, p)[0]), argnums=(0, 1, 2))
     (value, grads), (want_value, want_grads) = ours(q, k, v), want(q, k, v)
-    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5, err_msg=f"seed {seed}")
     for g, w, x in zip(grads, want_grads, (q, k, v)):
         assert g.shape == x.shape
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-3, atol=1e-3,
+                                   err_msg=f"seed {seed}")
     padded = {(call.head_dim_qk, call.head_dim_v, call.softmax_scale) for _, call in reference_calls}
     assert padded == {(-(-d // 8) * 8, -(-dv // 8) * 8, kwargs.get("softmax_scale", 1 / math.sqrt(d)))}
     assert [kind for kind, _ in reference_calls] == ["fwd", "bwd"]
@@ -1119,9 +1121,9 @@ def test_the_kernels_at_head_dims_that_are_not_multiples_of_8(interpreted_calls,
     bias = jax.random.normal(keys[1], (1, hq, sq, sk), jnp.float32).astype(jnp.float16)
     out, (dq, dk, dv, dbias) = _fwd_bwd(causal=True)(q, k, v, bias, dout)
     want_out, want = _float64(q, k, v, dout, {"causal": True}, bias)
-    _assert_close("out", out, want_out)
+    _assert_close(f"out (seed {seed})", out, want_out)
     for n, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
-        _assert_close(n, got, ref)
+        _assert_close(f"{n} (seed {seed})", got, ref)
 
     lengths = [23, 0, 17]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -1138,9 +1140,9 @@ def test_the_kernels_at_head_dims_that_are_not_multiples_of_8(interpreted_calls,
     opts = {"window": (-1, 0)}
     want_out, _ = reference.mha_varlen_fwd_ref(_f64(q), _f64(k), _f64(v), cu, cu, **opts)
     want = reference.mha_varlen_bwd_ref(_f64(dout), _f64(q), _f64(k), _f64(v), cu, cu, **opts)
-    _assert_close("varlen out", out, want_out)
+    _assert_close(f"varlen out (seed {seed})", out, want_out)
     for n, got, ref in zip(("dq", "dk", "dv"), grads, want):
-        _assert_close(f"varlen {n}", got, ref)
+        _assert_close(f"varlen {n} (seed {seed})", got, ref)
     dims = [(kind, p.head_dim_qk, p.head_dim_v) for kind, p in interpreted_calls]
     assert dims == [("fwd", 16, 24), ("bwd", 16, 24), ("varlen_fwd", 8, 8), ("varlen_bwd", 8, 8)]
 
