@@ -59,11 +59,11 @@ def turn_order(names, round_index):
 def turn_groups(pairs, backward_together=True):
     """`pairs` split into the groups whose members take turns in the same rounds: the pairs of one point,
     except that (with `backward_together`) a shape's backward and deterministic backward form one group.
-    Timed alone, back to back,
-    a deterministic backward held the GPU at its power limit longer than a backward whose turns alternate
-    with other implementations', and ran at a lower clock (H200, 16k tokens, D=128: 1808 MHz against
-    1853 for the same kernels in the backward's group), which a comparison of it against the peers'
-    backward would count against it. Groups in the order of their first pair; pairs in `pairs`' order."""
+    Timed alone, back to back, a deterministic backward held the GPU at its power limit longer than a
+    backward whose turns alternate with other implementations', and ran at a lower clock (H200, 16k
+    tokens, D=128: 1808 MHz against 1853 for the same kernels in the backward's group), which a
+    comparison of it against the peers' backward would count against it. Groups in the order of their
+    first pair; pairs in `pairs`' order."""
     groups = {}
     for point, name in pairs:
         key = dataclasses.replace(point, pass_name="bwd") if backward_together and point.backward else point
@@ -112,7 +112,8 @@ def measure_group(group, adapters, device, settings, progress):
             rows[pair].update(_clock_fields(readings[pair]))
             if len(samples[pair]) > 1:
                 rows[pair]["round_ms"] = [statistics.median(turn) for turn in samples[pair]]
-        device.release_cached()
+        if failure is None:  # a broken context would fail this too
+            device.release_cached()
         return list(rows.values()), failure
 
     def take_turns(first, last, field):
