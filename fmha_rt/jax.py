@@ -267,6 +267,12 @@ def _max_seqlen(name, value) -> int:
     return value
 
 
+def _static_bool(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise FmhaTypeError(f"{name} must be a Python bool (it is static under jit), got {type(value).__name__}")
+    return value
+
+
 def _array(x):
     """A bias or slopes argument as a jax array (None stays None)."""
     return None if x is None else jnp.asarray(x)
@@ -464,10 +470,20 @@ class _BiasGrad:
     wanted: bool
 
 
+def _lse_cotangent_is_zero(dlse) -> None:
+    """The backward kernels take no gradient of lse (it would enter as Delta - dlse): refuse one at trace
+    time rather than drop it."""
+    if not isinstance(dlse, SymbolicZero):
+        raise FmhaNotImplementedError(
+            "fmha_rt.jax: lse (return_lse=True) carries no gradient: the backward kernels take none for it. "
+            "Differentiate through out only, or put lse under jax.lax.stop_gradient")
+
+
 @functools.cache
-def _batch_attention(opts: _Options):
+def _batch_attention(opts: _Options, with_lse: bool = False):
     """The differentiable attention of one set of options (cached, so jit sees one function):
-    attention(q, k, v, bias, alibi, seed), with None for an absent bias, slopes or seed."""
+    attention(q, k, v, bias, alibi, seed) -> out, or (out, lse) with_lse, with None for an absent bias,
+    slopes or seed."""
     def call(kind, arrays, bias, alibi, seed, bias_grad=False):
         q, k, v = arrays[:3] if kind == "fwd" else arrays[1:4]
         problem = _batch_problem(q, k, v, opts, bias, alibi, bias_grad)
@@ -478,7 +494,8 @@ def _batch_attention(opts: _Options):
 
     @jax.custom_vjp
     def attention(q, k, v, bias, alibi, seed):
-        return fwd((q, k, v), bias, alibi, seed)[0]
+        out, lse = fwd((q, k, v), bias, alibi, seed)
+        return (out, lse) if with_lse else out
 
     def forward(*primals):
         # symbolic_zeros: each argument comes as a CustomVJPPrimal. A bias that is not differentiated (a
@@ -486,10 +503,13 @@ def _batch_attention(opts: _Options):
         bias_grad = primals[3] is not None and primals[3].perturbed
         q, k, v, bias, alibi, seed = (None if x is None else x.value for x in primals)
         out, lse = fwd((q, k, v), bias, alibi, seed)
-        return out, (q, k, v, out, lse, bias, alibi, seed, _BiasGrad(bias_grad))
+        return ((out, lse) if with_lse else out), (q, k, v, out, lse, bias, alibi, seed, _BiasGrad(bias_grad))
 
-    def backward(residuals, dout):
+    def backward(residuals, cotangent):
         q, k, v, out, lse, bias, alibi, seed, bias_grad = residuals
+        dout = cotangent[0] if with_lse else cotangent
+        if with_lse:
+            _lse_cotangent_is_zero(cotangent[1])
         if isinstance(dout, SymbolicZero):  # nothing flows back
             return (None,) * 6
         grads = bwd[bias_grad.wanted]((dout, q, k, v, out, lse), bias, alibi, seed)
@@ -501,8 +521,9 @@ def _batch_attention(opts: _Options):
 
 
 @functools.cache
-def _varlen_attention(opts: _Options):
-    """attention(q, k, v, cu_q, cu_k, alibi, seed), with None for absent slopes or seed."""
+def _varlen_attention(opts: _Options, with_lse: bool = False):
+    """attention(q, k, v, cu_q, cu_k, alibi, seed) -> out, or (out, lse) with_lse, with None for absent
+    slopes or seed."""
     def call(kind, arrays, cu_q, cu_k, alibi, seed):
         q, k, v = arrays[:3] if kind == "varlen_fwd" else arrays[1:4]
         problem = _varlen_problem(q, k, v, cu_q, cu_k, opts, alibi)
@@ -510,43 +531,54 @@ def _varlen_attention(opts: _Options):
 
     @jax.custom_vjp
     def attention(q, k, v, cu_q, cu_k, alibi, seed):
-        return call("varlen_fwd", (q, k, v), cu_q, cu_k, alibi, seed)[0]
-
-    def forward(q, k, v, cu_q, cu_k, alibi, seed):
         out, lse = call("varlen_fwd", (q, k, v), cu_q, cu_k, alibi, seed)
-        return out, (q, k, v, cu_q, cu_k, alibi, seed, out, lse)
+        return (out, lse) if with_lse else out
 
-    def backward(residuals, dout):
+    def forward(*primals):  # symbolic_zeros: CustomVJPPrimal arguments
+        q, k, v, cu_q, cu_k, alibi, seed = (None if x is None else x.value for x in primals)
+        out, lse = call("varlen_fwd", (q, k, v), cu_q, cu_k, alibi, seed)
+        return ((out, lse) if with_lse else out), (q, k, v, cu_q, cu_k, alibi, seed, out, lse)
+
+    def backward(residuals, cotangent):
         q, k, v, cu_q, cu_k, alibi, seed, out, lse = residuals
+        dout = cotangent[0] if with_lse else cotangent
+        if with_lse:
+            _lse_cotangent_is_zero(cotangent[1])
+        if isinstance(dout, SymbolicZero):  # nothing flows back
+            return (None,) * 7
         dq, dk, dv = call("varlen_bwd", (dout, q, k, v, out, lse), cu_q, cu_k, alibi, seed)
         return dq, dk, dv, None, None, None, None  # offsets, slopes and seed take no gradient
 
-    attention.defvjp(forward, backward)
+    attention.defvjp(forward, backward, symbolic_zeros=True)
     return attention
 
 
 def _padded_head_dims(q, k, v, problem: AttentionProblem, options: dict):
-    """((q, k, v) with their head dims zero-padded to multiples of 8, a function cutting the output back to
-    Dv), and `options` given the unpadded default scale. The launch programs carry no head-padding copies
+    """((q, k, v) with their head dims zero-padded to multiples of 8, a function cutting out, or (out, lse),
+    back to Dv), and `options` given the unpadded default scale. The launch programs carry no head-padding copies
     (mha_fwd's widen and narrow passes), so the padding happens here, where jax differentiates it: the
     zero columns add nothing to Q K^T, give zero output columns, and their gradients are cut off."""
     dqk, dv = problem.head_dim_qk, problem.head_dim_v
     if dqk % 8 == 0 and dv % 8 == 0:
-        return (q, k, v), lambda out: out
+        return (q, k, v), lambda result: result
     options["softmax_scale"] = problem.softmax_scale  # 1/sqrt(D) of the unpadded D unless given
 
     def widen(x):
         pad = -x.shape[-1] % 8
         return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
-    return (widen(q), widen(k), widen(v)), lambda out: out[..., :dv]
+    def narrow(result):  # out, or (out, lse)
+        return (result[0][..., :dv], result[1]) if isinstance(result, tuple) else result[..., :dv]
+
+    return (widen(q), widen(k), widen(v)), narrow
 
 
 # ------------------------------------------------------------------------------------ public API
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), causal_alignment="top_left",
-                    deterministic=False, bias=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None):
+                    deterministic=False, bias=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+                    return_lse=False):
     """Attention with gradients, for jit, grad and vmap: q [B, Sq, Hq, D], k [B, Sk, Hk, D],
     v [B, Sk, Hk, Dv] (fp16 or bf16, on a GPU) -> out [B, Sq, Hq, Dv].
 
@@ -560,26 +592,32 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     [B, Hq], adding -slope * |i + off - j| (no gradient); not together with a bias. dropout_rate: a
     Python float in [0, 1); with dropout_rate > 0, dropout_rng (a jax PRNG key) seeds the mask, the same
     in the forward and the backward (philox_seed_offset(dropout_rng) gives its seed and offset).
+
+    return_lse=True returns (out, lse): lse float32 [B, Hq, Sq], the log-sum-exp of each row's scaled
+    scores (-inf for a row that sees no key). lse carries no gradient: differentiating through it raises
+    FmhaNotImplementedError when jax traces the backward.
     """
     options = _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate)
     bias, alibi_slopes = _array(bias), _array(alibi_slopes)
     # shape errors before platform errors
     problem = _batch_problem(q, k, v, _Options(**options, arch=""), bias, alibi_slopes)
     key = _dropout_key(options["dropout_p"], dropout_rng)
+    with_lse = _static_bool("return_lse", return_lse)
     (q, k, v), unpad = _padded_head_dims(q, k, v, problem, options)
-    attention = _batch_attention(_Options(**options, arch=_gpu_arch()))
+    attention = _batch_attention(_Options(**options, arch=_gpu_arch()), with_lse)
     return unpad(attention(q, k, v, bias, alibi_slopes, None if key is None else _philox_words(key)))
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            softmax_scale=None, window=(-1, -1), causal_alignment="top_left", deterministic=False,
-                           bias=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None):
+                           bias=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None, return_lse=False):
     """Attention over packed sequences, with gradients: q [total_q, Hq, D], k/v [total_k, Hk, D],
     cu_seqlens_q/k int32 [B + 1] jax arrays (sequence b is rows cu[b]:cu[b+1]), max_seqlen_q/k Python
     ints bounding every sequence (static under jit) -> out [total_q, Hq, Dv]. The offsets are used as
     they are: under jit they cannot be checked on the host. Masks apply per sequence; options as in
     flash_attention, with alibi_slopes [Hq] or [B, Hq] (B sequences) and dropout, but no bias (the
-    kernels take none with variable-length sequences). Under vmap the calls run one after another."""
+    kernels take none with variable-length sequences). Under vmap the calls run one after another.
+    return_lse=True returns (out, lse), lse float32 [Hq, total_q], without a gradient (as flash_attention)."""
     options = _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate)
     if bias is not None:
         raise FmhaNotImplementedError("a tensor bias is not supported with variable-length sequences "
@@ -590,7 +628,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, _Options(**options, arch="", **seqlens),
                               alibi_slopes)
     key = _dropout_key(options["dropout_p"], dropout_rng)
+    with_lse = _static_bool("return_lse", return_lse)
     (q, k, v), unpad = _padded_head_dims(q, k, v, problem, options)
-    attention = _varlen_attention(_Options(**options, arch=_gpu_arch(), **seqlens))
+    attention = _varlen_attention(_Options(**options, arch=_gpu_arch(), **seqlens), with_lse)
     return unpad(attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                            None if key is None else _philox_words(key)))

@@ -304,6 +304,7 @@ def test_on_cpu_flash_attention_says_the_gpu_platform_is_absent():
     (qkv(), {"window": (-2, 0)}, FmhaValueError, "window"),
     (qkv(), {"causal_alignment": "middle"}, FmhaValueError, "causal_alignment"),
     (qkv(), {"deterministic": 1}, FmhaTypeError, "deterministic"),
+    (qkv(), {"return_lse": 1}, FmhaTypeError, "return_lse must be a Python bool"),
 ])
 def test_validation_comes_before_the_platform(args, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -608,6 +609,54 @@ def test_head_dims_that_are_not_multiples_of_8_run_zero_padded(reference_calls, 
     for i in range(2):
         np.testing.assert_allclose(np.asarray(mapped[i], np.float32),
                                    np.asarray(fj.flash_attention(qs[i], ks[i], vs[i], **kwargs), np.float32))
+
+
+def test_return_lse_gives_the_reference_lse_without_a_gradient(reference_calls):
+    """return_lse=True: (out, lse [B, Hq, Sq]) as the reference has them, also at a padded head dim and
+    under vmap; gradients through out as without it; a gradient through lse is refused at trace time,
+    and lse under stop_gradient is fine."""
+    seed = random.randrange(2**31)
+    q, k, v = qkv(sq=72, sk=56, d=12, dv=16, dtype=jnp.float16, seed=seed)
+    p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
+    out, lse = fj.flash_attention(q, k, v, causal=True, return_lse=True)
+    want_out, want_lse = _reference(q, k, v, p)
+    assert out.shape == want_out.shape and lse.shape == (2, 4, 72) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), rtol=1e-3, atol=1e-3,
+                               err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
+
+    def through_out(q, k, v):
+        out, lse = fj.flash_attention(q, k, v, causal=True, return_lse=True)
+        return (out.astype(jnp.float32) ** 2).sum() + jax.lax.stop_gradient(lse).sum()
+
+    got = jax.grad(through_out, argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(_loss(lambda q, k, v: fj.flash_attention(q, k, v, causal=True)), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(FmhaNotImplementedError, match="lse .*carries no gradient"):
+        jax.grad(lambda q: fj.flash_attention(q, k, v, return_lse=True)[1].sum())(q)
+    qs = jnp.stack([q, q[::-1]])
+    mapped_out, mapped_lse = jax.vmap(lambda q: fj.flash_attention(q, k, v, causal=True, return_lse=True))(qs)
+    assert mapped_out.shape == (2, *out.shape) and mapped_lse.shape == (2, *lse.shape)
+    np.testing.assert_array_equal(np.asarray(mapped_lse[0]), np.asarray(lse))
+
+
+def test_varlen_return_lse(reference_calls):
+    lengths = [50, 0, 30]
+    cu = jnp.array(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    q, k, v = (x[0, :80] for x in qkv(b=1, sq=128, sk=128, dtype=jnp.float16, seed=random.randrange(2**31)))
+    out, lse = fj.flash_attention_varlen(q, k, v, cu, cu, 50, 50, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 80)
+    for b, n in enumerate(lengths):
+        rows = slice(int(cu[b]), int(cu[b]) + n)
+        if n:
+            _, want = fj.flash_attention(q[None, rows], k[None, rows], v[None, rows], causal=True, return_lse=True)
+            np.testing.assert_allclose(np.asarray(lse[:, rows]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda q: fj.flash_attention_varlen(q, k, v, cu, cu, 50, 50, return_lse=True)[0]
+                    .astype(jnp.float32).sum())(q)
+    assert grad.shape == q.shape and bool(jnp.isfinite(grad).all())
+    with pytest.raises(FmhaNotImplementedError, match="carries no gradient"):
+        jax.grad(lambda q: fj.flash_attention_varlen(q, k, v, cu, cu, 50, 50, return_lse=True)[1].sum())(q)
 
 
 # ------------------------------------------------ bias, ALiBi and dropout through the custom_vjp
@@ -1124,6 +1173,10 @@ def test_the_kernels_at_head_dims_that_are_not_multiples_of_8(interpreted_calls,
     _assert_close(f"out (seed {seed})", out, want_out)
     for n, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
         _assert_close(f"{n} (seed {seed})", got, ref)
+    _, lse = jax.jit(lambda q, k, v, bias: fj.flash_attention(q, k, v, bias=bias, causal=True, return_lse=True))(
+        q, k, v, bias)
+    _, want_lse = reference.mha_fwd_ref(_f64(q), _f64(k), _f64(v), window=(-1, 0), bias=_f64(bias))
+    _assert_close(f"lse (seed {seed})", lse, want_lse)
 
     lengths = [23, 0, 17]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -1144,7 +1197,7 @@ def test_the_kernels_at_head_dims_that_are_not_multiples_of_8(interpreted_calls,
     for n, got, ref in zip(("dq", "dk", "dv"), grads, want):
         _assert_close(f"varlen {n} (seed {seed})", got, ref)
     dims = [(kind, p.head_dim_qk, p.head_dim_v) for kind, p in interpreted_calls]
-    assert dims == [("fwd", 16, 24), ("bwd", 16, 24), ("varlen_fwd", 8, 8), ("varlen_bwd", 8, 8)]
+    assert dims == [("fwd", 16, 24), ("bwd", 16, 24), ("fwd", 16, 24), ("varlen_fwd", 8, 8), ("varlen_bwd", 8, 8)]
 
 
 def test_a_symbolic_zero_cotangent_needs_no_backward(pretend_gpu):

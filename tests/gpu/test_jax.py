@@ -101,6 +101,25 @@ def test_values_and_gradients_match_the_reference(case, dtype):
         assert_close(name, got, ref)
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_return_lse_matches_the_reference(dtype):
+    """return_lse=True: lse float32 [B, Hq, Sq] of the kernels against the float64 reference; out unchanged;
+    varlen lse [Hq, total_q]; a gradient through lse is refused when jax traces the backward."""
+    q, k, v, _ = inputs(41, 2, 300, 260, 4, 2, 64, 64, DTYPES[dtype])
+    out, lse = jax.jit(lambda q, k, v: fj.flash_attention(q, k, v, causal=True, return_lse=True))(q, k, v)
+    want_out, want_lse = reference.mha_fwd_ref(f64(q), f64(k), f64(v), window=(-1, 0))
+    assert lse.dtype == jnp.float32 and lse.shape == (2, 4, 300)
+    assert_close("out", out, want_out)
+    assert_close("lse", lse, want_lse)
+    cu_q, cu_k = jnp.array([0, 300, 600], jnp.int32), jnp.array([0, 260, 520], jnp.int32)
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]  # the batch's two sequences, one after the other
+    _, varlen_lse = fj.flash_attention_varlen(*packed, cu_q, cu_k, 300, 260, causal=True, return_lse=True)
+    assert varlen_lse.shape == (4, 600)
+    assert_close("varlen lse", varlen_lse, np.concatenate([want_lse[0], want_lse[1]], axis=1))
+    with pytest.raises(fmha_rt.FmhaNotImplementedError, match="carries no gradient"):
+        jax.grad(lambda q: fj.flash_attention(q, k, v, return_lse=True)[1].sum())(q)
+
+
 def test_jit_compiles_once_and_reruns():
     traces = []
 
