@@ -4,6 +4,7 @@
     out = flash_attention(q, k, v, causal=True)        # q [B, Sq, Hq, D], k/v [B, Sk, Hk, D]: jax arrays
     out = flash_attention(q, k, v, bias=bias)          # bias [1|B, 1|Hq, Sq, Sk]: jax.grad gives dbias too
     out = flash_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    out, lse = flash_attention(q, k, v, return_lse=True)  # lse [B, Hq, Sq] float32, without a gradient
 
 How it runs. Shapes are static under jit, so when a call is traced fmha_rt validates it, plans its
 kernels for the GPU's arch and packs their arguments with placeholder pointers into a launch program
