@@ -471,13 +471,17 @@ class _BiasGrad:
     wanted: bool
 
 
-def _lse_cotangent_is_zero(dlse) -> None:
-    """The backward kernels take no gradient of lse (it would enter as Delta - dlse): refuse one at trace
-    time rather than drop it."""
+def _out_cotangent(cotangent, with_lse: bool):
+    """dout of a backward's cotangent (out's, or with_lse (out's, lse's)). The backward kernels take no
+    gradient of lse (it would enter as Delta - dlse): one is refused at trace time rather than dropped."""
+    if not with_lse:
+        return cotangent
+    dout, dlse = cotangent
     if not isinstance(dlse, SymbolicZero):
         raise FmhaNotImplementedError(
             "fmha_rt.jax: lse (return_lse=True) carries no gradient: the backward kernels take none for it. "
             "Differentiate through out only, or put lse under jax.lax.stop_gradient")
+    return dout
 
 
 @functools.cache
@@ -508,9 +512,7 @@ def _batch_attention(opts: _Options, with_lse: bool = False):
 
     def backward(residuals, cotangent):
         q, k, v, out, lse, bias, alibi, seed, bias_grad = residuals
-        dout = cotangent[0] if with_lse else cotangent
-        if with_lse:
-            _lse_cotangent_is_zero(cotangent[1])
+        dout = _out_cotangent(cotangent, with_lse)
         if isinstance(dout, SymbolicZero):  # nothing flows back
             return (None,) * 6
         grads = bwd[bias_grad.wanted]((dout, q, k, v, out, lse), bias, alibi, seed)
@@ -542,9 +544,7 @@ def _varlen_attention(opts: _Options, with_lse: bool = False):
 
     def backward(residuals, cotangent):
         q, k, v, cu_q, cu_k, alibi, seed, out, lse = residuals
-        dout = cotangent[0] if with_lse else cotangent
-        if with_lse:
-            _lse_cotangent_is_zero(cotangent[1])
+        dout = _out_cotangent(cotangent, with_lse)
         if isinstance(dout, SymbolicZero):  # nothing flows back
             return (None,) * 7
         dq, dk, dv = call("varlen_bwd", (dout, q, k, v, out, lse), cu_q, cu_k, alibi, seed)

@@ -4,7 +4,7 @@ TFLOP/s over each peer's. Like the Markdown, they are drawn from the JSON docume
 import os
 
 from . import peers, versus
-from .report import SUBJECT, groups, impl_order, points
+from .report import SUBJECT, groups, impl_order, peer_summaries, points
 
 
 def plot_name(stem, pass_name, dtype):
@@ -54,9 +54,7 @@ def _write_versus_plot(doc, out_dir, stem):
     from matplotlib.figure import Figure
     from matplotlib.ticker import MultipleLocator
 
-    rows = doc["rows"]
-    together = doc["header"].get("settings", {}).get("backward_turns_together", False)
-    found = versus.summaries(rows, [i for i in impl_order({r["impl"] for r in rows}) if i != SUBJECT], together)
+    found = peer_summaries(doc["rows"], doc["header"].get("settings", {}))
     if not found:
         return []
     panels = list(dict.fromkeys((s.pass_name, s.dtype) for s in found))

@@ -232,11 +232,16 @@ def _tflops_table(group):
     return _table(headings, body)
 
 
+def peer_summaries(rows, settings):
+    """versus.summaries of a record's rows against every peer in them, in the tables' order."""
+    peers_found = [impl for impl in impl_order({r["impl"] for r in rows}) if impl != SUBJECT]
+    return versus.summaries(rows, peers_found, settings.get("backward_turns_together", False))
+
+
 def _versus_section(rows, settings, merged):
     """fmha_rt over each peer: a line per (peer, pass, dtype), then each peer's points folded away. Rounds
     ahead only for one run's record (a merged one pairs rows of different runs)."""
-    found = versus.summaries(rows, [impl for impl in impl_order({r["impl"] for r in rows}) if impl != SUBJECT],
-                             settings.get("backward_turns_together", False))
+    found = peer_summaries(rows, settings)
     if not found:
         return []
     rounds = not merged and any(c.rounds_ahead for s in found for c in s.items)

@@ -75,12 +75,6 @@ def comparisons(rows, peer, backward_turns_together=False):
             for ours, theirs in _counterparts(rows, peer) if ours.get("tflops")]
 
 
-def failures(rows, peer):
-    """fmha_rt's rows without a figure (an error) at points where `peer` has one to compare with: a target
-    of "at least the peer on every point" is not met there, whatever the other points say."""
-    return [ours for ours, _ in _counterparts(rows, peer) if not ours.get("tflops")]
-
-
 @dataclasses.dataclass(frozen=True)
 class Summary:
     """One pass and dtype of comparisons against one peer."""
@@ -88,7 +82,9 @@ class Summary:
     pass_name: str
     dtype: str
     items: tuple
-    failed: tuple = ()  # fmha_rt's rows of this pass and dtype without a figure where the peer has one
+    # fmha_rt's rows of this pass and dtype without a figure (an error) where the peer has one: a target of
+    # "at least the peer on every point" is not met there, whatever the other points say
+    failed: tuple = ()
 
     @property
     def at_or_above(self):
@@ -119,10 +115,12 @@ def summaries(rows, peers, backward_turns_together=False):
     found = []
     for peer in peers:
         by_pass, failed = {}, {}
-        for c in comparisons(rows, peer, backward_turns_together):
-            by_pass.setdefault((c.pass_name, c.ours["dtype"]), []).append(c)
-        for row in failures(rows, peer):
-            failed.setdefault((row["pass"], row["dtype"]), []).append(row)
+        for ours, theirs in _counterparts(rows, peer):
+            key = (ours["pass"], ours["dtype"])
+            if ours.get("tflops"):
+                by_pass.setdefault(key, []).append(Comparison(ours["pass"], ours, theirs, backward_turns_together))
+            else:
+                failed.setdefault(key, []).append(ours)
         order = sorted(set(by_pass) | set(failed),
                        key=lambda k: (flops.PASSES.index(k[0]) if k[0] in flops.PASSES else 99, k[1]))
         found += [Summary(peer, p, d, tuple(by_pass.get((p, d), ())), tuple(failed.get((p, d), ()))) for p, d in order]
