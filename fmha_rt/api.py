@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from . import backend, executor, head_padding, plan_cache, portable_plan
+from . import backend, dispatch, executor, head_padding, plan_cache, portable_plan
 from .arrays import (ATTN_DTYPES, Arg, acquire_workspace, allocate_like, check_overlap, check_shape, finish_outputs,
                      framework, gpu_array, signatures)
 from .buffers import DeviceBuffer
@@ -392,11 +392,11 @@ def _forward(call: _Call, out, lse, record):
                                       ("lse", lse, _lse_shape(p), "float32")], call.inputs)
     # Head dims that are not multiples of 8 run on zero-padded copies in a scratch buffer, carved into
     # regions as the backward's workspace is (so a cached call has the replay allocate it).
-    scratch = portable_plan.fwd_scratch(p)
+    scratch = dispatch.fwd_scratch(p, call.arch)
     keep_alive, scratch_arg = acquire_workspace(call.device, call.stream, scratch.total_bytes, False, None)
     carve(scratch, scratch_arg, call.tensors)
     padding = head_padding.for_pass(p, call.arch, call.tensors, "fwd")
-    attention = portable_plan.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
+    attention = dispatch.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
     plan, launches = _recorded(record, call, _with_work(padding.before + attention + padding.after),
                                call.inputs, outputs, scratch_arg, scratch)
     executor.run(call.device, call.arch, launches, call.stream)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from .errors import FmhaValueError
-from . import launch as launch_module
+from . import backend, launch as launch_module
 from .launch import PreparedLaunch, Ready, log_config_enabled, log_launch
 from .packing import NULL, pointer_value
 from .registry import ALIGNED_STRIDE_PREFIX, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
@@ -99,9 +99,14 @@ def note_launched(keys, device: int) -> None:
 
 
 def last_launch_info() -> dict:
-    """Family and kernels of the most recent call on this thread."""
+    """Family and kernels of the most recent call on this thread. The family is the attention's: a call
+    that ran a kernel of another family (v3) names it, since the portable family also makes the
+    copies around every family's kernels (head padding, the backward's passes)."""
     last = getattr(_local, "last", None)
     if last is None:
         return {}
     keys, device = last
-    return {"family": "portable", "kernels": list(keys), "kernel": keys[-1] if keys else None, "device": device}
+    arch = backend.device(device).arch
+    families = {registry().entry(arch, key).family for key in keys}
+    family = next((f for f in sorted(families) if f != "portable"), "portable")
+    return {"family": family, "kernels": list(keys), "kernel": keys[-1] if keys else None, "device": device}

@@ -274,7 +274,7 @@ SHORT_FWD_MAX_SEQLEN_K = 2048
 
 def short_fwd(problem, arch) -> bool:
     """Whether `problem`'s forward takes the short-keys tile on `arch`."""
-    return (head_dim_tiles(problem) in SHORT_FWD_TILES.get(arch, {}) and _features(problem) == (BIAS_NONE, False)
+    return (head_dim_tiles(problem) in SHORT_FWD_TILES.get(arch, {}) and problem_features(problem) == (BIAS_NONE, False)
             and problem.causal and problem.seqlen_k <= SHORT_FWD_MAX_SEQLEN_K)
 
 
@@ -295,7 +295,7 @@ def tile_for(arch, pass_name, pair, bias_kind, dropout) -> Tile:
 # ------------------------------------------------------------------------------------------ variants
 
 
-def _pair_name(dqk, dv):
+def pair_name(dqk, dv):
     return f"d{dqk}" if dqk == dv else f"d{dqk}v{dv}"
 
 
@@ -304,12 +304,12 @@ def _feature_name(bias_kind, dropout):
 
 
 def fwd_key(dtype, pair, bias_kind, dropout, short=False):
-    key = f"fmha_fwd_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+    key = f"fmha_fwd_{dtype}_{pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
     return key + "_short" if short else key
 
 
 def dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head=False):
-    key = f"fmha_bwd_dkdv_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}_{strategy}"
+    key = f"fmha_bwd_dkdv_{dtype}_{pair_name(*pair)}_{_feature_name(bias_kind, dropout)}_{strategy}"
     return key + "_mha" if single_head else key
 
 
@@ -319,12 +319,12 @@ def single_head_dkdv(arch, pair) -> bool:
 
 
 def dq_key(dtype, pair, bias_kind, dropout):
-    return f"fmha_bwd_dq_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+    return f"fmha_bwd_dq_{dtype}_{pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
 
 
 def fused_key(dtype, pair, bias_kind, dropout, single_head=False, strategy=DQ_FUSED):
     """fmha_bwd_fused's variants: 'fmha_bwd_fused_...' (FUSED) or 'fmha_bwd_single_...' (SINGLE)."""
-    key = f"fmha_bwd_{strategy}_{dtype}_{_pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
+    key = f"fmha_bwd_{strategy}_{dtype}_{pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
     return key + "_mha" if single_head else key
 
 
@@ -348,10 +348,12 @@ def pad_key(dtype, widen):
 DROPOUT_MASK_KEY = "fmha_dropout_mask"
 
 
-def _variant(key, function, dtype, tile, constexprs, traits):
+def make_variant(key, function, dtype, tile, constexprs, traits, module=None):
+    """A variant of `function` (a SIGNATURES name) in the form variants() lists; `module` the source's
+    (default: the portable family's module of that function)."""
     signature = {name: (f"*{dtype}" if kind == "*T" else kind) for name, kind in SIGNATURES[function].items()}
     return {
-        "key": key, "module": KERNEL_MODULES[KERNEL_SOURCE[function]], "function": function,
+        "key": key, "module": module or KERNEL_MODULES[KERNEL_SOURCE[function]], "function": function,
         "signature": signature, "constexprs": constexprs, "num_warps": tile.num_warps,
         "num_stages": tile.num_stages, "traits": dict(traits, dtype=dtype),
     }
@@ -369,18 +371,18 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     out = []
     tile = tile_for(arch, "fwd", pair, bias_kind, dropout)
     constexprs, traits = tiled("fwd", tile)
-    out.append(_variant(fwd_key(dtype, pair, bias_kind, dropout), "fmha_fwd", dtype, tile,
+    out.append(make_variant(fwd_key(dtype, pair, bias_kind, dropout), "fmha_fwd", dtype, tile,
                         dict(constexprs, **features), dict(traits, deterministic=True)))
     short = SHORT_FWD_TILES.get(arch, {}).get(pair)
     if short and bias_kind == BIAS_NONE and not dropout:
         constexprs, traits = tiled("fwd", short)
-        out.append(_variant(fwd_key(dtype, pair, bias_kind, dropout, short=True), "fmha_fwd", dtype, short,
+        out.append(make_variant(fwd_key(dtype, pair, bias_kind, dropout, short=True), "fmha_fwd", dtype, short,
                             dict(constexprs, **features), dict(traits, deterministic=True, short_keys=True)))
     tile = tile_for(arch, "bwd_dkdv", pair, bias_kind, dropout)
     for strategy in BUILT_DQ_STRATEGIES[arch]:
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
             constexprs, traits = tiled("bwd_main", tile)
-            out.append(_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head), "fmha_bwd_dkdv",
+            out.append(make_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head), "fmha_bwd_dkdv",
                                 dtype, tile, dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC,
                                                   FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()),
                                                   GROUP_LOOP=not single_head,
@@ -391,7 +393,7 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
                                      single_head=single_head)))
     tile = tile_for(arch, "bwd_dq", pair, bias_kind, dropout)
     constexprs, traits = tiled("bwd_dq", tile)
-    out.append(_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
+    out.append(make_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
                         dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
     for strategy, tiles in ((DQ_FUSED, FUSED_TILES), (DQ_SINGLE, SINGLE_TILES)):
         if pair not in tiles.get(arch, {}):
@@ -406,7 +408,7 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
                      else single_built(arch, pair, bias_kind, dropout, single_head))
             if built:
                 key = fused_key(dtype, pair, bias_kind, dropout, single_head, strategy)
-                out.append(_variant(key, "fmha_bwd_fused", dtype, kv, dict(constexprs, GROUP_LOOP=not single_head),
+                out.append(make_variant(key, "fmha_bwd_fused", dtype, kv, dict(constexprs, GROUP_LOOP=not single_head),
                                     dict(traits, single_head=single_head)))
     return out
 
@@ -428,22 +430,22 @@ def variants(arch: str) -> list[dict]:
             rows = {"BLOCK_M": ROWS_TILE.block_m}
             if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch] or any(p[1] == d for p in FUSED_TILES.get(arch, {})):
                 # the two-kernel strategy's dQ kernel computes Delta and Lse2 itself
-                out.append(_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
+                out.append(make_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
                                     dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
                                                              "block_m": ROWS_TILE.block_m}))
             if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:
-                out.append(_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, ROWS_TILE,
+                out.append(make_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, ROWS_TILE,
                                     dict(rows, BLOCK_DQK=d), {"pass": "bwd_post", "head_dim_qk_tile": d,
                                                               "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
-        out.append(_variant(dbias_key(dtype), "fmha_bwd_dbias", dtype, DBIAS_TILE,
+        out.append(make_variant(dbias_key(dtype), "fmha_bwd_dbias", dtype, DBIAS_TILE,
                             {"BLOCK_M": DBIAS_TILE.block_m, "BLOCK_N": DBIAS_TILE.block_n},
                             {"pass": "bwd_dbias", "block_m": DBIAS_TILE.block_m, "block_n": DBIAS_TILE.block_n,
                              "deterministic": True}))
         for widen in (True, False):
-            out.append(_variant(pad_key(dtype, widen), "fmha_pad", dtype, PAD_TILE,
+            out.append(make_variant(pad_key(dtype, widen), "fmha_pad", dtype, PAD_TILE,
                                 dict(PAD_CONSTEXPRS, WIDEN=widen),
                                 {"pass": "pad_widen" if widen else "pad_narrow", "block_m": PAD_TILE.block_m}))
-    mask = _variant(DROPOUT_MASK_KEY, "fmha_dropout_mask", "u8", MASK_TILE,
+    mask = make_variant(DROPOUT_MASK_KEY, "fmha_dropout_mask", "u8", MASK_TILE,
                     {"BLOCK_M": MASK_TILE.block_m, "BLOCK_N": MASK_TILE.block_n},
                     {"pass": "dropout_mask", "block_m": MASK_TILE.block_m, "block_n": MASK_TILE.block_n})
     out.append(mask)
@@ -539,12 +541,12 @@ def dq_strategy(problem, arch, requested=None) -> str:
                              f"{DQ_SINGLE!r}, got {requested!r}")
     pair = head_dim_tiles(problem)
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
-    fused = fused_built(arch, pair, *_features(problem))
-    single = single_built(arch, pair, *_features(problem), single_head)
+    fused = fused_built(arch, pair, *problem_features(problem))
+    single = single_built(arch, pair, *problem_features(problem), single_head)
     if requested in (DQ_SINGLE, DQ_FUSED):
         single_asked = requested == DQ_SINGLE
         if not (single if single_asked else fused):
-            pairs = ", ".join(_pair_name(*p) for p in (SINGLE_TILES if single_asked else FUSED_TILES).get(arch, {}))
+            pairs = ", ".join(pair_name(*p) for p in (SINGLE_TILES if single_asked else FUSED_TILES).get(arch, {}))
             if arch in MEASURED_ONLY:
                 what = " without bias or dropout" + (", one query head per key head" if single_asked else "")
             else:
@@ -592,7 +594,7 @@ def _ds_shape(problem):
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def _carve(wanted):
+def carve(wanted):
     """(name, shape, zero_init, dtype) -> (regions at WORKSPACE_ALIGN-aligned offsets, total bytes)."""
     regions, offset = [], 0
     for name, shape, zero, dtype in wanted:
@@ -620,8 +622,8 @@ def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
         wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True, "fp32"))
     if problem.bias_grad:
         wanted.append(("ds", _ds_shape(problem), True, "fp32"))
-    wanted += _padding_regions(problem, "bwd")
-    regions, total = _carve(wanted)
+    wanted += padding_regions(problem, "bwd")
+    regions, total = carve(wanted)
     return Workspace(regions, total, strategy, 1 if strategy == DQ_ATOMIC else 0)
 
 
@@ -671,14 +673,14 @@ def _padded_shape(problem, t):
     return lead + (heads, padded_head_dim(t.head_dim))
 
 
-def _padding_regions(problem, pass_name):
+def padding_regions(problem, pass_name):
     return [(t.region, _padded_shape(problem, t), False, problem.dtype) for t in padded_tensors(problem, pass_name)]
 
 
 def fwd_scratch(problem) -> Scratch:
     """Scratch memory of a forward: one '<name>_padded' region per tensor of padded_tensors(problem,
     'fwd'); no regions (0 bytes) when both head dims are multiples of 8. Nothing needs zeroing."""
-    return Scratch(*_carve(_padding_regions(problem, "fwd")))
+    return Scratch(*carve(padding_regions(problem, "fwd")))
 
 
 def plan_head_padding(problem, arch, tensors, pass_name) -> tuple[list, list, dict]:
@@ -692,7 +694,7 @@ def plan_head_padding(problem, arch, tensors, pass_name) -> tuple[list, list, di
     """
     _arch_tiles(arch)
     before, after, substitutes = [], [], {}
-    a = _Args(problem, tensors)
+    a = Args(problem, tensors)
     varlen = a.varlen()
     for t in padded_tensors(problem, pass_name):
         q_side = t.side == "q"
@@ -716,13 +718,13 @@ def plan_head_padding(problem, arch, tensors, pass_name) -> tuple[list, list, di
                 "padded_dim_div8": padded_head_dim(t.head_dim) // 8,
                 "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
         blocks = _cdiv(seqlen * heads, PAD_TILE.block_m)
-        if not (_has_work(problem) and blocks):
+        if not (has_work(problem) and blocks):
             continue
         if blocks >= 2 ** 31 or problem.batch > MAX_GRID_YZ:
             raise FmhaNotImplementedError(f"{t.name}: {seqlen} rows x {heads} heads in {problem.batch} sequences "
                                           "exceed the grid of the padding copy")
         key = pad_key(problem.dtype, not t.is_output)
-        launch = Launch(key, (blocks, problem.batch, 1), _ordered(key, "fmha_pad", args))
+        launch = Launch(key, (blocks, problem.batch, 1), ordered(key, "fmha_pad", args))
         (after if t.is_output else before).append(launch)
     return before, after, substitutes
 
@@ -739,7 +741,7 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-class _Args:
+class Args:
     """Builds the runtime argument dict of one launch from the call's tensors and strides."""
 
     def __init__(self, problem, tensors):
@@ -852,14 +854,14 @@ class _Args:
                 "philox_offset": int(offset)}
 
 
-def _grid(blocks, problem):
+def launch_grid(blocks, problem):
     if problem.heads_q > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
         raise FmhaNotImplementedError(f"heads ({problem.heads_q}) and batch ({problem.batch}) must be <= "
                                       f"{MAX_GRID_YZ} (grid limits)")
     return (blocks, problem.heads_q, problem.batch)
 
 
-def _features(problem):
+def problem_features(problem):
     if problem.bias_shape is not None:
         kind = BIAS_TENSOR
     elif problem.alibi is not None:
@@ -869,7 +871,7 @@ def _features(problem):
     return kind, problem.has_dropout
 
 
-def _has_work(problem):
+def has_work(problem):
     return problem.batch > 0 and problem.seqlen_q > 0
 
 
@@ -881,12 +883,19 @@ def plan_fwd(problem, arch, tensors) -> list:
     and for dropout philox_seed and philox_offset (ints) or philox_seed_offset (device pointer).
     """
     pair = head_dim_tiles(problem)
-    kind, dropout = _features(problem)
+    kind, dropout = problem_features(problem)
     short = short_fwd(problem, arch)
     tile = SHORT_FWD_TILES[arch][pair] if short else tile_for(arch, "fwd", pair, kind, dropout)
-    if not _has_work(problem):
+    if not has_work(problem):
         return []
-    a = _Args(problem, tensors)
+    key = fwd_key(problem.dtype, pair, kind, dropout, short)
+    args = ordered(key, "fmha_fwd", fwd_args(problem, tensors))
+    return [Launch(key, launch_grid(_cdiv(problem.seqlen_q, tile.block_m), problem), args)]
+
+
+def fwd_args(problem, tensors) -> dict:
+    """The runtime arguments of fmha_fwd for `problem` (plan_fwd's tensors), by name."""
+    a = Args(problem, tensors)
     args = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "Out": a.required("out"),
             "Lse": a.required("lse")}
     args.update(a.score_terms())
@@ -898,8 +907,7 @@ def plan_fwd(problem, arch, tensors) -> list:
     args.update(a.shape())
     args.update(a.mask())
     args["scale_log2"] = problem.softmax_scale * math.log2(math.e)
-    key = fwd_key(problem.dtype, pair, kind, dropout, short)
-    return [Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem), _ordered(key, "fmha_fwd", args))]
+    return args
 
 
 def plan_dropout_mask(problem, arch, tensors) -> list:
@@ -908,16 +916,16 @@ def plan_dropout_mask(problem, arch, tensors) -> list:
     if not problem.has_dropout:
         raise FmhaValueError("the problem has no dropout (dropout_p == 0)")
     _arch_tiles(arch)
-    a = _Args(problem, tensors)
+    a = Args(problem, tensors)
     b, h, s, _ = a._given_strides("mask", 4)
     args = {"Mask": a.required("mask"), "mask_stride_b": b, "mask_stride_h": h, "mask_stride_s": s,
             "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k, "num_heads_q": problem.heads_q,
             "drop_threshold": dropout_threshold(problem.dropout_p)}
     args.update(a.philox())
-    if not _has_work(problem):
+    if not has_work(problem):
         return []
-    return [Launch(DROPOUT_MASK_KEY, _grid(_cdiv(problem.seqlen_q, MASK_TILE.block_m), problem),
-                   _ordered(DROPOUT_MASK_KEY, "fmha_dropout_mask", args))]
+    return [Launch(DROPOUT_MASK_KEY, launch_grid(_cdiv(problem.seqlen_q, MASK_TILE.block_m), problem),
+                   ordered(DROPOUT_MASK_KEY, "fmha_dropout_mask", args))]
 
 
 def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
@@ -930,12 +938,12 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     workspace buffer and zeroes the regions marked zero_init.
     """
     pair = head_dim_tiles(problem)
-    kind, dropout = _features(problem)
+    kind, dropout = problem_features(problem)
     workspace = bwd_workspace(problem, arch, dq_strategy_request)
     strategy = workspace.dq_strategy
-    if not _has_work(problem):
+    if not has_work(problem):
         return []
-    a = _Args(problem, tensors)
+    a = Args(problem, tensors)
     varlen, shape, mask = a.varlen(), a.shape(), a.mask()
     rows = {arg: a.rows(name, arg) for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"),
                                                       ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
@@ -971,14 +979,14 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
                "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
                "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
         key = preprocess_key(problem.dtype, pair[1])
-        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
-                               _ordered(key, "fmha_bwd_preprocess", pre)))
+        launches.append(Launch(key, launch_grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
+                               ordered(key, "fmha_bwd_preprocess", pre)))
     elif strategy == DQ_DETERMINISTIC:  # first: the dQ kernel writes the Delta and Lse2 that dK/dV reads
         tile = tile_for(arch, "bwd_dq", pair, kind, dropout)
         dq = {**attention, **rows["o"], **rows["dq"], "Out": a.required("out"), "dQ": a.required("dq")}
         key = dq_key(problem.dtype, pair, kind, dropout)
-        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
-                               _ordered(key, "fmha_bwd_dq", dq)))
+        launches.append(Launch(key, launch_grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
+                               ordered(key, "fmha_bwd_dq", dq)))
 
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     outputs = {**ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"), "dV": a.required("dv")}
@@ -987,14 +995,14 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         fused = {**attention, **outputs, **rows["dq"], **rows["o"], "Out": a.required("out"), "dQ": a.required("dq")}
         key = fused_key(problem.dtype, pair, kind, dropout, single_head, strategy)
         blocks = _cdiv(problem.seqlen_k, kv.block_n) + _cdiv(problem.seqlen_q, q.block_m) * problem.kv_group_size
-        grid = _grid(blocks, problem)
-        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_fused", fused)))
+        grid = launch_grid(blocks, problem)
+        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), ordered(key, "fmha_bwd_fused", fused)))
     else:
         tile = tile_for(arch, "bwd_dkdv", pair, kind, dropout)
         dkdv = {**attention, **dqacc_args, **outputs}
         key = dkdv_key(problem.dtype, pair, kind, dropout, strategy, single_head)
-        grid = _grid(_cdiv(problem.seqlen_k, tile.block_n), problem)
-        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), _ordered(key, "fmha_bwd_dkdv", dkdv)))
+        grid = launch_grid(_cdiv(problem.seqlen_k, tile.block_n), problem)
+        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), ordered(key, "fmha_bwd_dkdv", dkdv)))
 
     if strategy == DQ_ATOMIC:
         convert = {**dqacc_args, **rows["dq"], "dQ": a.required("dq"), "CuSeqlensQ": varlen["CuSeqlensQ"],
@@ -1002,8 +1010,8 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
                    "head_dim_qk_div8": shape["head_dim_qk_div8"], "softmax_scale": problem.softmax_scale,
                    "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
         key = dq_convert_key(problem.dtype, pair[0])
-        launches.append(Launch(key, _grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
-                               _ordered(key, "fmha_bwd_dq_convert", convert)))
+        launches.append(Launch(key, launch_grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
+                               ordered(key, "fmha_bwd_dq_convert", convert)))
 
     if problem.bias_grad:
         b, h, s, _ = a._given_strides("dbias", 4)
@@ -1018,11 +1026,11 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         key = dbias_key(problem.dtype)
         grid = (_cdiv(problem.seqlen_q, DBIAS_TILE.block_m), 1 if head_bcast else problem.heads_q,
                 1 if batch_bcast else problem.batch)
-        launches.append(Launch(key, grid, _ordered(key, "fmha_bwd_dbias", dbias)))
+        launches.append(Launch(key, grid, ordered(key, "fmha_bwd_dbias", dbias)))
     return launches
 
 
-def _ordered(key, function, args):
+def ordered(key, function, args):
     """The runtime arguments of `function` in signature order; every one must be present."""
     names = [n for n, kind in SIGNATURES[function].items() if kind != "constexpr"]
     missing = [n for n in names if n not in args]

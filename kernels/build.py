@@ -29,6 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAMILIES = {
     "selftest": "kernels.selftest.selftest",
     "portable": "fmha_rt.portable_plan",
+    "v3": "fmha_rt.v3_plan",
 }
 # Shared memory (LDS) one block may use: Hopper's opt-in maximum, MI300's 64 KiB, MI355's 160 KiB.
 SHARED_LIMIT = {"sm_90": 232448, "gfx942": 65536, "gfx950": 163840}
@@ -68,12 +69,15 @@ def compile_variant(arch: str, variant: dict) -> dict:
     os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")  # a third of the size, no run-time cost
     import triton
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     if triton.__version__ != TRITON_VERSION:
         raise SystemExit(f"build needs triton=={TRITON_VERSION}, found {triton.__version__}")
     fn = getattr(importlib.import_module(variant["module"]), variant["function"])
-    source = ASTSource(fn, signature=variant["signature"], constexprs=variant["constexprs"],
-                       attrs=divisibility_attrs(variant["signature"]))
+    # Gluon kernels (family v3) lay out their own shared memory and pipelines: num_stages does not apply.
+    source_class = GluonASTSource if variant.get("language") == "gluon" else ASTSource
+    source = source_class(fn, signature=variant["signature"], constexprs=variant["constexprs"],
+                          attrs=divisibility_attrs(variant["signature"]))
     started = time.perf_counter()
     # The deepest software pipeline that fits the shared memory a block may have: features such as a
     # bias tile or dropout bits take shared memory of their own, so a tile's stages are an upper bound.
@@ -86,8 +90,15 @@ def compile_variant(arch: str, variant: dict) -> dict:
         raise SystemExit(f"{variant['key']} on {arch} needs {kernel.metadata.shared} bytes of shared memory even "
                          f"with one stage, above the {SHARED_LIMIT[arch]} a block can have: choose a smaller tile")
     md = kernel.metadata
-    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
-        raise SystemExit(f"{variant['key']} on {arch} needs Triton scratch memory, which the runtime does not provide")
+    # The runtime provides global scratch where the plan declares it (the v3 family's TMA descriptors),
+    # so the compiler's figure must be the plan's; profile scratch it never provides.
+    scratch = (getattr(md, "global_scratch_size", 0), getattr(md, "global_scratch_align", 1))
+    declared = (variant.get("global_scratch", 0), variant.get("global_scratch_align", 1))
+    if scratch[0] != declared[0] or (scratch[0] and declared[1] % scratch[1]):
+        raise SystemExit(f"{variant['key']} on {arch} needs {scratch[0]} bytes of global scratch a program "
+                         f"(aligned to {scratch[1]}), its plan provides {declared[0]} (aligned to {declared[1]})")
+    if getattr(md, "profile_scratch_size", 0):
+        raise SystemExit(f"{variant['key']} on {arch} needs Triton profile scratch, which the runtime does not provide")
     binary = kernel.asm["cubin" if arch.startswith("sm_") else "hsaco"]
     return {"binary": binary, "symbol": md.name, "num_stages": stages, "shared": md.shared, "threads": md.num_warps * md.warp_size,
             "seconds": time.perf_counter() - started, "n_regs": getattr(kernel, "n_regs", None),
@@ -128,6 +139,8 @@ def build_one(job):
              "threads": result["threads"], "shared": result["shared"], "param_bytes": total, "params": layout,
              "traits": dict(variant.get("traits", {}), num_warps=variant["num_warps"],
                             num_stages=result["num_stages"])}
+    if variant.get("global_scratch"):
+        entry["traits"]["global_scratch"] = variant["global_scratch"]
     stats = {"key": variant["key"], "arch": arch, "seconds": round(result["seconds"], 2), "bytes": len(stored),
              "raw_bytes": len(result["binary"]), "n_regs": result["n_regs"], "n_spills": result["n_spills"]}
     return entry, stats

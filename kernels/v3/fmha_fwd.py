@@ -1,0 +1,241 @@
+"""Hopper attention forward (family v3), written in Gluon: warp specialisation, TMA copies, mbarriers
+and asynchronous warpgroup MMAs (wgmma), the structure of FlashAttention-3's forward.
+
+It takes the portable forward's arguments (fmha_rt/portable_plan.py, SIGNATURES["fmha_fwd"]), so one
+plan serves both families, and serves the calls without score terms or dropout: BIAS_KIND 0, DROPOUT
+False (the unused arguments are never read). One program per (BLOCK_M query rows, query head, batch
+entry), in three partitions:
+- two consumers (the default partition and a worker, 4 warps each: one warpgroup), BLOCK_M / 2 query
+  rows each; a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before the softmax of key
+  block j, so the two overlap, then O += P_j V_j with P_j from registers;
+- a loader (1 warp, 24 registers): TMA copies of the two Q tiles, then K and V through a ring of
+  STAGES buffers, each released by both consumers.
+Tensor descriptors are made on the device, per (sequence, head), so their bounds are the sequence's and
+the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Making them takes
+Triton's global scratch memory (manifest `global_scratch`, per program), which the runtime provides.
+
+Masking follows kernels/portable/fmha_common.py: key j is visible from query i iff
+i + off - left <= j <= i + off + right and j < Sk. The mask-free key blocks of the program's rows come
+first, then the masked ones; rows that see no key get O = 0 and LSE = -inf.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 fill 128 KiB beside Q's 32 KiB
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _sequence(CuSeqlens, Seqstart, b, seqlen, is_varlen, has_seqstart):
+    """(first physical row, length) of sequence b, as kernels/portable/fmha_common.sequence_extent."""
+    start = b * 0
+    length = seqlen
+    if is_varlen:
+        start = gl.load(CuSeqlens + b)
+        length = gl.load(CuSeqlens + b + 1) - start
+        if has_seqstart:
+            start = gl.load(Seqstart + b)
+    return start, length
+
+
+@gluon.jit
+def _key_block(t, n_free, lo, full_lo, full_hi):
+    """The t-th key block a program visits: the mask-free [full_lo, full_hi) first, then the masked
+    [lo, full_lo) and [full_hi, hi)."""
+    masked = t - n_free
+    leading = full_lo - lo
+    return gl.where(t < n_free, full_lo + t, gl.where(masked < leading, lo + masked, full_hi + masked - leading))
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+            m0, n_blocks, n_free, lo, full_lo, full_hi, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    for c in gl.static_range(2):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + c * HALF_M, 0], q_ready.index(c), q_smem.index(c))
+    for t in range(n_blocks):
+        stage = t % STAGES
+        free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
+        n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), free_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), free_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log2, s_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """P (unnormalised), the factor that rescales the running sums, and the new row max and sum."""
+    if masked:
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        diag = rows[:, None] + off
+        visible = (keys[None, :] >= diag - left) & (keys[None, :] <= diag + right) & (keys[None, :] < sk)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+    # Rows that have seen no visible key yet keep m = -inf; shifting them by 0 avoids inf - inf.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * scale_log2 - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, Lse_rows,
+              m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = m0 + c * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    q = q_smem.index(c)
+    dtype: gl.constexpr = v_smem.dtype
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF_M, BLOCK_DV], gl.float32, o_layout)
+    mbarrier.wait(q_ready.index(c), 0)
+    if n_blocks > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0))
+        for t in range(n_blocks - 1):
+            stage = t % STAGES
+            nxt = (t + 1) % STAGES
+            # S_{t+1} on the tensor core while block t's softmax runs on the other units
+            mbarrier.wait(k_ready.index(nxt), ((t + 1) // STAGES) & 1)
+            s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)),
+                                   gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t >= n_free, n0, rows, off, left, right, sk, scale_log2,
+                                               s_layout, BLOCK_N)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            mbarrier.wait(v_ready.index(stage), (t // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
+            acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
+            mbarrier.arrive(v_empty.index(stage))
+            mbarrier.arrive(k_empty.index(nxt))
+        last = n_blocks - 1
+        n0 = _key_block(last, n_free, lo, full_lo, full_hi) * BLOCK_N
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last >= n_free, n0, rows, off, left, right, sk, scale_log2,
+                                           s_layout, BLOCK_N)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last % STAGES), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last % STAGES))
+
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+    o_smem = q  # Q is no longer read: its tile takes O on its way out
+    o_smem.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [m0 + c * HALF_M, 0], o_smem)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    gl.store(Lse_rows + rows, lse, mask=rows < sq)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fmha_fwd(
+    Q, K, V, Out, Lse, Bias, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_o_b, stride_o_s, stride_o_h,
+    lse_stride_b, lse_stride_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr,
+):
+    gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
+    gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start, sq = _sequence(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    k_start, sk = _sequence(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+    m0 = m_block * BLOCK_M
+    if m0 >= sq:
+        return
+    off = gl.where(bottom_right != 0, sk - sq, 0)
+    unbounded = sq + sk
+    left = gl.where(window_left < 0, unbounded, window_left)
+    right = gl.where(window_right < 0, unbounded, window_right)
+    # key blocks the program's rows see, as kernels/portable/fmha_common.key_blocks
+    first_key = gl.maximum(m0 + off - left, 0)
+    end_key = gl.minimum(gl.maximum(m0 + BLOCK_M - 1 + off + right + 1, 0), sk)
+    lo = first_key // BLOCK_N
+    hi = gl.maximum(gl.cdiv(end_key, BLOCK_N), lo)
+    full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 + off - left, 0), BLOCK_N), lo), hi)
+    full_hi = gl.minimum(gl.maximum(gl.minimum(gl.maximum(m0 + off + right + 1, 0), sk) // BLOCK_N, full_lo), hi)
+    n_blocks = hi - lo
+    n_free = full_hi - full_lo
+
+    b64 = b.to(gl.int64)
+    h64 = h.to(gl.int64)
+    hk64 = (h // kv_group_size).to(gl.int64)
+    q_row0 = q_start.to(gl.int64)
+    k_row0 = k_start.to(gl.int64)
+    dqk = head_dim_qk_div8 * 8
+    dv = head_dim_v_div8 * 8
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_DQK], dtype)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_DV], dtype)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
+                                        [sq, dqk], [stride_q_s, 1], [HALF_M, BLOCK_DQK], q_layout)
+    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h,
+                                        [sq, dv], [stride_o_s, 1], [HALF_M, BLOCK_DV], o_layout)
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h,
+                                        [sk, dqk], [stride_k_s, 1], [BLOCK_N, BLOCK_DQK], k_layout)
+    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h,
+                                        [sk, dv], [stride_v_s, 1], [BLOCK_N, BLOCK_DV], v_layout)
+    Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
+
+    gl.static_assert(BLOCK_DQK == BLOCK_DV, "O's tile reuses Q's")
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_DQK], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DQK], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+
+    # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, Lse_rows,
+                     m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+                     HALF_M, BLOCK_N, BLOCK_DV)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, Lse_rows,
+                     m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+                     HALF_M, BLOCK_N, BLOCK_DV)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                   m0, n_blocks, n_free, lo, full_lo, full_hi, HALF_M, BLOCK_N)),
+    ], [4, 1], [240, 24])

@@ -1,0 +1,192 @@
+"""The v3 family on the CPU: its variants and the calls it serves, the forward's descriptor scratch, and
+calls through the public API on the stand-in runtime (fake_gpu.py): a served forward launches the v3
+kernel with its global scratch inside memory the call holds for it, and a plan-cache hit launches what an
+uncached call launches but for the addresses. The kernels run only on a GPU (tests/gpu/test_v3.py):
+Gluon has no interpreter."""
+import math
+
+import pytest
+
+import fmha_rt
+from fmha_rt import backend, dispatch, portable_plan as pp, v3_plan
+from fmha_rt.problem import AttentionProblem
+from fmha_rt.registry import SCRATCH_POINTERS, registry
+
+from test_plan_cache import Inputs, fwd, hits, uncached, unpack, varlen_fwd
+
+
+@pytest.fixture
+def v3_on(monkeypatch):
+    monkeypatch.setattr(v3_plan, "ENABLED", True)
+
+
+def problem(**changes):
+    shape = dict(batch=2, seqlen_q=300, seqlen_k=300, heads_q=8, heads_k=2, head_dim_qk=128, head_dim_v=128,
+                 dtype="bf16")
+    return AttentionProblem(**{**shape, **changes})
+
+
+def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
+    for arch in ("gfx942", "gfx950", pp.INTERPRET_ARCH):
+        assert v3_plan.variants(arch) == []
+    variants = v3_plan.variants("sm_90")
+    assert {v["key"] for v in variants} == {v3_plan.fwd_key(d, p) for d in pp.DTYPES for p in v3_plan.FWD_PAIRS}
+    portable_keys = {v["key"] for v in pp.variants("sm_90")}
+    for v in variants:
+        dtype = v["traits"]["dtype"]
+        assert v["key"] not in portable_keys
+        assert v["signature"] == pp.make_variant("k", "fmha_fwd", dtype, v3_plan.FWD_TILE, {}, {})["signature"]
+        assert (v["module"], v["function"], v["language"]) == ("kernels.v3.fmha_fwd", "fmha_fwd", "gluon")
+        assert v["global_scratch"] == v3_plan.GLOBAL_SCRATCH["fmha_fwd"]
+        assert v["constexprs"]["BIAS_KIND"] == pp.BIAS_NONE and v["constexprs"]["DROPOUT"] is False
+
+
+def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch):
+    monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
+    entries = [e for e in registry().kernels_for("sm_90") if e.family == v3_plan.FAMILY]
+    assert sorted(e.key for e in entries) == sorted(v["key"] for v in v3_plan.variants("sm_90"))
+    for e in entries:
+        # the build checked the compiler's figure against the plan's; the manifest records it
+        assert e.traits["global_scratch"] == v3_plan.GLOBAL_SCRATCH["fmha_fwd"]
+        assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
+        assert e.threads == 12 * 32  # two consumer warpgroups and a loader warp, in whole warpgroups
+
+
+SERVED = {
+    "bf16 D=128 GQA": dict(),
+    "fp16 D=64": dict(dtype="fp16", head_dim_qk=64, head_dim_v=64),
+    "causal bottom-right": dict(window_right=0, bottom_right=True, seqlen_k=500),
+    "window": dict(window_left=64, window_right=16),
+    "varlen": dict(varlen=True, total_q=700, total_k=900),
+    "head dim 100 (128 tile)": dict(head_dim_qk=100, head_dim_v=100),
+    "MQA": dict(heads_k=1),
+    "Dqk 64, Dv 128 (the 128 tile)": dict(head_dim_qk=64, head_dim_v=128),
+}
+NOT_SERVED = {
+    "head dim 256": dict(head_dim_qk=256, head_dim_v=256),
+    "head dim 32": dict(head_dim_qk=32, head_dim_v=32),
+    "192/128": dict(head_dim_qk=192, head_dim_v=128),
+    "bias": dict(bias_shape="1HSS"),
+    "alibi": dict(alibi="H"),
+    "dropout": dict(dropout_p=0.1),
+}
+
+
+@pytest.mark.parametrize("case", SERVED)
+def test_serves_its_calls_on_sm_90_when_enabled(case, v3_on, monkeypatch):
+    p = problem(**SERVED[case])
+    assert v3_plan.serves_fwd(p, "sm_90")
+    assert not v3_plan.serves_fwd(p, "gfx942")
+    monkeypatch.setattr(v3_plan, "ENABLED", False)
+    assert not v3_plan.serves_fwd(p, "sm_90")
+
+
+@pytest.mark.parametrize("case", NOT_SERVED)
+def test_leaves_the_rest_to_the_portable_family(case, v3_on):
+    p = problem(**NOT_SERVED[case])
+    assert not v3_plan.serves_fwd(p, "sm_90")
+    assert dispatch.fwd_scratch(p, "sm_90") == pp.fwd_scratch(p)
+
+
+def test_the_environment_switches_it(monkeypatch):
+    monkeypatch.setenv("FMHA_RT_V3", "1")
+    v3_plan.refresh_enabled()
+    assert v3_plan.ENABLED
+    monkeypatch.setenv("FMHA_RT_V3", "0")
+    v3_plan.refresh_enabled()
+    assert not v3_plan.ENABLED
+
+
+def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
+    p = problem(head_dim_qk=100, head_dim_v=100)
+    scratch = dispatch.fwd_scratch(p, "sm_90")
+    padding = pp.fwd_scratch(p)
+    assert padding.regions and scratch.regions[:-1] == padding.regions
+    descriptors = scratch.regions[-1]
+    programs = math.ceil(300 / 128) * 8 * 2
+    assert descriptors.name == v3_plan.DESCRIPTOR_REGION and not descriptors.zero_init
+    assert descriptors.nbytes == v3_plan.GLOBAL_SCRATCH["fmha_fwd"] * programs
+    assert descriptors.offset % v3_plan.GLOBAL_SCRATCH_ALIGN == 0 and descriptors.offset >= padding.total_bytes
+    assert scratch.total_bytes >= descriptors.offset + descriptors.nbytes
+    assert dispatch.fwd_scratch(problem(seqlen_q=0), "sm_90").total_bytes == 0  # no programs, no descriptors
+
+
+def test_plan_is_the_portable_launch_with_the_v3_kernel_and_the_descriptors(v3_on):
+    p = problem(window_right=0)
+    tensors = {name: pp_pointer(i) for i, name in enumerate(("q", "k", "v", "out", "lse", v3_plan.DESCRIPTOR_REGION))}
+    tensors.update(q_strides=(300 * 8 * 128, 8 * 128, 128, 1), out_strides=(300 * 8 * 128, 8 * 128, 128, 1),
+                   k_strides=(300 * 2 * 128, 2 * 128, 128, 1), v_strides=(300 * 2 * 128, 2 * 128, 128, 1),
+                   lse_strides=(8 * 300, 300, 1))
+    (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
+    (portable,) = pp.plan_fwd(p, "sm_90", tensors)
+    assert launch.variant == v3_plan.fwd_key("bf16", (128, 128))
+    assert launch.grid == (3, 8, 2)
+    assert launch.args == {**portable.args, "global_scratch": tensors[v3_plan.DESCRIPTOR_REGION]}
+    assert dispatch.plan_fwd(problem(seqlen_q=0, window_right=0), "sm_90", tensors) == []
+
+
+def pp_pointer(i):
+    return fmha_rt.Pointer(0x7F0000000000 + (i << 24))
+
+
+def allocations_of(rt, monkeypatch):
+    """(address, bytes) of every allocation the stand-in makes from here on."""
+    made = []
+    allocate = rt.mem_alloc
+
+    def recording(ordinal, nbytes, stream=0):
+        ptr = allocate(ordinal, nbytes, stream)
+        made.append((ptr, nbytes))
+        return ptr
+
+    monkeypatch.setattr(backend, "mem_alloc", recording)
+    return made
+
+
+def scratch_of(args, made):
+    ptr = args["global_scratch"]
+    return next(((start, n) for start, n in made if start <= ptr < start + n), None)
+
+
+@pytest.mark.parametrize("make, shape, options, kernel", [
+    (fwd, {}, {}, "fmha_fwd_v3_fp16_d64"),
+    (fwd, {"hq": 8, "hk": 2, "d": 128}, {"causal": True}, "fmha_fwd_v3_fp16_d128"),
+    (fwd, {"d": 56}, {"window": (16, 8), "causal_alignment": "bottom_right"}, "fmha_fwd_v3_fp16_d64"),
+    (varlen_fwd, {"hq": 8, "hk": 2, "varlen": True}, {"causal": True}, "fmha_fwd_v3_fp16_d64"),
+], ids=["MHA", "GQA causal D=128", "window bottom-right D=56", "varlen"])
+def test_a_served_call_launches_the_v3_kernel_and_a_hit_launches_the_same(monkeypatch, rt, driver, v3_on, make,
+                                                                            shape, options, kernel):
+    made = allocations_of(rt, monkeypatch)
+    first, second = Inputs(rt, **shape), Inputs(rt, **shape)
+    expected = uncached(monkeypatch, driver, make(second, **options))
+    (launch,) = [item for item in expected if item[0].startswith("fmha_fwd")]
+    assert launch[0] == kernel
+    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    args = unpack(kernel, launch[2])
+    assert args["Q"] == second.q.ptr and args["profile_scratch"] == 0
+    descriptors = v3_plan.GLOBAL_SCRATCH["fmha_fwd"] * math.prod(launch[1])
+    start, nbytes = scratch_of(args, made)  # inside a buffer the call allocated, with room for every program
+    assert args["global_scratch"] % v3_plan.GLOBAL_SCRATCH_ALIGN == 0
+    assert args["global_scratch"] + descriptors <= start + nbytes
+    for _ in range(2):  # seen twice: recorded; then a hit
+        make(first, **options)()
+    driver.take()
+    make(second, **options)()
+    assert hits() == 1
+    got = driver.take()
+    assert [item[0] for item in got] == [item[0] for item in expected]
+    hit_args = [unpack(key, packed) for key, _, packed, _ in got]
+    planned_args = [unpack(key, packed) for key, _, packed, _ in expected]
+    for hit, planned in zip(hit_args, planned_args):
+        # a hit takes the stream's kept buffer for its scratch: every other byte is the uncached call's
+        assert {**hit, "global_scratch": 0} == {**planned, "global_scratch": 0}
+    assert any("global_scratch" in a and a["global_scratch"] for a in hit_args)
+
+
+def test_a_call_it_does_not_serve_runs_and_reports_the_portable_family(monkeypatch, rt, driver, v3_on):
+    x = Inputs(rt, bias=(1, 4, 64, 64))
+    fwd(x)()
+    (launch,) = driver.take()
+    assert launch[0].startswith("fmha_fwd_fp16_d64_bias") and "global_scratch" not in launch[0]
+    assert unpack(launch[0], launch[2])["global_scratch"] == 0
+    assert fmha_rt.last_launch_info()["family"] == "portable"

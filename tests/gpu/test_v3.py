@@ -1,0 +1,120 @@
+"""The v3 forward (Hopper, Gluon) through the public API on the GPU, against the float64 reference.
+
+v3 runs where FMHA_RT_V3 enables it (fmha_rt/v3_plan.py); the fixture enables it for these tests and
+each test checks that the call really ran in the v3 family. Outputs are poisoned with NaN before a call,
+inputs are fresh random draws, errors are relative (below 1e-2; LSE below 1e-3).
+"""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fmha_rt  # noqa: E402
+from fmha_rt import reference, v3_plan  # noqa: E402
+from gpu_tensors import f64, nan_like, rand  # noqa: E402
+from test_attention import DTYPES, assert_close, mask_kwargs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def v3_enabled(monkeypatch):
+    monkeypatch.setattr(v3_plan, "ENABLED", True)
+    fmha_rt.clear_plan_cache()
+    yield
+    fmha_rt.clear_plan_cache()
+
+
+def forward(q, k, v, **opts):
+    B, Sq, Hq = q.shape[:3]
+    out, lse = nan_like((B, Sq, Hq, v.shape[-1]), q.dtype), nan_like((B, Hq, Sq), torch.float32)
+    fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, **opts)
+    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    return out, lse
+
+
+CASES = [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts
+    ("d128", 2, 512, 512, 4, 4, 128, 128, {}),
+    ("d128_causal_gqa", 2, 640, 640, 8, 2, 128, 128, {"causal": True}),
+    ("d64_mqa_partial_blocks", 1, 333, 777, 4, 1, 64, 64, {}),
+    ("d64_causal_br_sq_lt_sk", 2, 200, 650, 2, 2, 64, 64, {"causal": True, "causal_alignment": "bottom_right"}),
+    ("d96_causal_tl_sq_gt_sk", 2, 300, 130, 2, 2, 96, 96, {"causal": True}),
+    ("d80_window", 2, 333, 333, 3, 3, 80, 80, {"window": (40, 7)}),
+    ("d64_window_br", 1, 100, 257, 2, 2, 64, 64, {"window": (16, 16), "causal_alignment": "bottom_right"}),
+    ("d64_128", 1, 256, 384, 2, 2, 64, 128, {"causal": True}),
+    ("d56_short", 3, 17, 9, 2, 1, 56, 56, {}),
+    ("d128_large_scale", 1, 512, 512, 2, 2, 128, 128, {"softmax_scale": 0.3}),
+]
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_matches_reference(dtype_name, case):
+    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(hash(name) % 1000)
+    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    out, lse = forward(q, k, v, **opts)
+    ref = dict(mask_kwargs(opts, Sq, Sk), softmax_scale=opts.get("softmax_scale"))
+    ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)
+    assert_close("out", out, ro)
+    assert_close("lse", lse, rl, tol=1e-3)
+
+
+def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
+    # bottom-right causal with Sq > Sk: the first Sq - Sk query rows see no key
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = rand((1, 200, 2, 64), torch.bfloat16, gen), rand((1, 64, 2, 64), torch.bfloat16, gen), \
+        rand((1, 64, 2, 64), torch.bfloat16, gen)
+    out, lse = forward(q, k, v, causal=True, causal_alignment="bottom_right")
+    assert torch.all(out[:, :136] == 0) and torch.all(torch.isneginf(lse[:, :, :136]))
+    assert not torch.isnan(out).any()
+    ro, _ = reference.mha_fwd_ref(f64(q), f64(k), f64(v), window=(-1, 0), bottom_right=True)
+    assert_close("out", out[:, 136:], ro[:, 136:])
+
+
+def test_varlen_with_empty_and_single_token_sequences():
+    lens_q, lens_k = [37, 0, 1, 300, 64], [50, 3, 1, 129, 0]
+    H, Hk, D = 4, 2, 128
+    cu_q = torch.tensor([0] + list(np.cumsum(lens_q)), device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(np.cumsum(lens_k)), device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = rand((tq, H, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen)
+    out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
+    fmha_rt.mha_varlen_fwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, lse=lse, causal=True,
+                           causal_alignment="bottom_right")
+    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cu_q.cpu().numpy(), cu_k.cpu().numpy(),
+                                          window=(-1, 0), bottom_right=True)
+    assert_close("out", out, ro)
+    assert_close("lse", lse, rl, tol=1e-3)
+
+
+def test_bitwise_equal_over_runs_streams_and_plan_cache_hits():
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (rand((2, 1000, 8, 128), torch.bfloat16, gen) for _ in range(3))
+    first, first_lse = forward(q, k, v, causal=True)
+    side = torch.cuda.Stream()
+    for run in range(10):  # the third call and later hit the plan cache (its own descriptor scratch)
+        stream = side if run % 2 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            out, lse = forward(q, k, v, causal=True)
+        stream.synchronize()
+        assert torch.equal(out, first) and torch.equal(lse, first_lse), f"run {run} differs"
+    assert fmha_rt.plan_cache_info()["hits"] >= 7
+
+
+def test_long_causal_sequence_and_the_rows_it_samples():
+    B, S, H, D = 1, 32768, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    q, k, v = (rand((B, S, H, D), torch.bfloat16, gen) for _ in range(3))
+    out, lse = forward(q, k, v, causal=True)
+    rows = torch.tensor([0, 1, 127, 128, 4097, 20000, S - 1], device="cuda")
+    scores = torch.einsum("bqhd,bkhd->bhqk", q[:, rows].double(), k.double()) / math.sqrt(D)
+    scores = scores.masked_fill(~(torch.arange(S, device="cuda")[None, :] <= rows[:, None])[None, None], float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v.double())
+    assert ((out[:, rows].double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.allclose(lse[:, :, rows].double(), torch.logsumexp(scores, -1), atol=1e-3)
+    assert not out.isnan().any() and not lse.isnan().any()
