@@ -9,6 +9,7 @@ Every adapter takes a `Case` (one copy of a point's tensors, flash-attn layout [
     launch_info()                  -> extra JSON fields for the row (fmha_rt: kernel family, kernel)
     workspace_bytes(case, det)     -> workspace a backward needs, where the API says so, else None
     has_varlen, has_deterministic  -> whether varlen rows and bwd_det rows are run at all
+    has_backward                   -> whether backward rows are run at all
 
 How each backward is timed:
 - fmha_rt: `mha_bwd` (or `mha_varlen_bwd`) on the out and lse of a forward run before timing, with
@@ -83,6 +84,7 @@ class _Adapter:
 
     has_varlen = False
     has_deterministic = False
+    has_backward = True
 
     def context(self):
         return contextlib.nullcontext()
@@ -162,6 +164,27 @@ class FmhaRtAdapter(_Adapter):
             return None
         return int(self.rt.bwd_workspace_bytes(case.q, case.k, case.v, causal=case.point.causal,
                                                deterministic=deterministic))
+
+
+class FmhaRtV3Adapter(FmhaRtAdapter):
+    """fmha_rt with the v3 family running what it serves (fmha_rt/v3_plan.py), beside the default in
+    one run: the forward only, as the family has no backward yet."""
+
+    has_backward = False
+
+    @contextlib.contextmanager
+    def context(self):
+        from fmha_rt import v3_plan
+
+        # The plan cache does not key on the family switch: plans cached with the other setting go.
+        was = v3_plan.ENABLED
+        self.rt.clear_plan_cache()
+        v3_plan.ENABLED = True
+        try:
+            yield
+        finally:
+            v3_plan.ENABLED = was
+            self.rt.clear_plan_cache()
 
 
 class _AutogradAdapter(_Adapter):
@@ -283,6 +306,7 @@ class PeerSpec:
 
 PEERS = (
     PeerSpec("fmha_rt", "fmha_rt (this package)", "fmha_rt", FmhaRtAdapter),
+    PeerSpec("fmha_rt_v3", "fmha_rt with the v3 family where it serves (forward)", "fmha_rt", FmhaRtV3Adapter),
     PeerSpec("sdpa_cudnn", "torch SDPA, cuDNN backend", "torch", lambda: SdpaAdapter("CUDNN_ATTENTION")),
     PeerSpec("sdpa_flash", "torch SDPA, flash backend", "torch", lambda: SdpaAdapter("FLASH_ATTENTION")),
     PeerSpec("sdpa_efficient", "torch SDPA, memory-efficient backend", "torch",
@@ -351,6 +375,8 @@ def unsupported(adapter, point):
         return "no varlen interface"
     if point.deterministic and not adapter.has_deterministic:
         return "no deterministic backward"
+    if point.backward and not adapter.has_backward:
+        return "forward only"
     return None
 
 

@@ -190,3 +190,21 @@ def test_a_call_it_does_not_serve_runs_and_reports_the_portable_family(monkeypat
     assert launch[0].startswith("fmha_fwd_fp16_d64_bias") and "global_scratch" not in launch[0]
     assert unpack(launch[0], launch[2])["global_scratch"] == 0
     assert fmha_rt.last_launch_info()["family"] == "portable"
+
+
+def test_the_bench_runs_the_v3_family_beside_the_default_forward_only(monkeypatch):
+    from fmha_rt.bench import grid, peers
+
+    adapter = peers.PEER_BY_NAME["fmha_rt_v3"].make()
+    cleared = []
+    monkeypatch.setattr(fmha_rt, "clear_plan_cache", lambda: cleared.append(v3_plan.ENABLED))
+    monkeypatch.setattr(v3_plan, "ENABLED", False)
+    with adapter.context():
+        assert v3_plan.ENABLED
+    # cleared on entry and on exit: no plan made under the other setting survives the switch
+    assert not v3_plan.ENABLED and cleared == [False, False]
+    point = dict(kind="dense", dtype="bf16", batch=1, heads_q=2, heads_k=2, seqlen_q=128, seqlen_k=128,
+                 head_dim=128, causal=False)
+    assert peers.unsupported(adapter, grid.Point(pass_name="fwd", **point)) is None
+    assert peers.unsupported(adapter, grid.Point(pass_name="bwd", **point)) == "forward only"
+    assert peers.unsupported(peers.PEER_BY_NAME["fmha_rt"].make(), grid.Point(pass_name="bwd", **point)) is None
