@@ -372,29 +372,29 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     tile = tile_for(arch, "fwd", pair, bias_kind, dropout)
     constexprs, traits = tiled("fwd", tile)
     out.append(make_variant(fwd_key(dtype, pair, bias_kind, dropout), "fmha_fwd", dtype, tile,
-                        dict(constexprs, **features), dict(traits, deterministic=True)))
+                            dict(constexprs, **features), dict(traits, deterministic=True)))
     short = SHORT_FWD_TILES.get(arch, {}).get(pair)
     if short and bias_kind == BIAS_NONE and not dropout:
         constexprs, traits = tiled("fwd", short)
         out.append(make_variant(fwd_key(dtype, pair, bias_kind, dropout, short=True), "fmha_fwd", dtype, short,
-                            dict(constexprs, **features), dict(traits, deterministic=True, short_keys=True)))
+                                dict(constexprs, **features), dict(traits, deterministic=True, short_keys=True)))
     tile = tile_for(arch, "bwd_dkdv", pair, bias_kind, dropout)
     for strategy in BUILT_DQ_STRATEGIES[arch]:
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
             constexprs, traits = tiled("bwd_main", tile)
             out.append(make_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head), "fmha_bwd_dkdv",
-                                dtype, tile, dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC,
-                                                  FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()),
-                                                  GROUP_LOOP=not single_head,
-                                                  DP_FIRST=(pair in DKDV_DP_FIRST.get(arch, ())
-                                                            and bias_kind == BIAS_NONE and not dropout),
-                                                  **features),
-                                dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC,
-                                     single_head=single_head)))
+                                    dtype, tile, dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC,
+                                                      FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()),
+                                                      GROUP_LOOP=not single_head,
+                                                      DP_FIRST=(pair in DKDV_DP_FIRST.get(arch, ())
+                                                                and bias_kind == BIAS_NONE and not dropout),
+                                                      **features),
+                                    dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC,
+                                         single_head=single_head)))
     tile = tile_for(arch, "bwd_dq", pair, bias_kind, dropout)
     constexprs, traits = tiled("bwd_dq", tile)
     out.append(make_variant(dq_key(dtype, pair, bias_kind, dropout), "fmha_bwd_dq", dtype, tile,
-                        dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
+                            dict(constexprs, **features), dict(traits, dq_strategy=DQ_DETERMINISTIC, deterministic=True)))
     for strategy, tiles in ((DQ_FUSED, FUSED_TILES), (DQ_SINGLE, SINGLE_TILES)):
         if pair not in tiles.get(arch, {}):
             continue
@@ -409,7 +409,7 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
             if built:
                 key = fused_key(dtype, pair, bias_kind, dropout, single_head, strategy)
                 out.append(make_variant(key, "fmha_bwd_fused", dtype, kv, dict(constexprs, GROUP_LOOP=not single_head),
-                                    dict(traits, single_head=single_head)))
+                                        dict(traits, single_head=single_head)))
     return out
 
 
@@ -431,23 +431,24 @@ def variants(arch: str) -> list[dict]:
             if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch] or any(p[1] == d for p in FUSED_TILES.get(arch, {})):
                 # the two-kernel strategy's dQ kernel computes Delta and Lse2 itself
                 out.append(make_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, ROWS_TILE,
-                                    dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
-                                                             "block_m": ROWS_TILE.block_m}))
+                                        dict(rows, BLOCK_DV=d), {"pass": "bwd_pre", "head_dim_v_tile": d,
+                                                                 "block_m": ROWS_TILE.block_m}))
             if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:
                 out.append(make_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, ROWS_TILE,
-                                    dict(rows, BLOCK_DQK=d), {"pass": "bwd_post", "head_dim_qk_tile": d,
-                                                              "block_m": ROWS_TILE.block_m, "dq_strategy": DQ_ATOMIC}))
+                                        dict(rows, BLOCK_DQK=d), {"pass": "bwd_post", "head_dim_qk_tile": d,
+                                                                  "block_m": ROWS_TILE.block_m,
+                                                                  "dq_strategy": DQ_ATOMIC}))
         out.append(make_variant(dbias_key(dtype), "fmha_bwd_dbias", dtype, DBIAS_TILE,
-                            {"BLOCK_M": DBIAS_TILE.block_m, "BLOCK_N": DBIAS_TILE.block_n},
-                            {"pass": "bwd_dbias", "block_m": DBIAS_TILE.block_m, "block_n": DBIAS_TILE.block_n,
-                             "deterministic": True}))
+                                {"BLOCK_M": DBIAS_TILE.block_m, "BLOCK_N": DBIAS_TILE.block_n},
+                                {"pass": "bwd_dbias", "block_m": DBIAS_TILE.block_m, "block_n": DBIAS_TILE.block_n,
+                                 "deterministic": True}))
         for widen in (True, False):
             out.append(make_variant(pad_key(dtype, widen), "fmha_pad", dtype, PAD_TILE,
-                                dict(PAD_CONSTEXPRS, WIDEN=widen),
-                                {"pass": "pad_widen" if widen else "pad_narrow", "block_m": PAD_TILE.block_m}))
+                                    dict(PAD_CONSTEXPRS, WIDEN=widen),
+                                    {"pass": "pad_widen" if widen else "pad_narrow", "block_m": PAD_TILE.block_m}))
     mask = make_variant(DROPOUT_MASK_KEY, "fmha_dropout_mask", "u8", MASK_TILE,
-                    {"BLOCK_M": MASK_TILE.block_m, "BLOCK_N": MASK_TILE.block_n},
-                    {"pass": "dropout_mask", "block_m": MASK_TILE.block_m, "block_n": MASK_TILE.block_n})
+                        {"BLOCK_M": MASK_TILE.block_m, "BLOCK_N": MASK_TILE.block_n},
+                        {"pass": "dropout_mask", "block_m": MASK_TILE.block_m, "block_n": MASK_TILE.block_n})
     out.append(mask)
     return out
 
