@@ -14,39 +14,35 @@ Tensor descriptors are made on the device, per (sequence, head), so their bounds
 the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Making them takes
 Triton's global scratch memory (manifest `global_scratch`, per program), which the runtime provides.
 
-Masking follows kernels/portable/fmha_common.py: key j is visible from query i iff
-i + off - left <= j <= i + off + right and j < Sk. The mask-free key blocks of the program's rows come
-first, then the masked ones; rows that see no key get O = 0 and LSE = -inf.
+Sequences, windows and masks are the portable family's (kernels/portable/fmha_common.py: its helpers are
+compiled here as Gluon functions): key j is visible from query i iff i + off - left <= j <= i + off +
+right and j < Sk. The mask-free key blocks of the program's rows come first, then the masked ones; rows
+that see no key get O = 0 and LSE = -inf.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from kernels.portable import fmha_common
+
 STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 fill 128 KiB beside Q's 32 KiB
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-@gluon.jit
-def _sequence(CuSeqlens, Seqstart, b, seqlen, is_varlen, has_seqstart):
-    """(first physical row, length) of sequence b, as kernels/portable/fmha_common.sequence_extent."""
-    start = b * 0
-    length = seqlen
-    if is_varlen:
-        start = gl.load(CuSeqlens + b)
-        length = gl.load(CuSeqlens + b + 1) - start
-        if has_seqstart:
-            start = gl.load(Seqstart + b)
-    return start, length
+# The portable family's scalar helpers, compiled as Gluon (their bodies are scalar loads and arithmetic).
+sequence_extent = gluon.jit(fmha_common.sequence_extent.fn)
+window_sides = gluon.jit(fmha_common.window_sides.fn)
+key_blocks = gluon.jit(fmha_common.key_blocks.fn)
+masked_block = gluon.jit(fmha_common.masked_block.fn)
+visible = gluon.jit(fmha_common.visible.fn)
 
 
 @gluon.jit
 def _key_block(t, n_free, lo, full_lo, full_hi):
     """The t-th key block a program visits: the mask-free [full_lo, full_hi) first, then the masked
     [lo, full_lo) and [full_hi, hi)."""
-    masked = t - n_free
-    leading = full_lo - lo
-    return gl.where(t < n_free, full_lo + t, gl.where(masked < leading, lo + masked, full_hi + masked - leading))
+    return gl.where(t < n_free, full_lo + t, masked_block(t - n_free, lo, full_lo, full_hi))
 
 
 @gluon.jit
@@ -73,9 +69,7 @@ def _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log
     """P (unnormalised), the factor that rescales the running sums, and the new row max and sum."""
     if masked:
         keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        diag = rows[:, None] + off
-        visible = (keys[None, :] >= diag - left) & (keys[None, :] <= diag + right) & (keys[None, :] < sk)
-        s = gl.where(visible, s, float("-inf"))
+        s = gl.where(visible(rows[:, None], keys[None, :], off, left, right, sk), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
     # Rows that have seen no visible key yet keep m = -inf; shifting them by 0 avoids inf - inf.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -170,22 +164,14 @@ def fmha_fwd(
     m_block = gl.num_programs(0) - 1 - gl.program_id(0)
     h = gl.program_id(1)
     b = gl.program_id(2)
-    q_start, sq = _sequence(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
-    k_start, sk = _sequence(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     m0 = m_block * BLOCK_M
     if m0 >= sq:
         return
     off = gl.where(bottom_right != 0, sk - sq, 0)
-    unbounded = sq + sk
-    left = gl.where(window_left < 0, unbounded, window_left)
-    right = gl.where(window_right < 0, unbounded, window_right)
-    # key blocks the program's rows see, as kernels/portable/fmha_common.key_blocks
-    first_key = gl.maximum(m0 + off - left, 0)
-    end_key = gl.minimum(gl.maximum(m0 + BLOCK_M - 1 + off + right + 1, 0), sk)
-    lo = first_key // BLOCK_N
-    hi = gl.maximum(gl.cdiv(end_key, BLOCK_N), lo)
-    full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 + off - left, 0), BLOCK_N), lo), hi)
-    full_hi = gl.minimum(gl.maximum(gl.minimum(gl.maximum(m0 + off + right + 1, 0), sk) // BLOCK_N, full_lo), hi)
+    left, right = window_sides(window_left, window_right, sq, sk)
+    lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
     n_blocks = hi - lo
     n_free = full_hi - full_lo
 
