@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import fmha_rt  # noqa: E402
 from fmha_rt import reference  # noqa: E402
-from gpu_tensors import f64, nan_like, rand  # noqa: E402
+from gpu_tensors import f64, nan_like, rand, varlen_inputs  # noqa: E402
 
 TOL = 1e-2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,13 +151,9 @@ def test_dropout_matches_reference_with_the_kernels_own_mask():
 
 def test_varlen_with_empty_and_single_token_sequences():
     lens_q, lens_k = [37, 0, 1, 128, 64], [50, 3, 1, 128, 0]
-    H, Hk, D = 4, 2, 64
-    cu_q = torch.tensor([0] + list(np.cumsum(lens_q)), device="cuda", dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(np.cumsum(lens_k)), device="cuda", dtype=torch.int32)
-    gen = torch.Generator(device="cuda").manual_seed(15)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q, k, v = rand((tq, H, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen)
-    dout = rand((tq, H, D), torch.bfloat16, gen)
+    H, D = 4, 64
+    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, H, 2, D, seed=15)
+    tq = sum(lens_q)
     out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
     fmha_rt.mha_varlen_fwd(q, k, v, *args, out=out, lse=lse, causal=True, causal_alignment="bottom_right")

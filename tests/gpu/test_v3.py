@@ -6,14 +6,13 @@ inputs are fresh random draws, errors are relative (below 1e-2; LSE below 1e-3).
 """
 import math
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import fmha_rt  # noqa: E402
 from fmha_rt import reference, v3_plan  # noqa: E402
-from gpu_tensors import f64, nan_like, rand  # noqa: E402
+from gpu_tensors import f64, nan_like, rand, varlen_inputs  # noqa: E402
 from test_attention import DTYPES, assert_close, mask_kwargs  # noqa: E402
 
 
@@ -76,12 +75,9 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
 
 def test_varlen_with_empty_and_single_token_sequences():
     lens_q, lens_k = [37, 0, 1, 300, 64], [50, 3, 1, 129, 0]
-    H, Hk, D = 4, 2, 128
-    cu_q = torch.tensor([0] + list(np.cumsum(lens_q)), device="cuda", dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(np.cumsum(lens_k)), device="cuda", dtype=torch.int32)
-    gen = torch.Generator(device="cuda").manual_seed(15)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q, k, v = rand((tq, H, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen), rand((tk, Hk, D), torch.bfloat16, gen)
+    H, D = 4, 128
+    cu_q, cu_k, q, k, v, _ = varlen_inputs(lens_q, lens_k, H, 2, D, seed=15)
+    tq = sum(lens_q)
     out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
     fmha_rt.mha_varlen_fwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, lse=lse, causal=True,
                            causal_alignment="bottom_right")
