@@ -591,7 +591,7 @@ class BwdLauncher:
 
     def __init__(self, problem: AttentionProblem, arch: str):
         self.problem, self.arch = problem, arch
-        self.workspace = portable_plan.bwd_workspace(problem, arch)
+        self.workspace = dispatch.bwd_workspace(problem, arch)
 
     @property
     def workspace_size(self) -> int:
@@ -613,7 +613,7 @@ class BwdLauncher:
         """The launches of this backward on `tensors` (arrays and workspace regions), with the copies
         into and out of zero-padded workspace buffers for head dims that are not multiples of 8."""
         padding = head_padding.for_pass(self.problem, self.arch, tensors, "bwd")
-        attention = portable_plan.plan_bwd(self.problem, self.arch, {**tensors, **padding.substitutes})
+        attention = dispatch.plan_bwd(self.problem, self.arch, {**tensors, **padding.substitutes})
         return _with_work(padding.before + attention + padding.after)
 
     def run(self, device: int, tensors: dict, stream: int, launches=None) -> list[str]:

@@ -615,7 +615,13 @@ def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     Then, in the problem's dtype, one '<name>_padded' buffer per tensor of padded_tensors(problem,
     'bwd') (head dims that are not multiples of 8).
     """
-    strategy = dq_strategy(problem, arch, dq_strategy_request)
+    return workspace_for(problem, dq_strategy(problem, arch, dq_strategy_request))
+
+
+def workspace_for(problem, strategy, extra=()) -> Workspace:
+    """bwd_workspace's layout for `strategy`, whether or not this family builds it (the v3 family runs the
+    atomic strategy with kernels of its own), with `extra` regions (name, shape, zero_init, dtype) after
+    the strategy's and before the padding buffers."""
     wanted = []
     if strategy != DQ_SINGLE:
         wanted += [("delta", _delta_shape(problem), False, "fp32"), ("lse2", _delta_shape(problem), False, "fp32")]
@@ -623,6 +629,7 @@ def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
         wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True, "fp32"))
     if problem.bias_grad:
         wanted.append(("ds", _ds_shape(problem), True, "fp32"))
+    wanted += list(extra)
     wanted += padding_regions(problem, "bwd")
     regions, total = carve(wanted)
     return Workspace(regions, total, strategy, 1 if strategy == DQ_ATOMIC else 0)
@@ -929,19 +936,38 @@ def plan_dropout_mask(problem, arch, tensors) -> list:
                    ordered(DROPOUT_MASK_KEY, "fmha_dropout_mask", args))]
 
 
-def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
+@dataclass(frozen=True)
+class AtomicKernels:
+    """The kernels of the atomic strategy: the portable family's by default; the v3 family's backward
+    gives its own dK/dV kernel (its keys block size and extra arguments, such as its global scratch)."""
+
+    preprocess: str
+    dkdv: str
+    dkdv_block_n: int
+    dkdv_extra: dict
+    dq_convert: str
+
+
+def plan_bwd(problem, arch, tensors, dq_strategy_request=None, *, workspace=None, atomic=None) -> list:
     """Launches of the backward, in order: dQ (which also writes Delta and Lse2), dK/dV, dbias for the
     deterministic strategy; preprocess (Delta), dK/dV with atomic dQ, dQ conversion, dbias for the atomic
     one; preprocess, the fused grid, dbias for the fused one; the fused grid alone for the single one.
 
     tensors: as plan_fwd plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per region of
     bwd_workspace(problem, arch) named after it (delta, lse2, dq_acc, ds): the caller carves them out of one
-    workspace buffer and zeroes the regions marked zero_init.
+    workspace buffer and zeroes the regions marked zero_init. `workspace` and `atomic`: a workspace laid
+    out by workspace_for and the atomic strategy's kernels, for a family that runs that strategy itself.
     """
     pair = head_dim_tiles(problem)
     kind, dropout = problem_features(problem)
-    workspace = bwd_workspace(problem, arch, dq_strategy_request)
+    workspace = workspace or bwd_workspace(problem, arch, dq_strategy_request)
     strategy = workspace.dq_strategy
+    single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
+    if strategy == DQ_ATOMIC and atomic is None:
+        atomic = AtomicKernels(preprocess_key(problem.dtype, pair[1]),
+                               dkdv_key(problem.dtype, pair, kind, dropout, strategy, single_head),
+                               tile_for(arch, "bwd_dkdv", pair, kind, dropout).block_n, {},
+                               dq_convert_key(problem.dtype, pair[0]))
     if not has_work(problem):
         return []
     a = Args(problem, tensors)
@@ -979,7 +1005,7 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
                "SeqstartQ": varlen["SeqstartQ"], **rows["o"], **rows["do"], **lse_args, **delta_args,
                "seqlen_q": problem.seqlen_q, "head_dim_v_div8": shape["head_dim_v_div8"],
                "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
-        key = preprocess_key(problem.dtype, pair[1])
+        key = atomic.preprocess if strategy == DQ_ATOMIC else preprocess_key(problem.dtype, pair[1])
         launches.append(Launch(key, launch_grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
                                ordered(key, "fmha_bwd_preprocess", pre)))
     elif strategy == DQ_DETERMINISTIC:  # first: the dQ kernel writes the Delta and Lse2 that dK/dV reads
@@ -989,7 +1015,6 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         launches.append(Launch(key, launch_grid(_cdiv(problem.seqlen_q, tile.block_m), problem),
                                ordered(key, "fmha_bwd_dq", dq)))
 
-    single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     outputs = {**ds_args, **rows["dk"], **rows["dv"], "dK": a.required("dk"), "dV": a.required("dv")}
     if strategy in (DQ_FUSED, DQ_SINGLE):
         kv, q = (FUSED_TILES if strategy == DQ_FUSED else SINGLE_TILES)[arch][pair]
@@ -999,18 +1024,22 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
         grid = launch_grid(blocks, problem)
         launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), ordered(key, "fmha_bwd_fused", fused)))
     else:
-        tile = tile_for(arch, "bwd_dkdv", pair, kind, dropout)
         dkdv = {**attention, **dqacc_args, **outputs}
-        key = dkdv_key(problem.dtype, pair, kind, dropout, strategy, single_head)
-        grid = launch_grid(_cdiv(problem.seqlen_k, tile.block_n), problem)
-        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]), ordered(key, "fmha_bwd_dkdv", dkdv)))
+        if strategy == DQ_ATOMIC:
+            key, block_n, extra = atomic.dkdv, atomic.dkdv_block_n, atomic.dkdv_extra
+        else:
+            key, extra = dkdv_key(problem.dtype, pair, kind, dropout, strategy, single_head), {}
+            block_n = tile_for(arch, "bwd_dkdv", pair, kind, dropout).block_n
+        grid = launch_grid(_cdiv(problem.seqlen_k, block_n), problem)
+        launches.append(Launch(key, (grid[0], problem.heads_k, grid[2]),
+                               {**ordered(key, "fmha_bwd_dkdv", dkdv), **extra}))
 
     if strategy == DQ_ATOMIC:
         convert = {**dqacc_args, **rows["dq"], "dQ": a.required("dq"), "CuSeqlensQ": varlen["CuSeqlensQ"],
                    "SeqstartQ": varlen["SeqstartQ"], "seqlen_q": problem.seqlen_q,
                    "head_dim_qk_div8": shape["head_dim_qk_div8"], "softmax_scale": problem.softmax_scale,
                    "is_varlen": varlen["is_varlen"], "has_seqstart": varlen["has_seqstart"]}
-        key = dq_convert_key(problem.dtype, pair[0])
+        key = atomic.dq_convert
         launches.append(Launch(key, launch_grid(_cdiv(problem.seqlen_q, ROWS_TILE.block_m), problem),
                                ordered(key, "fmha_bwd_dq_convert", convert)))
 

@@ -4,13 +4,17 @@ they serve.
 A v3 kernel takes the portable signature of its function (portable_plan.SIGNATURES), so a v3 launch is
 the portable plan's launch with another variant key and grid, plus one argument the portable kernels
 never need: Triton's `global_scratch`, the memory in which each program makes its TMA descriptors
-(GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). The forward
-takes it from a region of the call's scratch buffer (`fwd_scratch`).
+(GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
+of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
 
-Served: sm_90, fp16 and bf16, head dims in the 64 or 128 tile (both of them in the same one), MHA, GQA
-and MQA, no mask, causal and sliding windows in either alignment, batch and varlen; not score terms or
-dropout. Chosen only where the benchmark shows it faster than the portable family; until then only
-where the environment asks for it (FMHA_RT_V3=1, read at import: `refresh_enabled()` re-reads it).
+The forward serves sm_90, fp16 and bf16, head dims in the 64 or 128 tile (both of them in the same
+one), MHA, GQA and MQA, no mask, causal and sliding windows in either alignment, batch and varlen; not
+score terms or dropout. The backward serves the same but for one query head per key head and the
+non-deterministic calls alone: it is the portable atomic strategy (pre-pass, dK/dV with dQ added by
+fp32 atomics, conversion of dQ) with the v3 dK/dV kernel, and the pre-pass and conversion built under
+this family's keys. Chosen only where the benchmark shows it faster than the portable family; until
+then only where the environment asks for it (FMHA_RT_V3=1, read at import: `refresh_enabled()` re-reads
+it); the plan cache does not key on the switch, so clear it after changing it.
 """
 import os
 
@@ -18,13 +22,16 @@ from . import portable_plan as pp
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
-KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd"}
+KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 # 128 query rows (two consumer warpgroups of 64), 128 keys a block; the default partition's 4 warps
 # (the kernel's 12 in all come from its warp_specialize: a second consumer warpgroup and a loader warp).
 FWD_TILE = pp.Tile(128, 128, 4, 1)
 FWD_PAIRS = ((64, 64), (128, 128))
-# Four 128-byte TMA descriptors (Q, K, V, O) a program.
-GLOBAL_SCRATCH = {"fmha_fwd": 512}
+# 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
+BWD_TILE = pp.Tile(64, 128, 4, 1)
+BWD_PAIRS = FWD_PAIRS
+# 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV in the backward.
+GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 768}
 GLOBAL_SCRATCH_ALIGN = 128
 DESCRIPTOR_REGION = "tma_descriptors"
 
@@ -46,24 +53,58 @@ def fwd_key(dtype, pair):
     return f"fmha_fwd_v3_{dtype}_{pp.pair_name(*pair)}"
 
 
+def dkdv_key(dtype, pair):
+    return f"fmha_bwd_dkdv_v3_{dtype}_{pp.pair_name(*pair)}"
+
+
+def preprocess_key(dtype, dv_tile):
+    return f"fmha_bwd_preprocess_v3_{dtype}_d{dv_tile}"
+
+
+def dq_convert_key(dtype, dqk_tile):
+    return f"fmha_bwd_dq_convert_v3_{dtype}_d{dqk_tile}"
+
+
+def _gluon(variant, function):
+    return dict(variant, language="gluon", global_scratch=GLOBAL_SCRATCH[function],
+                global_scratch_align=GLOBAL_SCRATCH_ALIGN)
+
+
 def variants(arch: str) -> list[dict]:
     """The v3 variants to build for `arch` (none but on sm_90), in the form of portable_plan.variants,
     with language 'gluon' and the global scratch each program needs."""
     if arch not in ARCHS:
         return []
     out = []
+    common = {"bias": "nobias", "dropout": False}
     for dtype in pp.DTYPES:
         for pair in FWD_PAIRS:
             constexprs = {"BLOCK_M": FWD_TILE.block_m, "BLOCK_N": FWD_TILE.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": pp.BIAS_NONE, "DROPOUT": False}
-            traits = {"pass": "fwd", "head_dim_qk_tile": pair[0], "head_dim_v_tile": pair[1], "bias": "nobias",
-                      "dropout": False, "block_m": FWD_TILE.block_m, "block_n": FWD_TILE.block_n,
-                      "deterministic": True}
-            variant = pp.make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, FWD_TILE, constexprs, traits,
-                                      module=KERNEL_MODULES["fwd"])
-            variant.update(language="gluon", global_scratch=GLOBAL_SCRATCH["fmha_fwd"],
-                           global_scratch_align=GLOBAL_SCRATCH_ALIGN)
-            out.append(variant)
+            traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=FWD_TILE.block_m,
+                          block_n=FWD_TILE.block_n, deterministic=True, **{"pass": "fwd"})
+            out.append(_gluon(pp.make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, FWD_TILE, constexprs, traits,
+                                              module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
+        for pair in BWD_PAIRS:
+            constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
+                          "BLOCK_DV": pair[1], "BIAS_KIND": pp.BIAS_NONE, "DROPOUT": False, "DQ_ATOMIC": True,
+                          "FLAT_LOOP": False, "GROUP_LOOP": False, "DP_FIRST": False}
+            traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
+                          block_n=BWD_TILE.block_n, dq_strategy=pp.DQ_ATOMIC, deterministic=False,
+                          single_head=True, **{"pass": "bwd_main"})
+            out.append(_gluon(pp.make_variant(dkdv_key(dtype, pair), "fmha_bwd_dkdv", dtype, BWD_TILE, constexprs,
+                                              traits, module=KERNEL_MODULES["bwd"]), "fmha_bwd_dkdv"))
+        # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
+        # its own strategies use them
+        for d in sorted({p[1] for p in BWD_PAIRS}):
+            out.append(pp.make_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, pp.ROWS_TILE,
+                                       {"BLOCK_M": pp.ROWS_TILE.block_m, "BLOCK_DV": d},
+                                       {"pass": "bwd_pre", "head_dim_v_tile": d, "block_m": pp.ROWS_TILE.block_m}))
+        for d in sorted({p[0] for p in BWD_PAIRS}):
+            out.append(pp.make_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, pp.ROWS_TILE,
+                                       {"BLOCK_M": pp.ROWS_TILE.block_m, "BLOCK_DQK": d},
+                                       {"pass": "bwd_post", "head_dim_qk_tile": d, "block_m": pp.ROWS_TILE.block_m,
+                                        "dq_strategy": pp.DQ_ATOMIC}))
     return out
 
 
@@ -71,6 +112,14 @@ def serves_fwd(problem, arch) -> bool:
     """Whether the v3 forward runs `problem` on `arch`."""
     return (ENABLED and arch in ARCHS and problem.dtype in pp.DTYPES and pp.head_dim_tiles(problem) in FWD_PAIRS
             and pp.problem_features(problem) == (pp.BIAS_NONE, False))
+
+
+def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
+    """Whether the v3 backward runs `problem` on `arch` (a request for another dQ strategy keeps the
+    portable family)."""
+    return (ENABLED and arch in ARCHS and dq_strategy_request in (None, pp.DQ_ATOMIC) and not problem.deterministic
+            and problem.heads_q == problem.heads_k and problem.dtype in pp.DTYPES
+            and pp.head_dim_tiles(problem) in BWD_PAIRS and pp.problem_features(problem) == (pp.BIAS_NONE, False))
 
 
 def fwd_scratch(problem) -> pp.Scratch:
@@ -86,6 +135,27 @@ def fwd_scratch(problem) -> pp.Scratch:
 def _programs(problem) -> int:
     blocks = -(-problem.seqlen_q // FWD_TILE.block_m)
     return blocks * problem.heads_q * problem.batch
+
+
+def bwd_workspace(problem) -> pp.Workspace:
+    """The workspace of a backward the v3 family serves: the portable atomic strategy's regions (Delta,
+    Lse2, the zeroed fp32 dQ accumulator), one region for the dK/dV programs' descriptors, then the
+    padding buffers."""
+    programs = -(-problem.seqlen_k // BWD_TILE.block_n) * problem.heads_k * problem.batch
+    nbytes = GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs
+    extra = [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if pp.has_work(problem) else []
+    return pp.workspace_for(problem, pp.DQ_ATOMIC, extra)
+
+
+def plan_bwd(problem, tensors) -> list:
+    """The launches of a backward the v3 family serves: the portable plan of the atomic strategy with
+    this family's kernels; tensors as portable_plan.plan_bwd's, with the regions of bwd_workspace."""
+    pair = pp.head_dim_tiles(problem)
+    workspace = bwd_workspace(problem)
+    extra = {"global_scratch": tensors.get(DESCRIPTOR_REGION)} if pp.has_work(problem) else {}
+    kernels = pp.AtomicKernels(preprocess_key(problem.dtype, pair[1]), dkdv_key(problem.dtype, pair),
+                               BWD_TILE.block_n, extra, dq_convert_key(problem.dtype, pair[0]))
+    return pp.plan_bwd(problem, ARCHS[0], tensors, workspace=workspace, atomic=kernels)
 
 
 def plan_fwd(problem, tensors) -> list:

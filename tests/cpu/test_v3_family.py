@@ -29,16 +29,22 @@ def problem(**changes):
 def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     for arch in ("gfx942", "gfx950", pp.INTERPRET_ARCH):
         assert v3_plan.variants(arch) == []
-    variants = v3_plan.variants("sm_90")
-    assert {v["key"] for v in variants} == {v3_plan.fwd_key(d, p) for d in pp.DTYPES for p in v3_plan.FWD_PAIRS}
-    portable_keys = {v["key"] for v in pp.variants("sm_90")}
-    for v in variants:
-        dtype = v["traits"]["dtype"]
-        assert v["key"] not in portable_keys
-        assert v["signature"] == pp.make_variant("k", "fmha_fwd", dtype, v3_plan.FWD_TILE, {}, {})["signature"]
-        assert (v["module"], v["function"], v["language"]) == ("kernels.v3.fmha_fwd", "fmha_fwd", "gluon")
-        assert v["global_scratch"] == v3_plan.GLOBAL_SCRATCH["fmha_fwd"]
+    variants = {v["key"]: v for v in v3_plan.variants("sm_90")}
+    gluon = {v3_plan.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3_plan.FWD_PAIRS}
+    gluon.update({v3_plan.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3_plan.BWD_PAIRS})
+    rows = {v3_plan.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128)}
+    rows.update({v3_plan.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128)})
+    assert set(variants) == set(gluon) | set(rows)
+    assert not set(variants) & {v["key"] for v in pp.variants("sm_90")}
+    for key, function in gluon.items():
+        v = variants[key]
+        portable = pp.make_variant("k", function, v["traits"]["dtype"], v3_plan.FWD_TILE, {}, {})
+        assert v["signature"] == portable["signature"] and v["function"] == function
+        assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
+        assert v["global_scratch"] == v3_plan.GLOBAL_SCRATCH[function]
         assert v["constexprs"]["BIAS_KIND"] == pp.BIAS_NONE and v["constexprs"]["DROPOUT"] is False
+    for key, function in rows.items():  # the portable family's kernels, built under this family's keys
+        assert variants[key]["module"] == "kernels.portable.fmha_bwd" and "language" not in variants[key]
 
 
 def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch):
@@ -46,10 +52,14 @@ def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch)
     entries = [e for e in registry().kernels_for("sm_90") if e.family == v3_plan.FAMILY]
     assert sorted(e.key for e in entries) == sorted(v["key"] for v in v3_plan.variants("sm_90"))
     for e in entries:
-        # the build checked the compiler's figure against the plan's; the manifest records it
-        assert e.traits["global_scratch"] == v3_plan.GLOBAL_SCRATCH["fmha_fwd"]
         assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
-        assert e.threads == 12 * 32  # two consumer warpgroups and a loader warp, in whole warpgroups
+        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3")):
+            # the build checked the compiler's figure against the plan's; the manifest records it
+            function = "fmha_fwd" if e.key.startswith("fmha_fwd") else "fmha_bwd_dkdv"
+            assert e.traits["global_scratch"] == v3_plan.GLOBAL_SCRATCH[function]
+            assert e.threads == 12 * 32  # two consumer warpgroups and a loader warp, in whole warpgroups
+        else:
+            assert "global_scratch" not in e.traits
 
 
 SERVED = {
@@ -208,3 +218,87 @@ def test_the_bench_runs_the_v3_family_beside_the_default_forward_only(monkeypatc
     assert peers.unsupported(adapter, grid.Point(pass_name="fwd", **point)) is None
     assert peers.unsupported(adapter, grid.Point(pass_name="bwd", **point)) == "forward only"
     assert peers.unsupported(peers.PEER_BY_NAME["fmha_rt"].make(), grid.Point(pass_name="bwd", **point)) is None
+
+
+# ----------------------------------------------------------------------------------------- backward
+
+BWD_SERVED = {
+    "bf16 D=128 MHA causal": dict(heads_k=8, window_right=0),
+    "fp16 D=64 window bottom-right": dict(heads_k=8, dtype="fp16", head_dim_qk=64, head_dim_v=64, window_left=32,
+                                          window_right=8, bottom_right=True),
+    "varlen head dim 100": dict(heads_k=8, varlen=True, total_q=700, total_k=900, head_dim_qk=100, head_dim_v=100),
+}
+BWD_NOT_SERVED = {
+    "GQA": dict(),
+    "deterministic": dict(heads_k=8, deterministic=True),
+    "bias": dict(heads_k=8, bias_shape="1HSS", bias_grad=True),
+    "dropout": dict(heads_k=8, dropout_p=0.1),
+    "head dim 256": dict(heads_k=8, head_dim_qk=256, head_dim_v=256),
+}
+
+
+@pytest.mark.parametrize("case", BWD_SERVED)
+def test_the_backward_serves_one_head_per_key_head_without_determinism(case, v3_on, monkeypatch):
+    p = problem(**BWD_SERVED[case])
+    assert v3_plan.serves_bwd(p, "sm_90") and v3_plan.serves_bwd(p, "sm_90", pp.DQ_ATOMIC)
+    assert not v3_plan.serves_bwd(p, "sm_90", pp.DQ_FUSED) and not v3_plan.serves_bwd(p, "gfx950")
+    monkeypatch.setattr(v3_plan, "ENABLED", False)
+    assert not v3_plan.serves_bwd(p, "sm_90")
+
+
+@pytest.mark.parametrize("case", BWD_NOT_SERVED)
+def test_the_backward_leaves_the_rest_to_the_portable_family(case, v3_on):
+    p = problem(**BWD_NOT_SERVED[case])
+    assert not v3_plan.serves_bwd(p, "sm_90")
+    assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
+
+
+def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
+    p = problem(heads_k=8, head_dim_qk=100, head_dim_v=100)
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    assert workspace.dq_strategy == pp.DQ_ATOMIC and workspace.dq_splits == 1 and workspace.needs_zeroing
+    names = [r.name for r in workspace.regions]
+    assert names[:4] == ["delta", "lse2", "dq_acc", v3_plan.DESCRIPTOR_REGION] and names[4:]  # then padding
+    assert workspace.region("dq_acc").zero_init
+    descriptors = workspace.region(v3_plan.DESCRIPTOR_REGION)
+    assert descriptors.nbytes == v3_plan.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2
+    assert descriptors.offset % v3_plan.GLOBAL_SCRATCH_ALIGN == 0
+
+
+def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
+    p = problem(heads_k=8, window_right=0)
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    names = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv") + tuple(r.name for r in workspace.regions)
+    tensors = {name: pp_pointer(i) for i, name in enumerate(names)}
+    rows = (300 * 8 * 128, 8 * 128, 128, 1)
+    tensors.update({f"{n}_strides": rows for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
+                   lse_strides=(8 * 300, 300, 1))
+    launches = dispatch.plan_bwd(p, "sm_90", tensors)
+    assert [launch.variant for launch in launches] == [v3_plan.preprocess_key("bf16", 128),
+                                                       v3_plan.dkdv_key("bf16", (128, 128)),
+                                                       v3_plan.dq_convert_key("bf16", 128)]
+    # the same arguments as the portable plan of the atomic strategy on this workspace
+    portable = pp.plan_bwd(p, "sm_90", tensors, workspace=workspace)
+    for launch, twin in zip(launches, portable):
+        assert launch.args == {**twin.args, **({"global_scratch": tensors[v3_plan.DESCRIPTOR_REGION]}
+                                               if launch.variant.startswith("fmha_bwd_dkdv") else {})}
+    assert launches[1].grid == (3, 8, 2) and launches[1].args["DqAcc"] is tensors["dq_acc"]
+
+
+def test_a_served_backward_launches_the_v3_kernels_and_zeroes_the_accumulator(monkeypatch, rt, driver, v3_on):
+    from test_plan_cache import bwd
+
+    x = Inputs(rt)
+    bwd(x)()
+    launched = driver.take()
+    assert [key for key, *_ in launched] == [v3_plan.preprocess_key("fp16", 64), v3_plan.dkdv_key("fp16", (64, 64)),
+                                             v3_plan.dq_convert_key("fp16", 64)]
+    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    dkdv = unpack(launched[1][0], launched[1][2])
+    workspace = (x.workspace.ptr, x.workspace.ptr + (1 << 20))
+    assert workspace[0] <= dkdv["DqAcc"] < dkdv["global_scratch"] < workspace[1]
+    assert dkdv["dK"] == x.dk.ptr and dkdv["dV"] == x.dv.ptr
+    assert (0, dkdv["DqAcc"]) in [(dev, ptr) for dev, ptr, _ in rt.memsets]  # the accumulator starts at zero
+    deterministic = fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
+                                    deterministic=True, workspace_alloc=lambda n, z: x.workspace)
+    assert deterministic and all(not key.startswith("fmha_bwd_dkdv_v3") for key, *_ in driver.take())

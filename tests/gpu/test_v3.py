@@ -1,4 +1,5 @@
-"""The v3 forward (Hopper, Gluon) through the public API on the GPU, against the float64 reference.
+"""The v3 family (Hopper, Gluon) through the public API on the GPU, against the float64 reference: its
+forward, and its backward (one query head per key head, not deterministic).
 
 v3 runs where FMHA_RT_V3 enables it (fmha_rt/v3_plan.py); the fixture enables it for these tests and
 each test checks that the call really ran in the v3 family. Outputs are poisoned with NaN before a call,
@@ -32,10 +33,19 @@ def forward(q, k, v, **opts):
     return out, lse
 
 
+def backward(dout, q, k, v, out, lse, **opts):
+    dq, dk, dv = nan_like(q.shape, q.dtype), nan_like(k.shape, k.dtype), nan_like(v.shape, v.dtype)
+    fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **opts)
+    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    return dq, dk, dv
+
+
 CASES = [
     # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts
     ("d128", 2, 512, 512, 4, 4, 128, 128, {}),
     ("d128_causal_gqa", 2, 640, 640, 8, 2, 128, 128, {"causal": True}),
+    ("d128_causal", 2, 640, 640, 4, 4, 128, 128, {"causal": True}),
+    ("d128_causal_tl_keys_no_query_sees", 1, 130, 300, 2, 2, 128, 128, {"causal": True}),
     ("d64_mqa_partial_blocks", 1, 333, 777, 4, 1, 64, 64, {}),
     ("d64_causal_br_sq_lt_sk", 2, 200, 650, 2, 2, 64, 64, {"causal": True, "causal_alignment": "bottom_right"}),
     ("d96_causal_tl_sq_gt_sk", 2, 300, 130, 2, 2, 96, 96, {"causal": True}),
@@ -49,7 +59,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_forward_matches_reference(dtype_name, case):
+def test_forward_and_backward_match_reference(dtype_name, case):
     name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(hash(name) % 1000)
@@ -59,6 +69,13 @@ def test_forward_matches_reference(dtype_name, case):
     ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)
     assert_close("out", out, ro)
     assert_close("lse", lse, rl, tol=1e-3)
+    if Hq != Hk:
+        return  # the v3 backward serves one query head per key head
+    dout = rand(out.shape, dtype, gen)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, **opts)
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_close(n, got, want)
 
 
 def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
@@ -76,19 +93,39 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
 def test_varlen_with_empty_and_single_token_sequences():
     lens_q, lens_k = [37, 0, 1, 300, 64], [50, 3, 1, 129, 0]
     H, D = 4, 128
-    cu_q, cu_k, q, k, v, _ = varlen_inputs(lens_q, lens_k, H, 2, D, seed=15)
+    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, H, H, D, seed=15)
     tq = sum(lens_q)
     out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
-    fmha_rt.mha_varlen_fwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, lse=lse, causal=True,
-                           causal_alignment="bottom_right")
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    opts = dict(causal=True, causal_alignment="bottom_right")
+    fmha_rt.mha_varlen_fwd(q, k, v, *args, out=out, lse=lse, **opts)
     assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
-    ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cu_q.cpu().numpy(), cu_k.cpu().numpy(),
-                                          window=(-1, 0), bottom_right=True)
+    dq, dk, dv = nan_like(q.shape, q.dtype), nan_like(k.shape, k.dtype), nan_like(v.shape, v.dtype)
+    fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, *args, dq=dq, dk=dk, dv=dv, **opts)
+    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    ref = dict(window=(-1, 0), bottom_right=True)
+    cq, ck = cu_q.cpu().numpy(), cu_k.cpu().numpy()
+    ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cq, ck, **ref)
     assert_close("out", out, ro)
     assert_close("lse", lse, rl, tol=1e-3)
+    rdq, rdk, rdv, _ = reference.mha_varlen_bwd_ref(f64(dout), f64(q), f64(k), f64(v), cq, ck, **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_close(n, got, want)
 
 
-def test_bitwise_equal_over_runs_streams_and_plan_cache_hits():
+def test_the_deterministic_backward_stays_portable_and_agrees():
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    q, k, v, dout = (rand((2, 512, 4, 128), torch.bfloat16, gen) for _ in range(4))
+    out, lse = forward(q, k, v, causal=True)
+    fast = backward(dout, q, k, v, out, lse, causal=True)
+    det = [nan_like(t.shape, t.dtype) for t in (q, k, v)]
+    fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=det[0], dk=det[1], dv=det[2], causal=True, deterministic=True)
+    assert fmha_rt.last_launch_info()["family"] == "portable"
+    for name, a, b in zip(("dq", "dk", "dv"), fast, det):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-2, name
+
+
+def test_forward_bitwise_equal_over_runs_streams_and_plan_cache_hits():
     gen = torch.Generator(device="cuda").manual_seed(21)
     q, k, v = (rand((2, 1000, 8, 128), torch.bfloat16, gen) for _ in range(3))
     first, first_lse = forward(q, k, v, causal=True)

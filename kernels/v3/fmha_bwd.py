@@ -1,0 +1,246 @@
+"""Hopper attention backward, dK and dV with dQ by fp32 atomics (family v3), written in Gluon.
+
+It takes the portable dK/dV kernel's arguments (fmha_rt/portable_plan.py, SIGNATURES["fmha_bwd_dkdv"])
+and runs as its atomic strategy: after the portable pre-pass has written Delta = rowsum(dO * O) and the
+LSE in the log2 domain (Lse2), and before the portable conversion of the fp32 dQ accumulator. It serves
+one query head per key head, without score terms or dropout (the constexprs say so; the rest of the
+arguments are never read), and is not deterministic (the atomics' order varies).
+
+One program per (BLOCK_N keys, head, batch entry); it walks the query blocks (BLOCK_M rows) that see
+its keys, as kernels/portable/fmha_common.query_blocks lists them. Three partitions:
+- two consumers (the default partition and a worker, a warpgroup each) own BLOCK_N / 2 keys each. Per
+  query block: S = Q K_c^T and dP = dO V_c^T as two asynchronous products, P = exp2(S - Lse2) while dP
+  runs, dS = P (dP - Delta); P and dS go to shared memory, where dV_c += P^T dO and dK_c += dS^T Q take
+  them as transposed operands, and where dS, once both consumers' halves are in, gives dQ = dS K for
+  this consumer's half of the head dim, added to the accumulator by fp32 atomics;
+- a loader (1 warp): K and V of the program once, then Q and dO of each query block through a ring of
+  STAGES buffers that both consumers release.
+dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
+device in Triton's global scratch (six a program), with the sequence's rows and the head dims as bounds.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+import triton.language as tl
+
+from kernels.portable import fmha_common
+
+STAGES = gl.constexpr(2)  # Q/dO ring depth
+sequence_extent = gluon.jit(fmha_common.sequence_extent.fn)
+window_sides = gluon.jit(fmha_common.window_sides.fn)
+query_blocks = gluon.jit(fmha_common.query_blocks.fn)
+row_stats_start = gluon.jit(fmha_common.row_stats_start.fn)
+visible = gluon.jit(fmha_common.visible.fn)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
+            n0, lo, n_steps, BLOCK_M: gl.constexpr):
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_ready, v_smem)
+    for t in range(n_steps):
+        stage = t % STAGES
+        mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's last phase is done
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        m0 = (lo + t) * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], q_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
+          ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, n0, lo, full_lo, full_hi, sq, sk, off, left,
+          right, scale_log2, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
+    """One query block against this consumer's keys: dK and dV accumulate, dQ gets its share."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_DQK // 2, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    stage = t % STAGES
+    buf = t % 2
+    block = lo + t
+    m0 = block * BLOCK_M
+    # S and dP are [queries, keys]: the per-query statistics are row vectors (two values a thread)
+    queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    lse2 = gl.load(Lse2_rows + queries, mask=queries < sq, other=float("inf"))
+    delta = gl.load(Delta_rows + queries, mask=queries < sq, other=0.0)
+    mbarrier.wait(q_ready.index(stage), (t // STAGES) & 1)
+    q_j = q_smem.index(stage)
+    do_j = do_smem.index(stage)
+    s = warpgroup_mma(q_j, k_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_j, v_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    if (block < full_lo) | (block >= full_hi):  # a block on a window edge or the sequence's end
+        keys = n0 + c * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(visible(queries[:, None], keys[None, :], off, left, right, sk), s, float("-inf"))
+    p = gl.exp2(s * scale_log2 - lse2[:, None])
+    p_c.store(p.to(dtype))
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    ds = (p * (dp - delta[:, None])).to(dtype)
+    mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)  # the other consumer is done with this buffer
+    ds_buf = ds_smem.index(buf)
+    ds_c = ds_buf.slice(c * HALF_N, HALF_N, dim=1)
+    ds_c.store(ds)
+    fence_async_shared()
+    mbarrier.arrive(ds_full.index(buf))
+    dv = warpgroup_mma(p_c.permute((1, 0)), do_j, dv, is_async=True)
+    dk = warpgroup_mma(ds_c.permute((1, 0)), q_j, dk, is_async=True)
+    mbarrier.wait(ds_full.index(buf), (t // 2) & 1)
+    dq = warpgroup_mma(ds_buf, k_cols, gl.zeros([BLOCK_M, BLOCK_DQK // 2], gl.float32, dq_layout),
+                       use_acc=False, is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    mbarrier.arrive(ds_empty.index(buf))
+    mbarrier.arrive(q_empty.index(stage))
+    offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    cols = c * (BLOCK_DQK // 2) + gl.arange(0, BLOCK_DQK // 2, layout=gl.SliceLayout(0, dq_layout))
+    # 64-bit tile start, 32-bit offsets inside it (the portable family's rule)
+    tile = DqAcc_rows + m0.to(gl.int64) * stride_dqacc_s
+    gl.atomic_add(tile + offs[:, None] * stride_dqacc_s + cols[None, :], dq, mask=(m0 + offs < sq)[:, None],
+                  sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
+              ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dk_desc, dv_desc, n0, lo, full_lo,
+              full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+              BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_DQK, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_DV, 16])
+    k_c = k_smem.slice(c * HALF_N, HALF_N)
+    v_c = v_smem.slice(c * HALF_N, HALF_N)
+    k_cols = k_smem.slice(c * (BLOCK_DQK // 2), BLOCK_DQK // 2, dim=1)
+    p_c = p_smem.index(c)
+    dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
+    dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in tl.range(n_steps, disable_licm=True):
+        dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
+                       ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, n0, lo, full_lo, full_hi, sq, sk,
+                       off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK)
+    if n_steps > 0:
+        # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
+        last = n_steps - 1
+        mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
+    dtype: gl.constexpr = q_smem.dtype
+    dk_out = k_smem.slice(c * HALF_N, HALF_N)
+    dv_out = v_smem.slice(c * HALF_N, HALF_N)
+    dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
+    dv_out.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [n0 + c * HALF_N, 0], dk_out)
+    tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fmha_bwd_dkdv(
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    stride_delta_b, stride_delta_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+):
+    gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
+    gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
+    gl.static_assert(DQ_ATOMIC and not GROUP_LOOP, "the v3 backward adds dQ by atomics, one query head per key head")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n_block = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+    n0 = n_block * BLOCK_N
+    if n0 >= sk:
+        return
+    off = gl.where(bottom_right != 0, sk - sq, 0)
+    left, right = window_sides(window_left, window_right, sq, sk)
+    lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
+    n_steps = hi - lo
+
+    b64 = b.to(gl.int64)
+    h64 = h.to(gl.int64)
+    q_row0 = q_start.to(gl.int64)
+    k_row0 = k_start.to(gl.int64)
+    dqk = head_dim_qk_div8 * 8
+    dv = head_dim_v_div8 * 8
+    dtype: gl.constexpr = Q.dtype.element_ty
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DQK], dtype)
+    do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DV], dtype)
+    dk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype)
+    dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype)
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + k_row0 * stride_k_s + h64 * stride_k_h,
+                                        [sk, dqk], [stride_k_s, 1], [BLOCK_N, BLOCK_DQK], k_layout)
+    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + k_row0 * stride_v_s + h64 * stride_v_h,
+                                        [sk, dv], [stride_v_s, 1], [BLOCK_N, BLOCK_DV], v_layout)
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
+                                        [sq, dqk], [stride_q_s, 1], [BLOCK_M, BLOCK_DQK], q_layout)
+    do_desc = tma.make_tensor_descriptor(dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h,
+                                         [sq, dv], [stride_do_s, 1], [BLOCK_M, BLOCK_DV], do_layout)
+    dk_desc = tma.make_tensor_descriptor(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + h64 * stride_dk_h,
+                                         [sk, dqk], [stride_dk_s, 1], [HALF_N, BLOCK_DQK], dk_layout)
+    dv_desc = tma.make_tensor_descriptor(dV + b64 * stride_dv_b + k_row0 * stride_dv_s + h64 * stride_dv_h,
+                                         [sk, dv], [stride_dv_s, 1], [HALF_N, BLOCK_DV], dv_layout)
+    stats = b64 * stride_delta_b + h64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
+    Lse2_rows = Lse2 + stats
+    Delta_rows = Delta + stats
+    DqAcc_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h
+
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DQK], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DV], do_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
+    for i in gl.static_range(2):
+        mbarrier.init(ds_full.index(i), count=2)  # both halves of dS are in
+        mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ products are done
+
+    # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
+                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dk_desc, dv_desc, n0, lo,
+                     full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
+                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dk_desc, dv_desc, n0, lo,
+                     full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
+        (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
+                   n0, lo, n_steps, BLOCK_M)),
+    ], [4, 1], [240, 24])
