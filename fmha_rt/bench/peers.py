@@ -9,7 +9,6 @@ Every adapter takes a `Case` (one copy of a point's tensors, flash-attn layout [
     launch_info()                  -> extra JSON fields for the row (fmha_rt: kernel family, kernel)
     workspace_bytes(case, det)     -> workspace a backward needs, where the API says so, else None
     has_varlen, has_deterministic  -> whether varlen rows and bwd_det rows are run at all
-    has_backward                   -> whether backward rows are run at all
 
 How each backward is timed:
 - fmha_rt: `mha_bwd` (or `mha_varlen_bwd`) on the out and lse of a forward run before timing, with
@@ -84,7 +83,6 @@ class _Adapter:
 
     has_varlen = False
     has_deterministic = False
-    has_backward = True
 
     def context(self):
         return contextlib.nullcontext()
@@ -168,9 +166,9 @@ class FmhaRtAdapter(_Adapter):
 
 class FmhaRtV3Adapter(FmhaRtAdapter):
     """fmha_rt with the v3 family running what it serves (fmha_rt/v3_plan.py), beside the default in
-    one run: the forward only, as the family has no backward yet."""
+    one run; no deterministic rows: deterministic calls keep the portable kernels."""
 
-    has_backward = False
+    has_deterministic = False
 
     @contextlib.contextmanager
     def context(self):
@@ -306,7 +304,7 @@ class PeerSpec:
 
 PEERS = (
     PeerSpec("fmha_rt", "fmha_rt (this package)", "fmha_rt", FmhaRtAdapter),
-    PeerSpec("fmha_rt_v3", "fmha_rt with the v3 family where it serves (forward)", "fmha_rt", FmhaRtV3Adapter),
+    PeerSpec("fmha_rt_v3", "fmha_rt with the v3 family where it serves", "fmha_rt", FmhaRtV3Adapter),
     PeerSpec("sdpa_cudnn", "torch SDPA, cuDNN backend", "torch", lambda: SdpaAdapter("CUDNN_ATTENTION")),
     PeerSpec("sdpa_flash", "torch SDPA, flash backend", "torch", lambda: SdpaAdapter("FLASH_ATTENTION")),
     PeerSpec("sdpa_efficient", "torch SDPA, memory-efficient backend", "torch",
@@ -375,8 +373,6 @@ def unsupported(adapter, point):
         return "no varlen interface"
     if point.deterministic and not adapter.has_deterministic:
         return "no deterministic backward"
-    if point.backward and not adapter.has_backward:
-        return "forward only"
     return None
 
 
