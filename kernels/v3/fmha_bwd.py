@@ -52,8 +52,8 @@ def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv
 
 @gluon.jit
 def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
-          ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, n0, lo, full_lo, full_hi, sq, sk, off, left,
-          right, scale_log2, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
+          ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, n0, lo, full_lo, full_hi, sq, sk, off,
+          left, right, scale_log2, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
     """One query block against this consumer's keys: dK and dV accumulate, dQ gets its share."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
@@ -99,16 +99,17 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     mbarrier.arrive(q_empty.index(stage))
     offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     cols = c * (BLOCK_DQK // 2) + gl.arange(0, BLOCK_DQK // 2, layout=gl.SliceLayout(0, dq_layout))
-    # 64-bit tile start, 32-bit offsets inside it (the portable family's rule)
+    # 64-bit tile start, 32-bit offsets inside it (the portable family's rule); the accumulator's rows
+    # are the head dim rounded up to 8, not the tile: columns past it belong to the next head
     tile = DqAcc_rows + m0.to(gl.int64) * stride_dqacc_s
-    gl.atomic_add(tile + offs[:, None] * stride_dqacc_s + cols[None, :], dq, mask=(m0 + offs < sq)[:, None],
-                  sem="relaxed")
+    gl.atomic_add(tile + offs[:, None] * stride_dqacc_s + cols[None, :], dq,
+                  mask=(m0 + offs < sq)[:, None] & (cols < dqk)[None, :], sem="relaxed")
     return dk, dv
 
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-              ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dk_desc, dv_desc, n0, lo, full_lo,
+              ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, dk_desc, dv_desc, n0, lo, full_lo,
               full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -124,8 +125,8 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
         dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
-                       ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, n0, lo, full_lo, full_hi, sq, sk,
-                       off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK)
+                       ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, n0, lo, full_lo, full_hi, sq,
+                       sk, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK)
     if n_steps > 0:
         # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
         last = n_steps - 1
@@ -234,11 +235,11 @@ def fmha_bwd_dkdv(
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dk_desc, dv_desc, n0, lo,
+                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, dk_desc, dv_desc, n0, lo,
                      full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
                      BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
         (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dk_desc, dv_desc, n0, lo,
+                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, dk_desc, dv_desc, n0, lo,
                      full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
                      BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
         (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
