@@ -9,8 +9,8 @@ of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's wo
 
 The forward serves sm_90, fp16 and bf16, head dims in the 64 or 128 tile (both of them in the same
 one), MHA, GQA and MQA, no mask, causal and sliding windows in either alignment, batch and varlen; not
-score terms or dropout. The backward serves the same but for one query head per key head and the
-non-deterministic calls alone: it is the portable atomic strategy (pre-pass, dK/dV with dQ added by
+score terms or dropout. The backward serves the same calls where they are not deterministic: it is the
+portable atomic strategy (pre-pass, dK/dV with dQ added by
 fp32 atomics, conversion of dQ) with the v3 dK/dV kernel, and the pre-pass and conversion built under
 this family's keys. Chosen only where the benchmark shows it faster than the portable family; until
 then only where the environment asks for it (FMHA_RT_V3=1, read at import: `refresh_enabled()` re-reads
@@ -88,10 +88,10 @@ def variants(arch: str) -> list[dict]:
         for pair in BWD_PAIRS:
             constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": pp.BIAS_NONE, "DROPOUT": False, "DQ_ATOMIC": True,
-                          "FLAT_LOOP": False, "GROUP_LOOP": False, "DP_FIRST": False}
+                          "FLAT_LOOP": False, "GROUP_LOOP": True, "DP_FIRST": False}
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
                           block_n=BWD_TILE.block_n, dq_strategy=pp.DQ_ATOMIC, deterministic=False,
-                          single_head=True, **{"pass": "bwd_main"})
+                          single_head=False, **{"pass": "bwd_main"})
             out.append(_gluon(pp.make_variant(dkdv_key(dtype, pair), "fmha_bwd_dkdv", dtype, BWD_TILE, constexprs,
                                               traits, module=KERNEL_MODULES["bwd"]), "fmha_bwd_dkdv"))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
@@ -118,8 +118,8 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
     """Whether the v3 backward runs `problem` on `arch` (a request for another dQ strategy keeps the
     portable family)."""
     return (ENABLED and arch in ARCHS and dq_strategy_request in (None, pp.DQ_ATOMIC) and not problem.deterministic
-            and problem.heads_q == problem.heads_k and problem.dtype in pp.DTYPES
-            and pp.head_dim_tiles(problem) in BWD_PAIRS and pp.problem_features(problem) == (pp.BIAS_NONE, False))
+            and problem.dtype in pp.DTYPES and pp.head_dim_tiles(problem) in BWD_PAIRS
+            and pp.problem_features(problem) == (pp.BIAS_NONE, False))
 
 
 def fwd_scratch(problem) -> pp.Scratch:

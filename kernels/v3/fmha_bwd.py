@@ -3,18 +3,20 @@
 It takes the portable dK/dV kernel's arguments (fmha_rt/portable_plan.py, SIGNATURES["fmha_bwd_dkdv"])
 and runs as its atomic strategy: after the portable pre-pass has written Delta = rowsum(dO * O) and the
 LSE in the log2 domain (Lse2), and before the portable conversion of the fp32 dQ accumulator. It serves
-one query head per key head, without score terms or dropout (the constexprs say so; the rest of the
-arguments are never read), and is not deterministic (the atomics' order varies).
+the calls without score terms or dropout (the constexprs say so; the rest of the arguments are never
+read), and is not deterministic (the atomics' order varies).
 
-One program per (BLOCK_N keys, head, batch entry); it walks the query blocks (BLOCK_M rows) that see
-its keys, as kernels/portable/fmha_common.query_blocks lists them. Three partitions:
+One program per (BLOCK_N keys, key head, batch entry); it walks, for each query head of the group in
+turn, the query blocks (BLOCK_M rows) that see its keys, as kernels/portable/fmha_common.query_blocks
+lists them. Q and dO are copied through 3-D descriptors (row, query head, dim), so one serves the whole
+group. Three partitions:
 - two consumers (the default partition and a worker, a warpgroup each) own BLOCK_N / 2 keys each. Per
   query block: S = Q K_c^T and dP = dO V_c^T as two asynchronous products, P = exp2(S - Lse2) while dP
   runs, dS = P (dP - Delta); P and dS go to shared memory, where dV_c += P^T dO and dK_c += dS^T Q take
   them as transposed operands, and where dS, once both consumers' halves are in, gives dQ = dS K for
   this consumer's half of the head dim, added to the accumulator by fp32 atomics;
-- a loader (1 warp): K and V of the program once, then Q and dO of each query block through a ring of
-  STAGES buffers that both consumers release.
+- a loader (1 warp): K and V of the program once, then Q and dO of each (query head, query block)
+  through a ring of STAGES buffers that both consumers release.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
 device in Triton's global scratch (six a program), with the sequence's rows and the head dims as bounds.
 """
@@ -37,7 +39,7 @@ visible = gluon.jit(fmha_common.visible.fn)
 
 @gluon.jit
 def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-            n0, lo, n_steps, BLOCK_M: gl.constexpr):
+            n0, lo, blocks, h0, n_steps, BLOCK_M: gl.constexpr):
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_ready, v_smem)
@@ -45,16 +47,19 @@ def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv
         stage = t % STAGES
         mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's last phase is done
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        m0 = (lo + t) * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(stage), q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], q_ready.index(stage), do_smem.index(stage))
+        g = t // blocks
+        m0 = (lo + t - g * blocks) * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [m0, h0 + g, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [m0, h0 + g, 0], q_ready.index(stage), do_smem.index(stage))
 
 
 @gluon.jit
 def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
-          ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, n0, lo, full_lo, full_hi, sq, sk, off,
-          left, right, scale_log2, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
-    """One query block against this consumer's keys: dK and dV accumulate, dQ gets its share."""
+          ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h, dqk, n0,
+          lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
+          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
+    """Step t: one query block of one query head of the group against this consumer's keys. dK and dV
+    accumulate, dQ gets its share."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -62,15 +67,20 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     dtype: gl.constexpr = q_smem.dtype
     stage = t % STAGES
     buf = t % 2
-    block = lo + t
+    g = t // blocks
+    block = lo + t - g * blocks
     m0 = block * BLOCK_M
+    g64 = g.to(gl.int64)
+    Lse2_rows = Lse2_head0 + g64 * stride_delta_h
+    Delta_rows = Delta_head0 + g64 * stride_delta_h
     # S and dP are [queries, keys]: the per-query statistics are row vectors (two values a thread)
     queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     lse2 = gl.load(Lse2_rows + queries, mask=queries < sq, other=float("inf"))
     delta = gl.load(Delta_rows + queries, mask=queries < sq, other=0.0)
     mbarrier.wait(q_ready.index(stage), (t // STAGES) & 1)
-    q_j = q_smem.index(stage)
-    do_j = do_smem.index(stage)
+    # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
+    q_j = q_smem.index(stage).reshape([BLOCK_M, BLOCK_DQK])
+    do_j = do_smem.index(stage).reshape([BLOCK_M, do_smem.shape[3]])
     s = warpgroup_mma(q_j, k_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
     dp = warpgroup_mma(do_j, v_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
@@ -101,7 +111,7 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     cols = c * (BLOCK_DQK // 2) + gl.arange(0, BLOCK_DQK // 2, layout=gl.SliceLayout(0, dq_layout))
     # 64-bit tile start, 32-bit offsets inside it (the portable family's rule); the accumulator's rows
     # are the head dim rounded up to 8, not the tile: columns past it belong to the next head
-    tile = DqAcc_rows + m0.to(gl.int64) * stride_dqacc_s
+    tile = DqAcc_head0 + g64 * stride_dqacc_h + m0.to(gl.int64) * stride_dqacc_s
     gl.atomic_add(tile + offs[:, None] * stride_dqacc_s + cols[None, :], dq,
                   mask=(m0 + offs < sq)[:, None] & (cols < dqk)[None, :], sem="relaxed")
     return dk, dv
@@ -109,8 +119,9 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-              ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, dk_desc, dv_desc, n0, lo, full_lo,
-              full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+              ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h, dqk,
+              dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+              softmax_scale,
               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DQK, 16])
@@ -125,8 +136,9 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
         dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
-                       ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, n0, lo, full_lo, full_hi, sq,
-                       sk, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK)
+                       ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h,
+                       dqk, n0, lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
+                       BLOCK_M, HALF_N, BLOCK_DQK)
     if n_steps > 0:
         # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
         last = n_steps - 1
@@ -166,10 +178,10 @@ def fmha_bwd_dkdv(
 ):
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
-    gl.static_assert(DQ_ATOMIC and not GROUP_LOOP, "the v3 backward adds dQ by atomics, one query head per key head")
+    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
     HALF_N: gl.constexpr = BLOCK_N // 2
     n_block = gl.program_id(0)
-    h = gl.program_id(1)
+    hk = gl.program_id(1)
     b = gl.program_id(2)
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
@@ -179,10 +191,13 @@ def fmha_bwd_dkdv(
     off = gl.where(bottom_right != 0, sk - sq, 0)
     left, right = window_sides(window_left, window_right, sq, sk)
     lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
-    n_steps = hi - lo
+    blocks = hi - lo
+    n_steps = blocks * kv_group_size  # (query head of the group, query block), heads outermost
+    h0 = hk * kv_group_size  # the group's first query head
 
     b64 = b.to(gl.int64)
-    h64 = h.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    h0_64 = h0.to(gl.int64)
     q_row0 = q_start.to(gl.int64)
     k_row0 = k_start.to(gl.int64)
     dqk = head_dim_qk_div8 * 8
@@ -190,33 +205,34 @@ def fmha_bwd_dkdv(
     dtype: gl.constexpr = Q.dtype.element_ty
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DQK], dtype)
-    do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DV], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
+    do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
     dk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + k_row0 * stride_k_s + h64 * stride_k_h,
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h,
                                         [sk, dqk], [stride_k_s, 1], [BLOCK_N, BLOCK_DQK], k_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + k_row0 * stride_v_s + h64 * stride_v_h,
+    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h,
                                         [sk, dv], [stride_v_s, 1], [BLOCK_N, BLOCK_DV], v_layout)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
-                                        [sq, dqk], [stride_q_s, 1], [BLOCK_M, BLOCK_DQK], q_layout)
-    do_desc = tma.make_tensor_descriptor(dO + b64 * stride_do_b + q_row0 * stride_do_s + h64 * stride_do_h,
-                                         [sq, dv], [stride_do_s, 1], [BLOCK_M, BLOCK_DV], do_layout)
-    dk_desc = tma.make_tensor_descriptor(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + h64 * stride_dk_h,
+    # Q and dO by (row, query head, dim), so that one descriptor serves every head of the group
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s, [sq, num_heads_q, dqk],
+                                        [stride_q_s, stride_q_h, 1], [BLOCK_M, 1, BLOCK_DQK], q_layout)
+    do_desc = tma.make_tensor_descriptor(dO + b64 * stride_do_b + q_row0 * stride_do_s, [sq, num_heads_q, dv],
+                                         [stride_do_s, stride_do_h, 1], [BLOCK_M, 1, BLOCK_DV], do_layout)
+    dk_desc = tma.make_tensor_descriptor(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h,
                                          [sk, dqk], [stride_dk_s, 1], [HALF_N, BLOCK_DQK], dk_layout)
-    dv_desc = tma.make_tensor_descriptor(dV + b64 * stride_dv_b + k_row0 * stride_dv_s + h64 * stride_dv_h,
+    dv_desc = tma.make_tensor_descriptor(dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h,
                                          [sk, dv], [stride_dv_s, 1], [HALF_N, BLOCK_DV], dv_layout)
-    stats = b64 * stride_delta_b + h64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
-    Lse2_rows = Lse2 + stats
-    Delta_rows = Delta + stats
-    DqAcc_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h
+    stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
+    Lse2_head0 = Lse2 + stats
+    Delta_head0 = Delta + stats
+    DqAcc_head0 = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h0_64 * stride_dqacc_h
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DQK], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_DV], do_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DQK], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -235,13 +251,13 @@ def fmha_bwd_dkdv(
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, dk_desc, dv_desc, n0, lo,
-                     full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
+                     ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h,
+                     dqk, dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                     scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
         (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-                     ds_empty, Lse2_rows, Delta_rows, DqAcc_rows, stride_dqacc_s, dqk, dk_desc, dv_desc, n0, lo,
-                     full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
+                     ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h,
+                     dqk, dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                     scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
         (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-                   n0, lo, n_steps, BLOCK_M)),
+                   n0, lo, blocks, h0, n_steps, BLOCK_M)),
     ], [4, 1], [240, 24])

@@ -225,12 +225,13 @@ def test_the_bench_runs_the_v3_family_beside_the_default(monkeypatch):
 
 BWD_SERVED = {
     "bf16 D=128 MHA causal": dict(heads_k=8, window_right=0),
+    "GQA": dict(),
+    "MQA": dict(heads_k=1),
     "fp16 D=64 window bottom-right": dict(heads_k=8, dtype="fp16", head_dim_qk=64, head_dim_v=64, window_left=32,
                                           window_right=8, bottom_right=True),
     "varlen head dim 100": dict(heads_k=8, varlen=True, total_q=700, total_k=900, head_dim_qk=100, head_dim_v=100),
 }
 BWD_NOT_SERVED = {
-    "GQA": dict(),
     "deterministic": dict(heads_k=8, deterministic=True),
     "bias": dict(heads_k=8, bias_shape="1HSS", bias_grad=True),
     "dropout": dict(heads_k=8, dropout_p=0.1),
@@ -239,7 +240,7 @@ BWD_NOT_SERVED = {
 
 
 @pytest.mark.parametrize("case", BWD_SERVED)
-def test_the_backward_serves_one_head_per_key_head_without_determinism(case, v3_on, monkeypatch):
+def test_the_backward_serves_the_non_deterministic_calls(case, v3_on, monkeypatch):
     p = problem(**BWD_SERVED[case])
     assert v3_plan.serves_bwd(p, "sm_90") and v3_plan.serves_bwd(p, "sm_90", pp.DQ_ATOMIC)
     assert not v3_plan.serves_bwd(p, "sm_90", pp.DQ_FUSED) and not v3_plan.serves_bwd(p, "gfx950")
@@ -262,18 +263,18 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     assert names[:4] == ["delta", "lse2", "dq_acc", v3_plan.DESCRIPTOR_REGION] and names[4:]  # then padding
     assert workspace.region("dq_acc").zero_init
     descriptors = workspace.region(v3_plan.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3_plan.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2
+    assert descriptors.nbytes == v3_plan.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2  # Hk = 8
     assert descriptors.offset % v3_plan.GLOBAL_SCRATCH_ALIGN == 0
 
 
 def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
-    p = problem(heads_k=8, window_right=0)
+    p = problem(window_right=0)  # GQA 8/2
     workspace = dispatch.bwd_workspace(p, "sm_90")
     names = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv") + tuple(r.name for r in workspace.regions)
     tensors = {name: pp_pointer(i) for i, name in enumerate(names)}
-    rows = (300 * 8 * 128, 8 * 128, 128, 1)
-    tensors.update({f"{n}_strides": rows for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
-                   lse_strides=(8 * 300, 300, 1))
+    rows, kv_rows = (300 * 8 * 128, 8 * 128, 128, 1), (300 * 2 * 128, 2 * 128, 128, 1)
+    tensors.update({f"{n}_strides": rows for n in ("q", "out", "dout", "dq")}, lse_strides=(8 * 300, 300, 1))
+    tensors.update({f"{n}_strides": kv_rows for n in ("k", "v", "dk", "dv")})
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
     assert [launch.variant for launch in launches] == [v3_plan.preprocess_key("bf16", 128),
                                                        v3_plan.dkdv_key("bf16", (128, 128)),
@@ -283,7 +284,8 @@ def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     for launch, twin in zip(launches, portable):
         assert launch.args == {**twin.args, **({"global_scratch": tensors[v3_plan.DESCRIPTOR_REGION]}
                                                if launch.variant.startswith("fmha_bwd_dkdv") else {})}
-    assert launches[1].grid == (3, 8, 2) and launches[1].args["DqAcc"] is tensors["dq_acc"]
+    assert launches[1].grid == (3, 2, 2) and launches[1].args["DqAcc"] is tensors["dq_acc"]  # a program per kv head
+    assert launches[1].args["kv_group_size"] == 4
 
 
 def test_a_served_backward_launches_the_v3_kernels_and_zeroes_the_accumulator(monkeypatch, rt, driver, v3_on):
