@@ -149,17 +149,19 @@ def test_dropout_matches_reference_with_the_kernels_own_mask():
         assert_close(n, got, want)
 
 
-def test_varlen_with_empty_and_single_token_sequences():
-    lens_q, lens_k = [37, 0, 1, 128, 64], [50, 3, 1, 128, 0]
-    H, D = 4, 64
-    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, H, 2, D, seed=15)
+def varlen_round_trip(lens_q, lens_k, heads_q, heads_k, head_dim, seed, after_each_call=lambda: None):
+    """The varlen forward and backward (causal, bottom-right) of fresh inputs against the float64 reference;
+    after_each_call runs after each of the two calls."""
+    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed=seed)
     tq = sum(lens_q)
-    out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
+    out, lse = nan_like((tq, heads_q, head_dim), q.dtype), nan_like((heads_q, tq), torch.float32)
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
     fmha_rt.mha_varlen_fwd(q, k, v, *args, out=out, lse=lse, causal=True, causal_alignment="bottom_right")
+    after_each_call()
     dq, dk, dv = nan_like(q.shape, q.dtype), nan_like(k.shape, k.dtype), nan_like(v.shape, v.dtype)
     fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, *args, dq=dq, dk=dk, dv=dv, causal=True,
                            causal_alignment="bottom_right")
+    after_each_call()
     ref = dict(window=(-1, 0), bottom_right=True)
     cq, ck = cu_q.cpu().numpy(), cu_k.cpu().numpy()
     ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cq, ck, **ref)
@@ -168,6 +170,10 @@ def test_varlen_with_empty_and_single_token_sequences():
     rdq, rdk, rdv, _ = reference.mha_varlen_bwd_ref(f64(dout), f64(q), f64(k), f64(v), cq, ck, **ref)
     for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
         assert_close(n, got, want)
+
+
+def test_varlen_with_empty_and_single_token_sequences():
+    varlen_round_trip([37, 0, 1, 128, 64], [50, 3, 1, 128, 0], 4, 2, 64, seed=15)
 
 
 @pytest.mark.parametrize("B,S,H,D,kernel", [(2, 1024, 8, 128, "fmha_bwd_dkdv_"), (2, 256, 4, 64, "fmha_bwd_single_")],

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 
 import fmha_rt  # noqa: E402
 from fmha_rt import reference, v3_plan  # noqa: E402
-from gpu_tensors import f64, nan_like, rand, varlen_inputs  # noqa: E402
-from test_attention import DTYPES, assert_close, mask_kwargs  # noqa: E402
+from gpu_tensors import f64, nan_like, rand  # noqa: E402
+from test_attention import DTYPES, assert_close, mask_kwargs, varlen_round_trip  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -89,26 +89,10 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
 
 
 def test_varlen_with_empty_and_single_token_sequences():
-    lens_q, lens_k = [37, 0, 1, 300, 64], [50, 3, 1, 129, 0]
-    H, D = 4, 128
-    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, H, 2, D, seed=15)
-    tq = sum(lens_q)
-    out, lse = nan_like((tq, H, D), torch.bfloat16), nan_like((H, tq), torch.float32)
-    args = (cu_q, cu_k, max(lens_q), max(lens_k))
-    opts = dict(causal=True, causal_alignment="bottom_right")
-    fmha_rt.mha_varlen_fwd(q, k, v, *args, out=out, lse=lse, **opts)
-    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
-    dq, dk, dv = nan_like(q.shape, q.dtype), nan_like(k.shape, k.dtype), nan_like(v.shape, v.dtype)
-    fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, *args, dq=dq, dk=dk, dv=dv, **opts)
-    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
-    ref = dict(window=(-1, 0), bottom_right=True)
-    cq, ck = cu_q.cpu().numpy(), cu_k.cpu().numpy()
-    ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cq, ck, **ref)
-    assert_close("out", out, ro)
-    assert_close("lse", lse, rl, tol=1e-3)
-    rdq, rdk, rdv, _ = reference.mha_varlen_bwd_ref(f64(dout), f64(q), f64(k), f64(v), cq, ck, **ref)
-    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
-        assert_close(n, got, want)
+    def ran_in_v3():
+        assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+
+    varlen_round_trip([37, 0, 1, 300, 64], [50, 3, 1, 129, 0], 4, 2, 128, seed=15, after_each_call=ran_in_v3)
 
 
 def test_the_deterministic_backward_stays_portable_and_agrees():
