@@ -305,3 +305,22 @@ def test_a_served_backward_launches_the_v3_kernels_and_zeroes_the_accumulator(mo
     deterministic = fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
                                     deterministic=True, workspace_alloc=lambda n, z: x.workspace)
     assert deterministic and all(not key.startswith("fmha_bwd_dkdv_v3") for key, *_ in driver.take())
+
+
+@pytest.mark.parametrize("shape, kernel", [({"hq": 8, "hk": 2}, "fmha_bwd_dkdv_v3_fp16_d64"),
+                                           ({"d": 60}, "fmha_bwd_dkdv_v3_fp16_d64")], ids=["GQA", "head dim 60 (padded)"])
+def test_a_served_backward_hits_the_plan_cache_with_what_an_uncached_call_launches(monkeypatch, rt, driver, v3_on,
+                                                                                      shape, kernel):
+    from test_plan_cache import bwd
+
+    first, second = Inputs(rt, **shape), Inputs(rt, **shape)
+    expected = uncached(monkeypatch, driver, bwd(second, causal=True))
+    assert kernel in [key for key, *_ in expected]
+    for _ in range(2):  # seen twice: recorded
+        bwd(first, causal=True)()
+    driver.take()
+    bwd(second, causal=True)()
+    assert hits() == 1
+    # the workspace is the caller's (workspace_alloc): every byte, the descriptors' address included, is the same
+    assert driver.take() == expected
+
