@@ -12,9 +12,10 @@ one), MHA, GQA and MQA, no mask, causal and sliding windows in either alignment,
 score terms or dropout. The backward serves the same calls where they are not deterministic: it is the
 portable atomic strategy (pre-pass, dK/dV with dQ added by
 fp32 atomics, conversion of dQ) with the v3 dK/dV kernel, and the pre-pass and conversion built under
-this family's keys. Chosen only where the benchmark shows it faster than the portable family; until
-then only where the environment asks for it (FMHA_RT_V3=1, read at import: `refresh_enabled()` re-reads
-it); the plan cache does not key on the switch, so clear it after changing it.
+this family's keys. MODE says where it runs: 'measured' (the default) where the benchmark showed it
+faster than the portable family, 'all' everywhere it serves, 'off' nowhere (FMHA_RT_V3 unset, '1', '0';
+read at import, `refresh_mode()` re-reads it); the plan cache does not key on the mode, so clear it
+after changing it.
 """
 import os
 
@@ -36,17 +37,24 @@ GLOBAL_SCRATCH_ALIGN = 128
 DESCRIPTOR_REGION = "tma_descriptors"
 
 
-def _read_enabled() -> bool:
-    return os.environ.get("FMHA_RT_V3", "") not in ("", "0")
+def _read_mode() -> str:
+    """FMHA_RT_V3: unset or empty 'measured' (where measured faster), '0' 'off', anything else 'all'."""
+    value = os.environ.get("FMHA_RT_V3", "")
+    return {"": "measured", "0": "off"}.get(value, "all")
 
 
-ENABLED = _read_enabled()
+MODE = _read_mode()
+# Where the 'measured' mode runs the v3 forward: the 128 tile from 4096 keys, where it beat the portable
+# forward by 10-21% (H100, NOTES.md v3.0 measurement); below 4096 keys and in the 64 tile it was slower.
+# The v3 backward was slower everywhere there (0.5-0.86x): it runs only in the 'all' mode.
+MEASURED_FWD_PAIRS = ((128, 128),)
+MEASURED_FWD_MIN_SEQLEN_K = 4096
 
 
-def refresh_enabled() -> None:
-    """Re-read FMHA_RT_V3 (for a process that sets it after importing fmha_rt)."""
-    global ENABLED
-    ENABLED = _read_enabled()
+def refresh_mode() -> None:
+    """Re-read FMHA_RT_V3 (for a process that sets it after importing fmha_rt); clear the plan cache after."""
+    global MODE
+    MODE = _read_mode()
 
 
 def fwd_key(dtype, pair):
@@ -109,16 +117,19 @@ def variants(arch: str) -> list[dict]:
 
 
 def serves_fwd(problem, arch) -> bool:
-    """Whether the v3 forward runs `problem` on `arch`."""
-    return (ENABLED and arch in ARCHS and problem.dtype in pp.DTYPES and pp.head_dim_tiles(problem) in FWD_PAIRS
-            and pp.problem_features(problem) == (pp.BIAS_NONE, False))
+    """Whether the v3 forward runs `problem` on `arch` in the current MODE."""
+    pair = pp.head_dim_tiles(problem)
+    if MODE == "off" or not (arch in ARCHS and problem.dtype in pp.DTYPES and pair in FWD_PAIRS
+                             and pp.problem_features(problem) == (pp.BIAS_NONE, False)):
+        return False
+    return MODE == "all" or (pair in MEASURED_FWD_PAIRS and problem.seqlen_k >= MEASURED_FWD_MIN_SEQLEN_K)
 
 
 def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
-    """Whether the v3 backward runs `problem` on `arch` (a request for another dQ strategy keeps the
-    portable family)."""
-    return (ENABLED and arch in ARCHS and dq_strategy_request in (None, pp.DQ_ATOMIC) and not problem.deterministic
-            and problem.dtype in pp.DTYPES and pp.head_dim_tiles(problem) in BWD_PAIRS
+    """Whether the v3 backward runs `problem` on `arch` (the 'all' mode alone; a request for another dQ
+    strategy keeps the portable family)."""
+    return (MODE == "all" and arch in ARCHS and dq_strategy_request in (None, pp.DQ_ATOMIC)
+            and not problem.deterministic and problem.dtype in pp.DTYPES and pp.head_dim_tiles(problem) in BWD_PAIRS
             and pp.problem_features(problem) == (pp.BIAS_NONE, False))
 
 

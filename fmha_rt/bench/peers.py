@@ -165,8 +165,8 @@ class FmhaRtAdapter(_Adapter):
 
 
 class FmhaRtV3Adapter(FmhaRtAdapter):
-    """fmha_rt with the v3 family running what it serves (fmha_rt/v3_plan.py), beside the default in
-    one run; no deterministic rows: deterministic calls keep the portable kernels."""
+    """fmha_rt with the v3 family running everything it serves (fmha_rt/v3_plan.py, mode 'all'), beside
+    the default in one run; no deterministic rows: deterministic calls keep the portable kernels."""
 
     has_deterministic = False
 
@@ -174,14 +174,14 @@ class FmhaRtV3Adapter(FmhaRtAdapter):
     def context(self):
         from fmha_rt import v3_plan
 
-        # The plan cache does not key on the family switch: plans cached with the other setting go.
-        was = v3_plan.ENABLED
+        # The plan cache does not key on the mode: plans cached under the other one go.
+        was = v3_plan.MODE
         self.rt.clear_plan_cache()
-        v3_plan.ENABLED = True
+        v3_plan.MODE = "all"
         try:
             yield
         finally:
-            v3_plan.ENABLED = was
+            v3_plan.MODE = was
             self.rt.clear_plan_cache()
 
 

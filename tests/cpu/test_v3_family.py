@@ -17,7 +17,7 @@ from test_plan_cache import Inputs, fwd, hits, uncached, unpack, varlen_fwd
 
 @pytest.fixture
 def v3_on(monkeypatch):
-    monkeypatch.setattr(v3_plan, "ENABLED", True)
+    monkeypatch.setattr(v3_plan, "MODE", "all")
 
 
 def problem(**changes):
@@ -83,12 +83,26 @@ NOT_SERVED = {
 
 
 @pytest.mark.parametrize("case", SERVED)
-def test_serves_its_calls_on_sm_90_when_enabled(case, v3_on, monkeypatch):
+def test_serves_its_calls_on_sm_90_in_the_all_mode(case, v3_on, monkeypatch):
     p = problem(**SERVED[case])
     assert v3_plan.serves_fwd(p, "sm_90")
     assert not v3_plan.serves_fwd(p, "gfx942")
-    monkeypatch.setattr(v3_plan, "ENABLED", False)
+    monkeypatch.setattr(v3_plan, "MODE", "off")
     assert not v3_plan.serves_fwd(p, "sm_90")
+
+
+@pytest.mark.parametrize("changes, served", [
+    (dict(seqlen_q=4096, seqlen_k=4096), True),
+    (dict(seqlen_q=300, seqlen_k=4096, window_right=0, bottom_right=True), True),
+    (dict(seqlen_q=4096, seqlen_k=4095), False),
+    (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=64, head_dim_v=64), False),
+    (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
+], ids=["D=128 4k", "D=128 4k keys, short queries", "D=128 one key short", "D=64 4k", "dropout"])
+def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served, monkeypatch):
+    monkeypatch.setattr(v3_plan, "MODE", "measured")
+    p = problem(heads_k=8, **changes)
+    assert v3_plan.serves_fwd(p, "sm_90") is served
+    assert not v3_plan.serves_bwd(p, "sm_90")  # the v3 backward measured slower: the 'all' mode alone
 
 
 @pytest.mark.parametrize("case", NOT_SERVED)
@@ -98,13 +112,14 @@ def test_leaves_the_rest_to_the_portable_family(case, v3_on):
     assert dispatch.fwd_scratch(p, "sm_90") == pp.fwd_scratch(p)
 
 
-def test_the_environment_switches_it(monkeypatch):
-    monkeypatch.setenv("FMHA_RT_V3", "1")
-    v3_plan.refresh_enabled()
-    assert v3_plan.ENABLED
-    monkeypatch.setenv("FMHA_RT_V3", "0")
-    v3_plan.refresh_enabled()
-    assert not v3_plan.ENABLED
+def test_the_environment_sets_the_mode(monkeypatch):
+    for value, mode in (("", "measured"), ("1", "all"), ("0", "off")):
+        monkeypatch.setenv("FMHA_RT_V3", value)
+        v3_plan.refresh_mode()
+        assert v3_plan.MODE == mode
+    monkeypatch.delenv("FMHA_RT_V3")
+    v3_plan.refresh_mode()
+    assert v3_plan.MODE == "measured"
 
 
 def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
@@ -207,12 +222,12 @@ def test_the_bench_runs_the_v3_family_beside_the_default(monkeypatch):
 
     adapter = peers.PEER_BY_NAME["fmha_rt_v3"].make()
     cleared = []
-    monkeypatch.setattr(fmha_rt, "clear_plan_cache", lambda: cleared.append(v3_plan.ENABLED))
-    monkeypatch.setattr(v3_plan, "ENABLED", False)
+    monkeypatch.setattr(fmha_rt, "clear_plan_cache", lambda: cleared.append(v3_plan.MODE))
+    monkeypatch.setattr(v3_plan, "MODE", "measured")
     with adapter.context():
-        assert v3_plan.ENABLED
-    # cleared on entry and on exit: no plan made under the other setting survives the switch
-    assert not v3_plan.ENABLED and cleared == [False, False]
+        assert v3_plan.MODE == "all"
+    # cleared on entry and on exit: no plan made under the other mode survives the switch
+    assert v3_plan.MODE == "measured" and cleared == ["measured", "measured"]
     point = dict(kind="dense", dtype="bf16", batch=1, heads_q=2, heads_k=2, seqlen_q=128, seqlen_k=128,
                  head_dim=128, causal=False)
     for pass_name in ("fwd", "bwd"):
@@ -244,8 +259,9 @@ def test_the_backward_serves_the_non_deterministic_calls(case, v3_on, monkeypatc
     p = problem(**BWD_SERVED[case])
     assert v3_plan.serves_bwd(p, "sm_90") and v3_plan.serves_bwd(p, "sm_90", pp.DQ_ATOMIC)
     assert not v3_plan.serves_bwd(p, "sm_90", pp.DQ_FUSED) and not v3_plan.serves_bwd(p, "gfx950")
-    monkeypatch.setattr(v3_plan, "ENABLED", False)
-    assert not v3_plan.serves_bwd(p, "sm_90")
+    for mode in ("measured", "off"):
+        monkeypatch.setattr(v3_plan, "MODE", mode)
+        assert not v3_plan.serves_bwd(p, "sm_90")
 
 
 @pytest.mark.parametrize("case", BWD_NOT_SERVED)

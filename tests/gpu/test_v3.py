@@ -1,8 +1,8 @@
 """The v3 family (Hopper, Gluon) through the public API on the GPU, against the float64 reference: its
 forward, and its backward (not deterministic).
 
-v3 runs where FMHA_RT_V3 enables it (fmha_rt/v3_plan.py); the fixture enables it for these tests and
-each test checks that the call really ran in the v3 family. Outputs are poisoned with NaN before a call,
+The fixture has v3 run everything it serves (fmha_rt/v3_plan.py, mode 'all'); each test checks that
+the call really ran in the v3 family. Outputs are poisoned with NaN before a call,
 inputs are fresh random draws, errors are relative (below 1e-2; LSE below 1e-3).
 """
 import math
@@ -19,7 +19,7 @@ from test_attention import DTYPES, assert_close, mask_kwargs, varlen_round_trip 
 
 @pytest.fixture(autouse=True)
 def v3_enabled(monkeypatch):
-    monkeypatch.setattr(v3_plan, "ENABLED", True)
+    monkeypatch.setattr(v3_plan, "MODE", "all")
     fmha_rt.clear_plan_cache()
     yield
     fmha_rt.clear_plan_cache()
