@@ -46,7 +46,7 @@ def _read_mode() -> str:
 MODE = _read_mode()
 # Where the 'measured' mode runs the v3 forward: the 128 tile from 4096 keys, where it beat the portable
 # forward by 8-21% (H100, NOTES.md v3.0 measurement); below 4096 keys and in the 64 tile it was slower.
-# The v3 backward was slower everywhere there (0.5-0.86x): it runs only in the 'all' mode.
+# The v3 backward was slower everywhere there (0.51-0.86x): it runs only in the 'all' mode.
 MEASURED_FWD_PAIRS = ((128, 128),)
 MEASURED_FWD_MIN_SEQLEN_K = 4096
 
