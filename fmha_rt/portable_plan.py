@@ -685,10 +685,11 @@ def padding_regions(problem, pass_name):
     return [(t.region, _padded_shape(problem, t), False, problem.dtype) for t in padded_tensors(problem, pass_name)]
 
 
-def fwd_scratch(problem) -> Scratch:
+def fwd_scratch(problem, extra=()) -> Scratch:
     """Scratch memory of a forward: one '<name>_padded' region per tensor of padded_tensors(problem,
-    'fwd'); no regions (0 bytes) when both head dims are multiples of 8. Nothing needs zeroing."""
-    return Scratch(*carve(padding_regions(problem, "fwd")))
+    'fwd'), then the `extra` regions (name, shape, zero_init, dtype) a family's kernels take; no regions
+    (0 bytes) when both head dims are multiples of 8 and there is no extra. Nothing needs zeroing."""
+    return Scratch(*carve(padding_regions(problem, "fwd") + list(extra)))
 
 
 def plan_head_padding(problem, arch, tensors, pass_name) -> tuple[list, list, dict]:

@@ -45,7 +45,8 @@ def _read_mode() -> str:
 
 MODE = _read_mode()
 # Where the 'measured' mode runs the v3 forward: the 128 tile from 4096 keys, where it beat the portable
-# forward by 8-21% (H100, NOTES.md v3.0 measurement); below 4096 keys and in the 64 tile it was slower.
+# forward by 12-15% on the H200 and 8-21% on an H100 (NOTES.md, v3.0 measurement); below 4096 keys
+# causal and in the 64 tile it was slower.
 # The v3 backward was slower everywhere there (0.51-0.86x): it runs only in the 'all' mode.
 MEASURED_FWD_PAIRS = ((128, 128),)
 MEASURED_FWD_MIN_SEQLEN_K = 4096
@@ -136,11 +137,12 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
 def fwd_scratch(problem) -> pp.Scratch:
     """The scratch of a forward the v3 family serves: portable_plan.fwd_scratch's padding regions, then
     one region for its programs' descriptors."""
-    wanted = pp.padding_regions(problem, "fwd")
-    if pp.has_work(problem):
-        nbytes = GLOBAL_SCRATCH["fmha_fwd"] * _programs(problem)
-        wanted.append((DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32"))
-    return pp.Scratch(*pp.carve(wanted))
+    return pp.fwd_scratch(problem, _descriptor_region(GLOBAL_SCRATCH["fmha_fwd"] * _programs(problem), problem))
+
+
+def _descriptor_region(nbytes, problem) -> list:
+    """The (name, shape, zero_init, dtype) of DESCRIPTOR_REGION: none for a call without programs."""
+    return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if pp.has_work(problem) else []
 
 
 def _programs(problem) -> int:
@@ -153,9 +155,7 @@ def bwd_workspace(problem) -> pp.Workspace:
     Lse2, the zeroed fp32 dQ accumulator), one region for the dK/dV programs' descriptors, then the
     padding buffers."""
     programs = -(-problem.seqlen_k // BWD_TILE.block_n) * problem.heads_k * problem.batch
-    nbytes = GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs
-    extra = [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if pp.has_work(problem) else []
-    return pp.workspace_for(problem, pp.DQ_ATOMIC, extra)
+    return pp.workspace_for(problem, pp.DQ_ATOMIC, _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs, problem))
 
 
 def plan_bwd(problem, tensors) -> list:

@@ -27,14 +27,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.portable import fmha_common
+from kernels.v3.common import query_blocks, row_stats_start, rows_descriptor, sequence_extent, visible, window_sides
 
 STAGES = gl.constexpr(2)  # Q/dO ring depth
-sequence_extent = gluon.jit(fmha_common.sequence_extent.fn)
-window_sides = gluon.jit(fmha_common.window_sides.fn)
-query_blocks = gluon.jit(fmha_common.query_blocks.fn)
-row_stats_start = gluon.jit(fmha_common.row_stats_start.fn)
-visible = gluon.jit(fmha_common.visible.fn)
 
 
 @gluon.jit
@@ -209,19 +204,19 @@ def fmha_bwd_dkdv(
     do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
     dk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype)
     dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h,
-                                        [sk, dqk], [stride_k_s, 1], [BLOCK_N, BLOCK_DQK], k_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h,
-                                        [sk, dv], [stride_v_s, 1], [BLOCK_N, BLOCK_DV], v_layout)
+    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
+                             k_layout)
+    v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
+                             v_layout)
     # Q and dO by (row, query head, dim), so that one descriptor serves every head of the group
     q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s, [sq, num_heads_q, dqk],
                                         [stride_q_s, stride_q_h, 1], [BLOCK_M, 1, BLOCK_DQK], q_layout)
     do_desc = tma.make_tensor_descriptor(dO + b64 * stride_do_b + q_row0 * stride_do_s, [sq, num_heads_q, dv],
                                          [stride_do_s, stride_do_h, 1], [BLOCK_M, 1, BLOCK_DV], do_layout)
-    dk_desc = tma.make_tensor_descriptor(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h,
-                                         [sk, dqk], [stride_dk_s, 1], [HALF_N, BLOCK_DQK], dk_layout)
-    dv_desc = tma.make_tensor_descriptor(dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h,
-                                         [sk, dv], [stride_dv_s, 1], [HALF_N, BLOCK_DV], dv_layout)
+    dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk, [HALF_N, BLOCK_DQK],
+                              dk_layout)
+    dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv, [HALF_N, BLOCK_DV],
+                              dv_layout)
     stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
     Lse2_head0 = Lse2 + stats
     Delta_head0 = Delta + stats

@@ -14,8 +14,8 @@ Tensor descriptors are made on the device, per (sequence, head), so their bounds
 the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Making them takes
 Triton's global scratch memory (manifest `global_scratch`, per program), which the runtime provides.
 
-Sequences, windows and masks are the portable family's (kernels/portable/fmha_common.py: its helpers are
-compiled here as Gluon functions): key j is visible from query i iff i + off - left <= j <= i + off +
+Sequences, windows and masks are the portable family's (kernels/portable/fmha_common.py, compiled as
+Gluon functions in kernels/v3/common.py): key j is visible from query i iff i + off - left <= j <= i + off +
 right and j < Sk. The mask-free key blocks of the program's rows come first, then the masked ones; rows
 that see no key get O = 0 and LSE = -inf.
 """
@@ -24,18 +24,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.portable import fmha_common
+from kernels.v3.common import key_blocks, masked_block, rows_descriptor, sequence_extent, visible, window_sides
 
 STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 fill 128 KiB beside Q's 32 KiB
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-# The portable family's scalar helpers, compiled as Gluon (their bodies are scalar loads and arithmetic).
-sequence_extent = gluon.jit(fmha_common.sequence_extent.fn)
-window_sides = gluon.jit(fmha_common.window_sides.fn)
-key_blocks = gluon.jit(fmha_common.key_blocks.fn)
-masked_block = gluon.jit(fmha_common.masked_block.fn)
-visible = gluon.jit(fmha_common.visible.fn)
 
 
 @gluon.jit
@@ -187,14 +181,14 @@ def fmha_fwd(
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_DV], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
-                                        [sq, dqk], [stride_q_s, 1], [HALF_M, BLOCK_DQK], q_layout)
-    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h,
-                                        [sq, dv], [stride_o_s, 1], [HALF_M, BLOCK_DV], o_layout)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h,
-                                        [sk, dqk], [stride_k_s, 1], [BLOCK_N, BLOCK_DQK], k_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h,
-                                        [sk, dv], [stride_v_s, 1], [BLOCK_N, BLOCK_DV], v_layout)
+    q_desc = rows_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, h64, stride_q_h, sq, dqk, [HALF_M, BLOCK_DQK],
+                             q_layout)
+    o_desc = rows_descriptor(Out, b64, stride_o_b, q_row0, stride_o_s, h64, stride_o_h, sq, dv, [HALF_M, BLOCK_DV],
+                             o_layout)
+    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
+                             k_layout)
+    v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
+                             v_layout)
     Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
 
     gl.static_assert(BLOCK_DQK == BLOCK_DV, "O's tile reuses Q's")
