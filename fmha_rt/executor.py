@@ -13,7 +13,7 @@ from .errors import FmhaValueError
 from . import backend, launch as launch_module
 from .launch import PreparedLaunch, Ready, log_config_enabled, log_launch
 from .packing import NULL, pointer_value
-from .registry import ALIGNED_STRIDE_PREFIX, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
+from .registry import ALIGNED_STRIDE_PREFIX, GLOBAL_SCRATCH, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
 
 _SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 _local = threading.local()
@@ -33,9 +33,12 @@ def check_alignment(entry, args: dict) -> None:
 
 
 def pointer_alignment(entry, name: str) -> int:
-    """Bytes the pointer parameter `name` of `entry` must be aligned to."""
+    """Bytes the pointer parameter `name` of `entry` must be aligned to: global scratch as the compiler
+    asked (the manifest records it: TMA descriptors are made there), other pointers as the build promised."""
     if name.startswith(UNALIGNED_POINTER_PREFIX):
         return _ELEMENT_BYTES.get(entry.traits.get("dtype"), 1)
+    if name == GLOBAL_SCRATCH:
+        return max(16, entry.traits.get("global_scratch_align", 16))
     return 16
 
 

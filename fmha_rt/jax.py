@@ -11,8 +11,10 @@ kernels for the GPU's arch and packs their arguments with placeholder pointers i
 (fmha_rt.launch_program), which becomes an attribute of an XLA custom call. When XLA runs the call, the
 shim's FFI handler (fmha_rt/xla_ffi.c) writes the buffers' addresses into the packed arguments and
 launches on XLA's stream and device: no Python runs then, and the GIL is never taken. The backward is
-a second custom call, through jax.custom_vjp; its workspace is an extra result of that call (XLA
-allocates it), and the handler zeroes the regions that must start at zero. Under vmap the mapped axis
+a second custom call, through jax.custom_vjp. A call's workspace is an extra result (XLA allocates it;
+fmha_rt.jax drops it): the backward's, whose regions that must start at zero the handler zeroes, and
+the v3 forward's, where its programs make their TMA descriptors (the handler checks that address
+against the alignment the kernel was compiled for, as every pointer). Under vmap the mapped axis
 of a batch call is folded into its batch, so a vmapped call is one custom call, not a loop (varlen calls
 run one after another). The kernel images are
 registered with the shim at trace time; the handler loads them into the kernel map on first use, per

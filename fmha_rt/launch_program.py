@@ -15,7 +15,8 @@ word followed by the bytes packed eight to a word, little-endian:
     per zero fill: buffer, byte offset, byte count,
     per launch: kernel key (bytes), grid x y z, block x y z, dynamic shared bytes,
                 argument template (bytes), patch count,
-                per patch: byte offset in the template, buffer, byte offset into the buffer.
+                per patch: byte offset in the template, buffer, byte offset into the buffer, the
+                alignment in bytes the address must have (the kernel's, executor.pointer_alignment).
 
 Buffers are numbered operands first, then results, as XLA passes them to the handler.
 """
@@ -26,15 +27,15 @@ import math
 
 import numpy as np
 
-from . import portable_plan
+from . import dispatch, portable_plan
 from .api import _kv_shape, _lse_shape, _out_shape
 from .errors import FmhaValueError
-from .executor import check_alignment
+from .executor import check_alignment, pointer_alignment
 from .packing import NULL, Pointer, pointer_value
 from .registry import SCRATCH_POINTERS, registry
 
 MAGIC = int.from_bytes(b"FMHAPRG1", "little")
-FORMAT = 1
+FORMAT = 2
 # XLA's PrimitiveType numbers (xla_data.proto), which the FFI reports as a buffer's dtype.
 XLA_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint32": 8, "float16": 10,
               "float32": 11, "bfloat16": 16}
@@ -88,6 +89,7 @@ class Patch:
     arg_offset: int  # byte offset of a pointer slot in the argument template
     buffer: int
     offset: int  # bytes into the buffer
+    align: int  # the address must be a multiple of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +142,7 @@ class LaunchProgram(_CallBuffers):
             _put_bytes(words, launch.template)
             words.append(len(launch.patches))
             for p in launch.patches:
-                words += [p.arg_offset, p.buffer, p.offset]
+                words += [p.arg_offset, p.buffer, p.offset, p.align]
         return np.array(words, dtype=np.int64)
 
     @classmethod
@@ -163,7 +165,7 @@ class LaunchProgram(_CallBuffers):
             key = r.bytes().decode()
             grid, block, shared = tuple(r.word() for _ in range(3)), tuple(r.word() for _ in range(3)), r.word()
             template = r.bytes()
-            patches = tuple(Patch(r.word(), r.word(), r.word()) for _ in range(r.word()))
+            patches = tuple(Patch(r.word(), r.word(), r.word(), r.word()) for _ in range(r.word()))
             decoded.append(ProgramLaunch(key, grid, block, shared, template, patches))
         if r.next != len(r.words):
             raise FmhaValueError("launch program has words past its end")
@@ -214,7 +216,8 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
         for slot in entry.params:
             address = pointer_value(slot.name, args[slot.name]) if slot.type == "ptr" else 0
             if address:
-                patches.append(Patch(slot.offset, *_resolve(address, len(buffers), f"{entry.key} {slot.name}")))
+                patches.append(Patch(slot.offset, *_resolve(address, len(buffers), f"{entry.key} {slot.name}"),
+                                     pointer_alignment(entry, slot.name)))
                 args[slot.name] = NULL
         built.append(ProgramLaunch(entry.key, tuple(launch.grid), (entry.threads, 1, 1), entry.shared,
                                    entry.packer.pack(args), tuple(patches)))
@@ -291,15 +294,34 @@ def label(problem, pass_name: str) -> str:
             f"Hq={p.heads_q} Hk={p.heads_k} D={p.head_dim_qk} Dv={p.head_dim_v}{mask}{terms}")
 
 
+def _workspace_result(buffers: list, tensors: dict, scratch) -> list:
+    """Appends the call's scratch (a forward's or a backward's workspace) as a last result, uint8, when
+    it has bytes, with each region's placeholder in `tensors`; returns the zero fills of its regions
+    that must start at zero."""
+    if not scratch.total_bytes:
+        return []
+    index = len(buffers)
+    buffers.append(Buffer("workspace", (scratch.total_bytes,), "uint8"))
+    fills = []
+    for region in scratch.regions:
+        tensors[region.name] = placeholder(index, region.offset)
+        if region.zero_init:
+            fills.append(ZeroFill(index, region.offset, region.nbytes))
+    return fills
+
+
 def planned_forward(problem, arch: str) -> Planned:
     """Operands q, k, v (+ cu_seqlens_q, cu_seqlens_k) (+ bias) (+ alibi) (+ philox_seed_offset);
-    results out, lse."""
+    results out, lse and, when the plan needs scratch (the v3 forward's TMA descriptors), the workspace
+    (uint8)."""
     dtype = ATTENTION_DTYPES[problem.dtype]
     inputs = _inputs(problem) + _score_terms(problem)
     buffers = inputs + [Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
                         Buffer("lse", _lse_shape(problem), "float32")]
-    launches = portable_plan.plan_fwd(problem, arch, _tensors(buffers))
-    return Planned(label(problem, "forward"), tuple(buffers), len(inputs), (), tuple(launches))
+    tensors = _tensors(buffers)
+    fills = _workspace_result(buffers, tensors, dispatch.fwd_scratch(problem, arch))
+    launches = dispatch.plan_fwd(problem, arch, tensors)
+    return Planned(label(problem, "forward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
 
 
 def planned_backward(problem, arch: str) -> Planned:
@@ -317,17 +339,9 @@ def planned_backward(problem, arch: str) -> Planned:
                         Buffer("dv", _kv_shape(problem, problem.head_dim_v), dtype)]
     if problem.bias_grad:
         buffers.append(Buffer("dbias", bias_shape(problem), dtype))
-    workspace = portable_plan.bwd_workspace(problem, arch)
     tensors = _tensors(buffers)
-    fills = []
-    if workspace.total_bytes:
-        index = len(buffers)
-        buffers.append(Buffer("workspace", (workspace.total_bytes,), "uint8"))
-        for region in workspace.regions:
-            tensors[region.name] = placeholder(index, region.offset)
-            if region.zero_init:
-                fills.append(ZeroFill(index, region.offset, region.nbytes))
-    launches = portable_plan.plan_bwd(problem, arch, tensors)
+    fills = _workspace_result(buffers, tensors, dispatch.bwd_workspace(problem, arch))
+    launches = dispatch.plan_bwd(problem, arch, tensors)
     return Planned(label(problem, "backward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
 
 

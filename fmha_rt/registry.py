@@ -20,9 +20,11 @@ from .errors import FmhaRuntimeError, FmhaValueError
 from .packing import ArgPacker, Slot
 
 MANIFEST_FORMAT = 1
-# Triton appends these pointer parameters after a kernel's own; the build refuses kernels that need
-# the scratch memory behind them, so the runtime always passes NULL.
-SCRATCH_POINTERS = ("global_scratch", "profile_scratch")
+# Triton appends these pointer parameters after a kernel's own. Global scratch is passed where a
+# kernel's plan provides it (the v3 family's TMA descriptors; traits global_scratch, bytes a program, and
+# global_scratch_align), NULL elsewhere; the build refuses kernels that need profile scratch.
+GLOBAL_SCRATCH = "global_scratch"
+SCRATCH_POINTERS = (GLOBAL_SCRATCH, "profile_scratch")
 # The alignment a kernel may assume is carried by its parameter names, so that the build (which promises
 # it to the compiler) and the executor (which checks it before every launch) read one rule: a pointer
 # is 16-byte aligned unless its name starts with UNALIGNED_POINTER_PREFIX (then it is only aligned to

@@ -21,7 +21,7 @@
 #include <string.h>
 
 #define PROGRAM_MAGIC 0x3147525041484D46LL /* the bytes "FMHAPRG1" read as a little-endian int64 */
-#define PROGRAM_FORMAT 1
+#define PROGRAM_FORMAT 2
 #define PROGRAM_ATTRIBUTE "program"
 #define MAX_BUFFERS 32
 _Static_assert(MAX_BUFFERS <= FMHA_REPLAY_MAX_VALUES, "a call's buffers are the replay's values");
@@ -30,7 +30,7 @@ _Static_assert(MAX_BUFFERS <= FMHA_REPLAY_MAX_VALUES, "a call's buffers are the 
 #define MAX_TEMPLATE_BYTES FMHA_REPLAY_MAX_ARGS /* the manifest's limit on a kernel's parameter bytes */
 #define KEY_CHARS 160           /* the shim's kernel key limit */
 #define LABEL_CHARS 256
-#define POINTER_ALIGN 16        /* the build promised the compiler 16-byte aligned pointers */
+#define MAX_POINTER_ALIGN 4096
 
 void fmha_xla_ffi_api_version(int *major, int *minor) {
     *major = XLA_FFI_API_MAJOR;
@@ -43,6 +43,7 @@ typedef struct patch {
     size_t arg_offset; /* byte offset of the pointer slot in the argument template */
     size_t buffer;     /* operands first, then results */
     uint64_t offset;   /* bytes into that buffer */
+    uint32_t align;    /* the address must be a multiple of this: the kernel's promise (a power of two) */
 } patch;
 
 typedef struct zero_fill {
@@ -151,6 +152,8 @@ static const char *decode(const int64_t *words, size_t count, program *p) {
             pt->arg_offset = read_range(&r, 0, (int64_t)l->args_size - 8);
             pt->buffer = read_range(&r, 0, (int64_t)buffers - 1);
             pt->offset = read_range(&r, 0, INT64_MAX);
+            pt->align = (uint32_t)read_range(&r, 1, MAX_POINTER_ALIGN);
+            if (pt->align & (pt->align - 1)) r.bad = 1;
         }
     }
     if (r.bad) return "it is truncated or holds a value out of range";
@@ -312,7 +315,7 @@ static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, cons
                             "argument byte %zu (buffer %zu + %llu) is outside its buffer", p->label, l->key,
                             pt->arg_offset, pt->buffer, (unsigned long long)pt->offset);
             patches[patch_count] = (fmha_replay_patch){(uint32_t)i, (uint32_t)pt->arg_offset, (uint32_t)pt->buffer,
-                                                       POINTER_ALIGN, pt->offset};
+                                                       pt->align, pt->offset};
         }
     }
     fmha_replay_plan plan = {device, p->launch_count, launches, patch_count, patches, 0, NULL, p->fill_count, fills,
@@ -323,9 +326,9 @@ static XLA_FFI_Error *run(const XLA_FFI_Api *api, XLA_FFI_CallFrame *frame, cons
     if (status == FMHA_ERR_MISALIGNED) {
         const fmha_replay_patch *pt = &patches[failed];
         return fail(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "fmha_rt %s: kernel '%s' on device %d: the pointer at "
-                    "argument byte %u (buffer %u + %llu = 0x%llx) is not %d-byte aligned", p->label,
+                    "argument byte %u (buffer %u + %llu = 0x%llx) is not %u-byte aligned", p->label,
                     p->launches[pt->launch].key, device, pt->arg_offset, pt->value, (unsigned long long)pt->addend,
-                    (unsigned long long)(values[pt->value] + pt->addend), POINTER_ALIGN);
+                    (unsigned long long)(values[pt->value] + pt->addend), pt->align);
     }
     if (failed < p->fill_count)
         return fail(api, XLA_FFI_Error_Code_INTERNAL, "fmha_rt %s: zeroing the workspace on device %d: %s", p->label,

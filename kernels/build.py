@@ -141,6 +141,7 @@ def build_one(job):
                             num_stages=result["num_stages"])}
     if variant.get("global_scratch"):
         entry["traits"]["global_scratch"] = variant["global_scratch"]
+        entry["traits"]["global_scratch_align"] = variant["global_scratch_align"]
     stats = {"key": variant["key"], "arch": arch, "seconds": round(result["seconds"], 2), "bytes": len(stored),
              "raw_bytes": len(result["binary"]), "n_regs": result["n_regs"], "n_spills": result["n_spills"]}
     return entry, stats

@@ -4,6 +4,7 @@ lowering for CUDA, the custom_vjp / vmap / jit plumbing with the custom calls re
 reference (bias, ALiBi and dropout against the float64 reference), and the sm_90 plans of the launch
 programs run by the kernels under the Triton interpreter on the buffers XLA would pass."""
 import ctypes
+import dataclasses
 import functools
 import math
 import pathlib
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 import fmha_rt.jax as fj
-from fmha_rt import _shim, launch_program, portable_plan, reference
+from fmha_rt import _shim, launch_program, portable_plan, reference, v3_plan
 from fmha_rt.errors import (
     FmhaNotImplementedError,
     FmhaRuntimeError,
@@ -169,6 +170,48 @@ def test_backward_operands_and_results(heads_k, workspace):
     assert program.operands == 8
 
 
+V3_FORWARD = problem(batch=1, seqlen_q=4096, seqlen_k=4096, heads_q=4, heads_k=2, head_dim_qk=128, head_dim_v=128)
+
+
+def test_a_forward_the_v3_family_serves_takes_its_descriptors_in_a_workspace_result():
+    """Where the v3 forward runs (by default the 128 tile from 4096 keys), its TMA descriptors live in a
+    workspace result that XLA allocates, and the handler checks the compiler's alignment for them."""
+    assert v3_plan.serves_fwd(V3_FORWARD, ARCH)
+    program = launch_program.forward(V3_FORWARD, ARCH)
+    scratch = v3_plan.fwd_scratch(V3_FORWARD)
+    assert [b.name for b in program.results] == ["out", "lse", "workspace"]
+    assert program.results[-1].nbytes == scratch.total_bytes and not program.zero_fills
+    (launch,) = program.launches
+    assert launch.key == v3_plan.fwd_key("bf16", (128, 128))
+    entry = registry().entry(ARCH, launch.key)
+    slots = {s.offset: s.name for s in entry.params}
+    aligns = {slots[p.arg_offset]: (p.buffer, p.offset, p.align) for p in launch.patches}
+    region = scratch.region(v3_plan.DESCRIPTOR_REGION)
+    assert aligns["global_scratch"] == (len(program.buffers) - 1, region.offset, v3_plan.GLOBAL_SCRATCH_ALIGN)
+    assert entry.traits["global_scratch_align"] == v3_plan.GLOBAL_SCRATCH_ALIGN
+    assert {a for name, (_, _, a) in aligns.items() if name != "global_scratch"} == {16}
+    decoded = launch_program.LaunchProgram.decode(program.encode())
+    assert decoded.launches == program.launches
+
+
+def test_without_the_v3_family_the_same_forward_has_no_workspace(monkeypatch):
+    monkeypatch.setattr(v3_plan, "MODE", "off")
+    program = launch_program.forward(V3_FORWARD, ARCH)
+    assert [b.name for b in program.results] == ["out", "lse"]
+    assert [launch.key for launch in program.launches] == [portable_plan.plan_fwd(
+        V3_FORWARD, ARCH, launch_program._tensors(program.buffers))[0].variant]
+
+
+def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
+    q, k, v = qkv(b=1, sq=4096, sk=4096, d=128)
+    attention = jax.jit(lambda q, k, v: fj.flash_attention(q, k, v))
+    text = attention.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["fmha_rt_fwd"]
+    p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
+    assert f"tensor<{v3_plan.fwd_scratch(p).total_bytes}xui8>" in text  # the descriptors' workspace
+    assert jax.eval_shape(attention, q, k, v).shape == q.shape
+
+
 def _buffer(program, name):
     return next(i for i, b in enumerate(program.buffers) if b.name == name)
 
@@ -267,6 +310,10 @@ def test_handler_refuses_malformed_programs(cpu_probe):
     zero_grid = launch.__class__(launch.key, (0, 1, 1), launch.block, launch.shared, launch.template, launch.patches)
     assert "out of range" in cpu_probe(program, bad_grid.__class__(
         bad_grid.label, bad_grid.buffers, bad_grid.operands, (), (zero_grid,)).encode())
+    for align in (0, 24, 8192):  # not a power of two from 1 to 4096
+        patches = (dataclasses.replace(launch.patches[0], align=align),) + launch.patches[1:]
+        bad_align = dataclasses.replace(launch, patches=patches)
+        assert "out of range" in cpu_probe(program, dataclasses.replace(bad_grid, launches=(bad_align,)).encode())
 
 
 def test_handler_checks_the_buffers_against_the_program(cpu_probe):
@@ -400,7 +447,7 @@ def test_lowering_for_cuda_holds_the_program(pretend_gpu):
     assert _custom_calls(text) == ["fmha_rt_fwd"]
     p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
     words = launch_program.forward(p, ARCH).encode()
-    assert f"dense<[{', '.join(str(w) for w in words)}]> : tensor<{len(words)}xi64>" in text
+    assert _holds(text, words)
 
 
 def test_lowering_of_grad_has_forward_and_backward(pretend_gpu, monkeypatch):

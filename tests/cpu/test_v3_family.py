@@ -8,7 +8,8 @@ import math
 import pytest
 
 import fmha_rt
-from fmha_rt import backend, dispatch, portable_plan as pp, v3_plan
+from fmha_rt import backend, dispatch, executor, portable_plan as pp, v3_plan
+from fmha_rt.errors import FmhaValueError
 from fmha_rt.problem import AttentionProblem
 from fmha_rt.registry import SCRATCH_POINTERS, registry
 
@@ -57,9 +58,23 @@ def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch)
             # the build checked the compiler's figure against the plan's; the manifest records it
             function = "fmha_fwd" if e.key.startswith("fmha_fwd") else "fmha_bwd_dkdv"
             assert e.traits["global_scratch"] == v3_plan.GLOBAL_SCRATCH[function]
+            assert e.traits["global_scratch_align"] == v3_plan.GLOBAL_SCRATCH_ALIGN
             assert e.threads == 12 * 32  # two consumer warpgroups and a loader warp, in whole warpgroups
         else:
             assert "global_scratch" not in e.traits
+
+
+def test_the_descriptors_address_must_have_the_compilers_alignment(monkeypatch):
+    """TMA descriptors are made in the global scratch, so its pointer is checked against the manifest's
+    alignment (before any launch, on every path: executor, plan-cache replay and XLA programs), not the
+    16 bytes of other pointers: a caller's workspace that starts off that boundary is refused."""
+    monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
+    entry = registry().entry("sm_90", v3_plan.dkdv_key("bf16", (128, 128)))
+    assert executor.pointer_alignment(entry, "global_scratch") == v3_plan.GLOBAL_SCRATCH_ALIGN
+    assert executor.pointer_alignment(entry, "Q") == 16
+    executor.check_pointer(entry, "global_scratch", 0x10000 + v3_plan.GLOBAL_SCRATCH_ALIGN)
+    with pytest.raises(FmhaValueError, match=r"global_scratch=0x10010 is not 128-byte aligned"):
+        executor.check_pointer(entry, "global_scratch", 0x10010)
 
 
 SERVED = {
