@@ -1,7 +1,9 @@
-"""What both v3 kernels share: the portable family's scalar and mask helpers, compiled as Gluon
-functions (their bodies are scalar loads, arithmetic and broadcasts), and the 2-D TMA descriptor of one
-(sequence, head) of a [B, S, H, D] or varlen [total, H, D] array."""
+"""What the v3 kernels share: the portable family's scalar and mask helpers, compiled as Gluon
+functions (their bodies are scalar loads, arithmetic and broadcasts), the 2-D TMA descriptor of one
+(sequence, head) of a [B, S, H, D] or varlen [total, H, D] array, and the bulk TMA addition."""
+from triton._C.libtriton import ir
 from triton.experimental import gluon
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from kernels.portable import fmha_common
@@ -21,3 +23,13 @@ def rows_descriptor(Base, b64, stride_b, row0, stride_s, head64, stride_h, rows,
     `block_shape`: TMA fills what lies past `rows` or `dims` with zeros and clips stores there."""
     return tma.make_tensor_descriptor(Base + b64 * stride_b + row0 * stride_s + head64 * stride_h, [rows, dims],
                                       [stride_s, 1], block_shape, layout)
+
+
+@builtin
+def tma_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
+    """Adds the shared-memory tile `src` to global memory at `coord` of `tensor_desc` in one bulk TMA
+    reduction (fp32 adds done by the memory system, elements past the descriptor's bounds left alone).
+    Like tma.async_copy_shared_to_global it is asynchronous: tma.store_wait before `src` is written again.
+    Triton 3.6 builds the operation for Gluon but gives it no function, hence this one."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

@@ -1,10 +1,10 @@
-"""Hopper attention backward, dK and dV with dQ by fp32 atomics (family v3), written in Gluon.
+"""Hopper attention backward, dK and dV with dQ added into an fp32 accumulator (family v3), written in Gluon.
 
 It takes the portable dK/dV kernel's arguments (fmha_rt/portable_plan.py, SIGNATURES["fmha_bwd_dkdv"])
 and runs as its atomic strategy: after the portable pre-pass has written Delta = rowsum(dO * O) and the
 LSE in the log2 domain (Lse2), and before the portable conversion of the fp32 dQ accumulator. It serves
 the calls without score terms or dropout (the constexprs say so; the rest of the arguments are never
-read), and is not deterministic (the atomics' order varies).
+read), and is not deterministic (the order of the additions varies).
 
 One program per (BLOCK_N keys, key head, batch entry); it walks, for each query head of the group in
 turn, the query blocks (BLOCK_M rows) that see its keys, as kernels/portable/fmha_common.query_blocks
@@ -14,11 +14,12 @@ group. Three partitions:
   query block: S = Q K_c^T and dP = dO V_c^T as two asynchronous products, P = exp2(S - Lse2) while dP
   runs, dS = P (dP - Delta); P and dS go to shared memory, where dV_c += P^T dO and dK_c += dS^T Q take
   them as transposed operands, and where dS, once both consumers' halves are in, gives dQ = dS K for
-  this consumer's half of the head dim, added to the accumulator by fp32 atomics;
+  this consumer's half of the head dim, added to the accumulator from shared memory by one bulk TMA
+  reduction;
 - a loader (1 warp): K and V of the program once, then Q and dO of each (query head, query block)
   through a ring of STAGES buffers that both consumers release.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
-device in Triton's global scratch (six a program), with the sequence's rows and the head dims as bounds.
+device in Triton's global scratch (seven a program), with the sequence's rows and the head dims as bounds.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -27,7 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import query_blocks, row_stats_start, rows_descriptor, sequence_extent, visible, window_sides
+from kernels.v3.common import (query_blocks, row_stats_start, rows_descriptor, sequence_extent, tma_add_shared_to_global,
+                               visible, window_sides)
 
 STAGES = gl.constexpr(2)  # Q/dO ring depth
 
@@ -49,8 +51,8 @@ def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv
 
 
 @gluon.jit
-def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
-          ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h, dqk, n0,
+def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
+          ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
           lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
     """Step t: one query block of one query head of the group against this consumer's keys. dK and dV
@@ -102,19 +104,20 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     mbarrier.arrive(ds_empty.index(buf))
     mbarrier.arrive(q_empty.index(stage))
-    offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = c * (BLOCK_DQK // 2) + gl.arange(0, BLOCK_DQK // 2, layout=gl.SliceLayout(0, dq_layout))
-    # 64-bit tile start, 32-bit offsets inside it (the portable family's rule); the accumulator's rows
-    # are the head dim rounded up to 8, not the tile: columns past it belong to the next head
-    tile = DqAcc_head0 + g64 * stride_dqacc_h + m0.to(gl.int64) * stride_dqacc_s
-    gl.atomic_add(tile + offs[:, None] * stride_dqacc_s + cols[None, :], dq,
-                  mask=(m0 + offs < sq)[:, None] & (cols < dqk)[None, :], sem="relaxed")
+    # dQ goes to the accumulator through shared memory, one bulk TMA addition of the tile (the memory
+    # system adds; rows past the sequence and columns past the head dim are clipped by the descriptor):
+    # element-wise atomics, 16 a thread a step, held the warps until the LSU queue drained them (NOTES.md,
+    # v3.1 attempt). The previous step's addition must have read the buffer first.
+    tma.store_wait(0)
+    dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
+    fence_async_shared()
+    tma_add_shared_to_global(dq_desc, [m0, h0 + g, c * (BLOCK_DQK // 2)], dq_c)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-              ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h, dqk,
+def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+              ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
               dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
               softmax_scale,
               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
@@ -126,14 +129,14 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     v_c = v_smem.slice(c * HALF_N, HALF_N)
     k_cols = k_smem.slice(c * (BLOCK_DQK // 2), BLOCK_DQK // 2, dim=1)
     p_c = p_smem.index(c)
+    dq_c = dq_smem.index(c)
     dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
     dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
-        dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, q_ready, q_empty, ds_full,
-                       ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h,
-                       dqk, n0, lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
-                       BLOCK_M, HALF_N, BLOCK_DQK)
+        dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty, ds_full,
+                       ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0, lo, blocks, full_lo,
+                       full_hi, sq, sk, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK)
     if n_steps > 0:
         # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
         last = n_steps - 1
@@ -220,7 +223,11 @@ def fmha_bwd_dkdv(
     stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
     Lse2_head0 = Lse2 + stats
     Delta_head0 = Delta + stats
-    DqAcc_head0 = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h0_64 * stride_dqacc_h
+    # the fp32 dQ accumulator by (row, query head, column) as Q; its rows are the head dim rounded up to 8,
+    # not the tile, so the column bound keeps a tile's additions off the next head
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
+    dq_desc = tma.make_tensor_descriptor(DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s, [sq, num_heads_q, dqk],
+                                         [stride_dqacc_s, stride_dqacc_h, 1], [BLOCK_M, 1, BLOCK_DQK // 2], dq_layout)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
@@ -230,6 +237,7 @@ def fmha_bwd_dkdv(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_layout)  # one a consumer
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -245,14 +253,14 @@ def fmha_bwd_dkdv(
 
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-                     ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h,
-                     dqk, dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
-                     scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
-        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, kv_ready, q_ready, q_empty, ds_full,
-                     ds_empty, Lse2_head0, Delta_head0, stride_delta_h, DqAcc_head0, stride_dqacc_s, stride_dqacc_h,
-                     dqk, dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
-                     scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                     ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc, dv_desc, n0,
+                     lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                     ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc, dv_desc, n0,
+                     lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
         (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
                    n0, lo, blocks, h0, n_steps, BLOCK_M)),
     ], [4, 1], [240, 24])
