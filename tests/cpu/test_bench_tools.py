@@ -2,6 +2,7 @@
 (bench/sass_loops.py), the stall-profile summary (bench/stall_profile.py) and the A/B runner
 (bench/ab.py, its bookkeeping through a stand-in benchmark)."""
 
+import gzip
 import importlib
 import json
 import os
@@ -95,6 +96,20 @@ def test_sass_loops_reads_a_shipped_code_object(bench_script):
     assert all(sum(n for kind, n in loop["schedule"] if kind.startswith("HGMMA")) == loop["mix"]["HGMMA"]
                for loop in kernel["loops"])
     assert kernel["instructions"] > sum(loop["instructions"] for loop in kernel["loops"])
+
+
+@pytest.mark.parametrize("tile", ["d128", "d64"])
+def test_the_shipped_v3_backward_adds_dq_by_bulk_tma_reductions(bench_script, tile):
+    """The v3 dK/dV kernels add each step's dQ tile into the accumulator with one bulk TMA reduction a
+    consumer warpgroup, not element-wise fp32 atomics (NOTES.md, v3.2), and keep everything in registers."""
+    sass_loops = bench_script("sass_loops")
+    path = HSA / "sm_90" / "v3" / f"fmha_bwd_dkdv_v3_bf16_{tile}.cubin.gz"
+    (kernel,) = sass_loops.summarize(str(path))
+    assert kernel["stack_bytes"] == 0 and kernel["LDL"] == kernel["STL"] == 0
+    (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
+    texts = [text for _, text in listing]
+    assert sum("UTMAREDG" in t and ".ADD" in t for t in texts) == 2  # one in each consumer's step loop
+    assert not [t for t in texts if "ATOMG.E.ADD" in t or "RED.E.ADD" in t]
 
 
 # ---- stall profile (bench/stall_profile.py) ---------------------------------------------------------
