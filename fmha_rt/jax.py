@@ -38,7 +38,8 @@ the instances one after another (jax.lax.map), each with its own key.
 
 Semantics follow mha_fwd: masks align top-left unless causal_alignment="bottom_right" (as in
 jax.nn.dot_product_attention); window=(left, right) with -1 for unbounded; softmax_scale defaults to
-1/sqrt(D). The backward is deterministic by construction (bitwise equal across runs). Head dims that
+1/sqrt(D). The backward is bitwise repeatable unless deterministic=False meets the v3 family's backward
+(FMHA_RT_V3=1, fmha_rt/v3_plan.py), whose dQ additions come in varying order. Head dims that
 are not multiples of 8 are zero-padded around the custom calls (_padded_head_dims), whose programs
 carry no padding copies.
 """
@@ -587,8 +588,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
 
     causal=True is window (left, 0); window=(left, right) with -1 for unbounded; causal_alignment
     "top_left" (default, as mha_fwd and jax.nn.dot_product_attention) or "bottom_right" (flash-attn).
-    softmax_scale defaults to 1/sqrt(D). deterministic=True asks for a bitwise repeatable backward
-    (every shipped backward is). Hq must be a multiple of Hk (GQA/MQA: K/V are never repeated).
+    softmax_scale defaults to 1/sqrt(D). deterministic=True asks for a bitwise repeatable backward (the
+    portable kernels always give one; deterministic=False lets FMHA_RT_V3=1 run the v3 backward, which
+    does not). Hq must be a multiple of Hk (GQA/MQA: K/V are never repeated).
 
     bias: added to the scaled scores, q's dtype, broadcast from [1|B, 1|Hq, Sq, Sk]; jax.grad gives dbias
     in the bias's shape (computed only when the bias is differentiated). alibi_slopes: float32 [Hq] or
