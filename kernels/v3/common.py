@@ -1,6 +1,6 @@
 """What the v3 kernels share: the portable family's scalar and mask helpers, compiled as Gluon
-functions (their bodies are scalar loads, arithmetic and broadcasts), the 2-D TMA descriptor of one
-(sequence, head) of a [B, S, H, D] or varlen [total, H, D] array, and the bulk TMA addition."""
+functions (their bodies are scalar loads, arithmetic and broadcasts), the TMA descriptors of a sequence
+of a [B, S, H, D] or varlen [total, H, D] array (one head, or every head), and the bulk TMA addition."""
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon.language._core import builtin
@@ -23,6 +23,14 @@ def rows_descriptor(Base, b64, stride_b, row0, stride_s, head64, stride_h, rows,
     `block_shape`: TMA fills what lies past `rows` or `dims` with zeros and clips stores there."""
     return tma.make_tensor_descriptor(Base + b64 * stride_b + row0 * stride_s + head64 * stride_h, [rows, dims],
                                       [stride_s, 1], block_shape, layout)
+
+
+@gluon.jit
+def heads_descriptor(Base, b64, stride_b, row0, stride_s, stride_h, rows, heads, dims, block_rows, block_dims, layout):
+    """Rows [row0, row0 + rows) of every head of batch entry `b64` by (row, head, dim), in [block_rows, 1,
+    block_dims] tiles: one descriptor serves every query head of a group, with the same bounds as above."""
+    return tma.make_tensor_descriptor(Base + b64 * stride_b + row0 * stride_s, [rows, heads, dims],
+                                      [stride_s, stride_h, 1], [block_rows, 1, block_dims], layout)
 
 
 @builtin

@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (query_blocks, row_stats_start, rows_descriptor, sequence_extent, tma_add_shared_to_global,
-                               visible, window_sides)
+from kernels.v3.common import (heads_descriptor, query_blocks, row_stats_start, rows_descriptor, sequence_extent,
+                               tma_add_shared_to_global, visible, window_sides)
 
 STAGES = gl.constexpr(2)  # Q/dO ring depth
 
@@ -212,10 +212,10 @@ def fmha_bwd_dkdv(
     v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
                              v_layout)
     # Q and dO by (row, query head, dim), so that one descriptor serves every head of the group
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_q_b + q_row0 * stride_q_s, [sq, num_heads_q, dqk],
-                                        [stride_q_s, stride_q_h, 1], [BLOCK_M, 1, BLOCK_DQK], q_layout)
-    do_desc = tma.make_tensor_descriptor(dO + b64 * stride_do_b + q_row0 * stride_do_s, [sq, num_heads_q, dv],
-                                         [stride_do_s, stride_do_h, 1], [BLOCK_M, 1, BLOCK_DV], do_layout)
+    q_desc = heads_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, stride_q_h, sq, num_heads_q, dqk, BLOCK_M,
+                              BLOCK_DQK, q_layout)
+    do_desc = heads_descriptor(dO, b64, stride_do_b, q_row0, stride_do_s, stride_do_h, sq, num_heads_q, dv, BLOCK_M,
+                               BLOCK_DV, do_layout)
     dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk, [HALF_N, BLOCK_DQK],
                               dk_layout)
     dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv, [HALF_N, BLOCK_DV],
@@ -223,11 +223,11 @@ def fmha_bwd_dkdv(
     stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
     Lse2_head0 = Lse2 + stats
     Delta_head0 = Delta + stats
-    # the fp32 dQ accumulator by (row, query head, column) as Q; its rows are the head dim rounded up to 8,
-    # not the tile, so the column bound keeps a tile's additions off the next head
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
-    dq_desc = tma.make_tensor_descriptor(DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s, [sq, num_heads_q, dqk],
-                                         [stride_dqacc_s, stride_dqacc_h, 1], [BLOCK_M, 1, BLOCK_DQK // 2], dq_layout)
+    # the fp32 dQ accumulator as Q, in each consumer's half of the columns; its rows are the head dim rounded
+    # up to 8, not the tile, so the column bound keeps a tile's additions off the next head
+    dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
+    dq_desc = heads_descriptor(DqAcc, b64, stride_dqacc_b, q_row0, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
+                               BLOCK_M, BLOCK_DQK // 2, dq_acc_layout)
 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
@@ -237,7 +237,7 @@ def fmha_bwd_dkdv(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_layout)  # one a consumer
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_acc_layout)  # one a consumer
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
