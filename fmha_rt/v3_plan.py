@@ -48,11 +48,15 @@ MODE = _read_mode()
 # Where the 'measured' mode runs the v3 forward: the 128 tile from 4096 keys, where it beat the portable
 # forward by 12-15% on the H200 and 8-21% on an H100 (NOTES.md, v3.0 measurement); below 4096 keys
 # causal and in the 64 tile it was slower.
-# The v3 backward runs only in the 'all' mode. With dQ added by bulk TMA reductions it measured 1.44-1.67x
-# its atomic form and above the portable backward at D=128 from 4096 keys but for GQA 4k causal (NOTES.md,
-# v3.2); the default takes it once the whole GPU suite has run with it so.
 MEASURED_FWD_PAIRS = ((128, 128),)
 MEASURED_FWD_MIN_SEQLEN_K = 4096
+# Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
+# reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
+# 1.19-1.28x the portable backward at D=128 from 4096 keys, but 0.88x for GQA 4k causal (causal GQA programs
+# are long and start late) and slower at 1k causal; in the 64 tile it was ahead only at 16k keys. Causal GQA
+# takes it from 16384 keys, the longest measured, as nothing between 4k and 16k was measured.
+MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 4096, (64, 64): 16384}
+MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 
 
 def refresh_mode() -> None:
@@ -130,11 +134,19 @@ def serves_fwd(problem, arch) -> bool:
 
 
 def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
-    """Whether the v3 backward runs `problem` on `arch` (the 'all' mode alone; a request for another dQ
-    strategy keeps the portable family)."""
-    return (MODE == "all" and arch in ARCHS and dq_strategy_request in (None, pp.DQ_ATOMIC)
-            and not problem.deterministic and problem.dtype in pp.DTYPES and pp.head_dim_tiles(problem) in BWD_PAIRS
-            and pp.problem_features(problem) == (pp.BIAS_NONE, False))
+    """Whether the v3 backward runs `problem` on `arch` in the current MODE (non-deterministic calls alone;
+    a request for another dQ strategy keeps the portable family)."""
+    pair = pp.head_dim_tiles(problem)
+    if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, pp.DQ_ATOMIC)
+            or problem.deterministic or problem.dtype not in pp.DTYPES or pair not in BWD_PAIRS
+            or pp.problem_features(problem) != (pp.BIAS_NONE, False)):
+        return False
+    if MODE == "all":
+        return True
+    min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
+    if min_keys is not None and problem.causal and problem.kv_group_size > 1:
+        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K)
+    return min_keys is not None and problem.seqlen_k >= min_keys
 
 
 def fwd_scratch(problem) -> pp.Scratch:
