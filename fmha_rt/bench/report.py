@@ -464,6 +464,7 @@ def _first_call_section(rows):
 
 
 def _overhead_section(overhead):
+    overhead = [row for row in overhead if "path" in row]  # records from before the user-path measurement: none
     if not overhead:
         return []
     from . import overhead as paths
@@ -488,8 +489,6 @@ def _overhead_section(overhead):
 def _overhead_cell(row):
     if "error" in row:
         return "error"
-    if "us_per_call" not in row:  # a record from before the user-path measurement
-        return None
     return f"{row['us_per_call']:.1f}{_spread_text(row.get('round_us', ()), '.1f')}"
 
 

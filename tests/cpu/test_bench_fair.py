@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench_helpers import StandInDevice, first_table_after, table_after, tiny_point
+from bench_helpers import StandInDevice, first_table_after, tiny_point
 from fmha_rt import reference as oracle
 from fmha_rt.bench import cli, clocks, correctness, flops, peers, report, sweep, timing, versus
 
