@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from . import grid, machine, peers, report, sweep, timing
+from . import grid, machine, overhead, peers, report, sweep, timing
 
 DEFAULT_OUT = os.path.join("out", "bench")
 RECORD_NAME = "results.json"
@@ -17,17 +17,17 @@ examples:
   python -m fmha_rt bench --quick                 smoke run: a few points, every implementation found
   python -m fmha_rt bench --dtype bf16 --hdim 128 --pass fwd bwd --impl fmha_rt fa4
   python -m fmha_rt bench --gqa only --causal 1   only the GQA rows, causal
-  python -m fmha_rt bench --hdim 128 --seqlen 16k --causal 0 --pass bwd --rounds 3
-                                                  close comparisons: implementations take turns 3 times
-  python -m fmha_rt bench --rounds 2 --settle flex --settle-rounds 8
-                                                  points within 3% of flex after 2 rounds get 8 in all
-  python -m fmha_rt bench --list                  which implementations this machine has
-  python -m fmha_rt bench --overhead-only --impl fmha_rt sdpa_flash
-                                                  host cost per call only (cached, uncached, first)
+  python -m fmha_rt bench --hdim 128 --seqlen 16k --causal 0 --pass bwd --rounds 10
+                                                  close comparisons: 10 rounds (rounded up to a multiple of
+                                                  the implementations at each point)
+  python -m fmha_rt bench --list                  whether there is a GPU, which implementations are here
+  python -m fmha_rt bench --overhead-only --impl fmha_rt sdpa_cudnn fa4
+                                                  host cost per call only, on the path a user takes
   python -m fmha_rt bench --report out/bench/results.json
                                                   Markdown and PNGs again from a recorded run
   python -m fmha_rt bench --report a.json b.json --out merged
-                                                  one report from a sweep split over several runs
+                                                  one report from a sweep split over runs of the same
+                                                  settings (disjoint points; ratios stay within each run)
 """
 
 
@@ -87,15 +87,9 @@ def build_parser():
     how.add_argument("--warmup-ms", type=_non_negative_float, help="warm-up per point in ms (default "
                      f"{MEASURE_DEFAULTS['warmup_ms']:g}, quick {QUICK_MEASURE_DEFAULTS['warmup_ms']:g})")
     how.add_argument("--rounds", type=_positive_int, default=1,
-                     help="times each implementation of a point takes its turn (a warm-up and --repeats calls), in an "
-                          "order rotated every round; the figure is the median over all rounds (default 1)")
-    how.add_argument("--settle", metavar="IMPL", choices=[n for n in peers.PEER_NAMES if n != peers.SUBJECT],
-                     help="points where fmha_rt and IMPL are within --settle-within of each other after --rounds "
-                          "are timed to --settle-rounds rounds in all (decided once, on closeness alone)")
-    how.add_argument("--settle-rounds", type=_positive_int, default=8,
-                     help="rounds in all of a point that --settle extends (default 8)")
-    how.add_argument("--settle-within", type=_non_negative_float, default=3.0, metavar="PERCENT",
-                     help="how close counts as close for --settle, in percent (default 3)")
+                     help="times each implementation of a point takes its turn (a warm-up and --repeats calls); "
+                          "rounded up at each point to a multiple of its implementations, round r starting with "
+                          "implementation r mod n; the ratios are medians of per-round ratios (default 1, i.e. n)")
     how.add_argument("--separate-det-turns", action="store_true",
                      help="time the deterministic backward in turns of its own, not in the backward's rounds")
     how.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
@@ -137,8 +131,7 @@ def settings_for(args):
     return sweep.Settings(repeats=args.repeats or defaults["repeats"],
                           warmup_ms=defaults["warmup_ms"] if args.warmup_ms is None else args.warmup_ms,
                           overhead_calls=defaults["overhead_calls"], rounds=args.rounds,
-                          backward_turns_together=not args.separate_det_turns, settle=args.settle,
-                          settle_within=args.settle_within / 100, settle_rounds=args.settle_rounds)
+                          backward_turns_together=not args.separate_det_turns)
 
 
 def _unique(values):
@@ -153,21 +146,14 @@ def main(argv=None):
         return _write_reports(parser, args)
     if args.overhead_only and args.no_extras:
         parser.error("--overhead-only measures one of the extras that --no-extras skips")
-    if args.settle and args.impl and not {peers.SUBJECT, args.settle} <= set(args.impl):
-        parser.error(f"--settle {args.settle} compares {peers.SUBJECT} with {args.settle}: --impl must name both")
-    if args.settle and args.settle_rounds <= args.rounds:
-        parser.error(f"--settle-rounds ({args.settle_rounds}) must be more than --rounds ({args.rounds})")
     points = grid.build_grid(**selection(args))
     if not points:
         parser.error(f"no point matches these flags (GQA rows exist at D={grid.GQA_HEAD_DIM} only)")
     discovered = peers.discover(_unique(args.impl or peers.PEER_NAMES))
-    print_discovery(discovered)
+    has_gpu, gpu_line = machine.gpu_presence()
+    print_discovery(discovered, has_gpu, gpu_line)
     if args.list:
         return 0
-    if args.settle and discovered[args.settle].status != "found":
-        print(f"fmha_rt bench: --settle {args.settle}, but {args.settle} is not available here "
-              f"({discovered[args.settle].reason}). Nothing was measured.", file=sys.stderr)
-        return 1
     problem = gpu_problem(args.device)
     if problem:
         print(f"fmha_rt bench: {problem}. Nothing was measured; `--report FILE` rebuilds the reports of a "
@@ -180,11 +166,15 @@ def main(argv=None):
     return _run(argv, args, points, discovered, adapters)
 
 
-def print_discovery(discovered):
+def print_discovery(discovered, has_gpu, gpu_line):
+    """The GPU line, then a line per implementation: "found" only where there is also a GPU to run it on;
+    "no GPU" where it is installed and there is none."""
+    print(gpu_line)
     width = max(len(name) for name in discovered)
     for name, found in discovered.items():
         detail = found.version if found.status == "found" else found.reason
-        print(f"{name:<{width}}  {found.status:<14}  {detail}")
+        status = "no GPU" if found.status == "found" and not has_gpu else found.status
+        print(f"{name:<{width}}  {status:<14}  {detail}")
 
 
 def gpu_problem(device_index):
@@ -228,6 +218,8 @@ def _run(argv, args, points, discovered, adapters):
                                              {**settings.fields(), "device": args.device, "command": recorded_command(argv)}))
     pairs = [] if args.overhead_only else sweep.planned_pairs(points, adapters)
     print(f"{len(points)} points, {len(pairs)} measurements; results go to {json_path}", file=sys.stderr)
+    if pairs:
+        print(rounds_note(settings.rounds, len(adapters)), file=sys.stderr)
 
     def save_rows(rows):
         doc["rows"] = list(rows)
@@ -237,9 +229,9 @@ def _run(argv, args, points, discovered, adapters):
         if not args.overhead_only:
             sweep.run_sweep(points, adapters, device, settings, on_point=save_rows)
         if not args.no_extras:
-            for name, adapter in adapters.items():
-                print(f"host overhead: {name}", file=sys.stderr)
-                doc["host_overhead"] += sweep.measure_host_overhead(name, adapter, device, settings)
+            print("host overhead: " + ", ".join(adapters), file=sys.stderr)
+            device.stop_clock_sampling()
+            doc["host_overhead"] = overhead.measure_host_overhead(adapters, device, settings)
             for name in adapters if not args.overhead_only else ():
                 print(f"cold start: {name}", file=sys.stderr)
                 doc["cold_start"].append(peers.measure_cold_start(name, args.device))
@@ -254,11 +246,25 @@ def _run(argv, args, points, discovered, adapters):
     return _finish(doc, json_path, out_dir, status=0)
 
 
+def rounds_note(requested, implementations):
+    """The line saying how many rounds a point of `implementations` takes for --rounds `requested`."""
+    rounds = sweep.equal_turn_rounds(requested, implementations)
+    note = f"rounds: {rounds} at a point of {implementations} implementations"
+    if rounds != requested:
+        note += (f" (--rounds {requested} rounded up to a multiple of the implementations, so that each takes the"
+                 " first turn equally often; a point with fewer implementations may take fewer)")
+    return note
+
+
 def _finish(doc, json_path, out_dir, status):
     report.save(doc, json_path)
-    for path in [json_path] + report.write_reports(doc, out_dir):
+    for path in [json_path] + report.write_reports(doc, out_dir, say=_say):
         print(path)
     return status
+
+
+def _say(line):
+    print(f"fmha_rt bench: {line}", file=sys.stderr)
 
 
 def _write_reports(parser, args):
@@ -269,13 +275,17 @@ def _write_reports(parser, args):
     except (OSError, ValueError) as exc:
         print(f"fmha_rt bench: {exc}", file=sys.stderr)
         return 1
-    doc = report.merge(docs)
+    try:
+        doc = report.merge(docs)
+    except report.MergeRefused as exc:
+        print(f"fmha_rt bench: {exc}", file=sys.stderr)
+        return 1
     if len(docs) > 1:
         out_dir, stem = args.out, os.path.splitext(RECORD_NAME)[0]
         report.save(doc, os.path.join(out_dir, RECORD_NAME))
     else:
         out_dir = args.out or os.path.dirname(os.path.abspath(args.report[0]))
         stem = os.path.splitext(os.path.basename(args.report[0]))[0]
-    for path in report.write_reports(doc, out_dir, stem):
+    for path in report.write_reports(doc, out_dir, stem, say=_say):
         print(path)
     return 0

@@ -42,6 +42,23 @@ def header(device_index, discovered, settings):
     }
 
 
+def gpu_presence():
+    """(whether a GPU is there, one line saying so): the driver library missing, present with no device, or
+    the devices found. Asked of fmha_rt's own driver layer (the same probe its calls make)."""
+    from fmha_rt.errors import FmhaError
+
+    try:
+        from fmha_rt import backend
+
+        runtime = backend.runtime()
+    except FmhaError as exc:
+        return False, f"no GPU: {exc}"
+    if not runtime.devices:
+        return False, f"no GPU: the driver library {runtime.library} is present but reports no device"
+    names = ", ".join(sorted({d.name for d in runtime.devices}))
+    return True, f"GPU found: {len(runtime.devices)} device(s) ({names}) through {runtime.library}"
+
+
 def nvidia_smi_row(uuid, index):
     """nvidia-smi's clocks and driver version for our GPU (matched by UUID where torch gives one,
     else by index), as a dict of the query fields; {} when nvidia-smi is absent or says nothing."""

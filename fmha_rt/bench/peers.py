@@ -8,7 +8,14 @@ Every adapter takes a `Case` (one copy of a point's tensors, flash-attn layout [
     context()                      -> a context manager held around a point's whole measurement
     launch_info()                  -> extra JSON fields for the row (fmha_rt: kernel family, kernel)
     workspace_bytes(case, det)     -> workspace a backward needs, where the API says so, else None
-    has_varlen, has_deterministic  -> whether varlen rows and bwd_det rows are run at all
+    outputs(case, result)          -> what a closure returned as {"out"} or {"dq", "dk", "dv"}, flash-attn
+                                      layout, for the correctness gate (correctness.py)
+    user_step(case, backward)      -> one call as a user makes it, outputs allocated by the implementation:
+                                      the forward, or forward and backward through autograd (host overhead)
+    has_varlen                     -> whether varlen rows are run at all
+    deterministic_mode             -> how a bwd_det row asks for a bitwise-repeatable backward, or None
+                                      where the implementation has no such mode (its bwd_det rows are
+                                      not run and say so; they are never timed with its plain backward)
 
 How each backward is timed:
 - fmha_rt: `mha_bwd` (or `mha_varlen_bwd`) on the out and lse of a forward run before timing, with
@@ -17,6 +24,11 @@ How each backward is timed:
   forward before timing (retain_graph=True), so the timed region holds the backend's backward kernels
   plus autograd's own per-call work, as a training step pays it. Their outputs (and the gradients)
   come from torch's caching allocator, which hands back the same blocks each call.
+
+Deterministic modes: fmha_rt and the flash-attn family take `deterministic=True`; torch SDPA's backends
+run their backward under `torch.use_deterministic_algorithms(True)` (the flash backend then runs its
+deterministic kernels; a backend that has none refuses, and its row holds the error); FlexAttention has
+none. The correctness gate calls every bwd_det row twice and fails it unless both agree bit for bit.
 
 `PEERS` is the table of every implementation: adding one is an adapter (or a reuse of a family below)
 and one line there. Heavy imports happen only when an adapter is made, so importing this module costs
@@ -76,13 +88,68 @@ def _stream_of(tensor):
     return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
 
 
+def _first_if_tuple(result):
+    """The attention output of a call that returns it alone or first in a tuple (out, lse, ...)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _itself(result):
+    return result
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) (errors, not warnings, where an op has no such algorithm)
+    for the block, the caller's setting restored after it."""
+    import torch
+
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _deterministically(call):
+    def run():
+        with _deterministic_algorithms():
+            return call()
+    return run
+
+
 class _Adapter:
     """Defaults for an implementation without varlen, deterministic mode, launch info or workspace
     query. Closures are bound with everything resolved up front (functools.partial), so the harness
     adds no per-call work of its own to the host overhead measured."""
 
     has_varlen = False
-    has_deterministic = False
+    deterministic_mode = None
+    # what a forward call returned -> its attention output, flash-attn layout [B, S, H, D]
+    output = staticmethod(_first_if_tuple)
+
+    @property
+    def has_deterministic(self):
+        return self.deterministic_mode is not None
+
+    def outputs(self, case, result):
+        if case.point.backward:
+            return dict(zip(("dq", "dk", "dv"), result[:3]))
+        return {"out": self.output(result)}
+
+    def user_bind(self, case, requires_grad):
+        """(q, k, v leaves, dout, the user's call on them, what the call returned -> the output paired with
+        dout), tensors in the layout the implementation's users hold."""
+        raise NotImplementedError
+
+    def user_step(self, case, backward):
+        import torch
+
+        leaves, dout, call, output = self.user_bind(case, requires_grad=backward)
+        if not backward:
+            return call
+        return lambda: torch.autograd.grad(output(call()), leaves, dout)
 
     def context(self):
         return contextlib.nullcontext()
@@ -101,7 +168,7 @@ class _Adapter:
 
 class FmhaRtAdapter(_Adapter):
     has_varlen = True
-    has_deterministic = True
+    deterministic_mode = "deterministic=True"
     has_plan_cache = True
 
     def __init__(self):
@@ -152,6 +219,13 @@ class FmhaRtAdapter(_Adapter):
     def clear_plan_cache(self):
         self.rt.clear_plan_cache()
 
+    def user_bind(self, case, requires_grad):
+        import fmha_rt.torch
+
+        q, k, v = (t.detach().requires_grad_(requires_grad) for t in (case.q, case.k, case.v))
+        call = functools.partial(fmha_rt.torch.flash_attn_func, q, k, v, causal=case.point.causal)
+        return (q, k, v), case.dout, call, _itself
+
     def launch_info(self):
         info = self.rt.last_launch_info() or {}
         return {key: _jsonable(info.get(key)) for key in ("family", "kernel")}
@@ -168,7 +242,7 @@ class FmhaRtV3Adapter(FmhaRtAdapter):
     """fmha_rt with the v3 family running everything it serves (fmha_rt/v3_plan.py, mode 'all'), beside
     the default in one run; no deterministic rows: deterministic calls keep the portable kernels."""
 
-    has_deterministic = False
+    deterministic_mode = None
 
     @contextlib.contextmanager
     def context(self):
@@ -189,7 +263,10 @@ class _AutogradAdapter(_Adapter):
     """An implementation differentiated by torch autograd. Subclasses give
     bind(case, q, k, v, deterministic): a zero-argument call of the implementation on those tensors,
     any layout change done once while binding; and output(result): the output it returned, in the
-    flash-attn layout of case.dout."""
+    flash-attn layout of case.dout. With `deterministic_by_flag`, the implementation's deterministic mode is
+    torch's global one, set around each deterministic backward call."""
+
+    deterministic_by_flag = False
 
     def forward(self, case):
         return self.bind(case, case.q, case.k, case.v, False)
@@ -199,7 +276,12 @@ class _AutogradAdapter(_Adapter):
 
         q, k, v = (t.detach().requires_grad_() for t in (case.q, case.k, case.v))
         out = self.output(self.bind(case, q, k, v, deterministic)())
-        return functools.partial(torch.autograd.grad, out, (q, k, v), case.dout, retain_graph=True)
+        grad = functools.partial(torch.autograd.grad, out, (q, k, v), case.dout, retain_graph=True)
+        return _deterministically(grad) if deterministic and self.deterministic_by_flag else grad
+
+    def user_bind(self, case, requires_grad):
+        q, k, v = (t.detach().requires_grad_(requires_grad) for t in (case.q, case.k, case.v))
+        return (q, k, v), case.dout, self.bind(case, q, k, v, False), self.output
 
 
 def _heads_second(*tensors):
@@ -213,6 +295,8 @@ def _heads_third(result):
 
 class SdpaAdapter(_AutogradAdapter):
     output = staticmethod(_heads_third)
+    deterministic_mode = "torch.use_deterministic_algorithms(True)"
+    deterministic_by_flag = True
 
     def __init__(self, backend):
         from torch.nn.attention import SDPBackend
@@ -230,6 +314,17 @@ class SdpaAdapter(_AutogradAdapter):
         p = case.point
         gqa = {"enable_gqa": True} if p.heads_q != p.heads_k else {}
         return functools.partial(F.scaled_dot_product_attention, *_heads_second(q, k, v), is_causal=p.causal, **gqa)
+
+    def user_bind(self, case, requires_grad):
+        """SDPA's users hold [B, H, S, D] tensors: leaves in that layout, so no transpose runs per call."""
+        import torch.nn.functional as F
+
+        p = case.point
+        q, k, v = (t.transpose(1, 2).contiguous().requires_grad_(requires_grad) for t in (case.q, case.k, case.v))
+        dout = None if case.dout is None else case.dout.transpose(1, 2).contiguous()
+        gqa = {"enable_gqa": True} if p.heads_q != p.heads_k else {}
+        call = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=p.causal, **gqa)
+        return (q, k, v), dout, call, _itself
 
 
 class FlexAdapter(_AutogradAdapter):
@@ -275,7 +370,7 @@ class FlashFamilyAdapter(_AutogradAdapter):
     (out, lse), some out alone."""
 
     has_varlen = True
-    has_deterministic = True
+    deterministic_mode = "deterministic=True"
 
     def __init__(self, module):
         mod = importlib.import_module(module)
@@ -289,9 +384,6 @@ class FlashFamilyAdapter(_AutogradAdapter):
                                      max_seqlen_k=p.seqlen_k, causal=p.causal, deterministic=deterministic)
         return functools.partial(self.func, q, k, v, causal=p.causal, deterministic=deterministic)
 
-    @staticmethod
-    def output(result):
-        return result[0] if isinstance(result, tuple) else result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,8 +423,9 @@ class Discovery:
     adapter: object = None
 
     def fields(self):
+        mode = self.adapter.deterministic_mode if self.adapter is not None else None
         return {"description": self.description, "status": self.status, "version": self.version,
-                "reason": self.reason}
+                "reason": self.reason, "deterministic_mode": mode}
 
 
 def discover(names=PEER_NAMES):
@@ -372,7 +465,7 @@ def unsupported(adapter, point):
     if point.varlen and not adapter.has_varlen:
         return "no varlen interface"
     if point.deterministic and not adapter.has_deterministic:
-        return "no deterministic backward"
+        return "no deterministic mode"
     return None
 
 
@@ -420,15 +513,16 @@ def cold_start_child(name, device_index):
 
 
 def small_point(shape, pass_name, dtype="bf16", seqlens=None):
-    """A non-causal point of one of the fixed extra shapes in grid (overhead, cold start): dense, or
-    varlen over `seqlens`."""
+    """A point of one of the fixed extra shapes in grid (overhead, cold start): dense, or varlen over
+    `seqlens`; causal where the shape says so."""
     if seqlens is not None:
         return grid.Point(kind="varlen", pass_name=pass_name, dtype=dtype, batch=len(seqlens),
                           heads_q=shape["heads"], heads_k=shape["heads"], seqlen_q=max(seqlens),
-                          seqlen_k=max(seqlens), head_dim=shape["head_dim"], causal=False, seqlens=tuple(seqlens))
+                          seqlen_k=max(seqlens), head_dim=shape["head_dim"], causal=shape.get("causal", False),
+                          seqlens=tuple(seqlens))
     return grid.Point(kind="dense", pass_name=pass_name, dtype=dtype, batch=shape["batch"],
                       heads_q=shape["heads"], heads_k=shape["heads"], seqlen_q=shape["seqlen"],
-                      seqlen_k=shape["seqlen"], head_dim=shape["head_dim"], causal=False)
+                      seqlen_k=shape["seqlen"], head_dim=shape["head_dim"], causal=shape.get("causal", False))
 
 
 def measure_cold_start(name, device_index, *, timeout_s=900):

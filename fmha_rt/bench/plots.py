@@ -3,6 +3,10 @@ TFLOP/s over each peer's. Like the Markdown, they are drawn from the JSON docume
 
 import os
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # an ImportError here: report writes Markdown only
+from matplotlib.figure import Figure
+from matplotlib.ticker import MultipleLocator
+
 from . import peers, versus
 from .report import SUBJECT, groups, impl_order, peer_summaries, points
 
@@ -15,9 +19,6 @@ def write_plots(doc, out_dir, stem):
     """One PNG per (pass, dtype): TFLOP/s against sequence length, one line per implementation, a
     subplot per head dim (and one for GQA) and causal setting. Varlen rows have no sequence axis and
     appear in the tables only. Returns the file names written."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     names = []
     for (pass_name, dtype), group in groups(doc["rows"]):
         measured = [row for row in group if row["kind"] in ("dense", "gqa") and row.get("tflops")]
@@ -48,13 +49,9 @@ def versus_plot_name(stem):
 
 
 def _write_versus_plot(doc, out_dir, stem):
-    """One PNG of fmha_rt's TFLOP/s over each peer's, a bar per (point, peer), a panel per (pass, dtype),
-    the line at 1 where they are equal; [] where no peer shares a point with fmha_rt."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MultipleLocator
-
-    found = peer_summaries(doc["rows"], doc["header"].get("settings", {}))
+    """One PNG of fmha_rt's speed over each peer's (median of per-round ratios), a bar per (point, peer), a panel
+    per (pass, dtype), the line at 1 where they are equal; [] where no peer shares a point with fmha_rt."""
+    found = peer_summaries(doc["rows"])
     if not found:
         return []
     panels = list(dict.fromkeys((s.pass_name, s.dtype) for s in found))
@@ -65,21 +62,20 @@ def _write_versus_plot(doc, out_dir, stem):
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     width = 0.8 / len(peer_names)
     for (pass_name, dtype), ax in zip(panels, axes):
-        by_peer = {s.peer: {versus.shape_key(c.ours): c for c in s.items}
+        by_peer = {s.peer: {_bar_key(c.ours): c for c in s.items}
                    for s in found if (s.pass_name, s.dtype) == (pass_name, dtype)}
         ours = points([c.ours for cells in by_peer.values() for c in cells.values()])
-        shapes = [versus.shape_key(next(iter(by_impl.values()))) for by_impl in ours.values()]
         firsts = [next(iter(by_impl.values())) for by_impl in ours.values()]
+        shapes = [_bar_key(row) for row in firsts]
         for i, peer in enumerate(peer_names):
             cells = by_peer.get(peer, {})
             ratios = [cells[k].ratio if k in cells else float("nan") for k in shapes]
             ax.bar([x + (i - (len(peer_names) - 1) / 2) * width for x in range(len(shapes))], ratios, width,
                    color=_colour(peer), label=peer)
-        stand_ins = [s.peer for s in found if (s.pass_name, s.dtype) == (pass_name, dtype) and s.stand_in]
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_xticks(range(len(shapes)), [_short_point(r) for r in firsts], rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(f"{SUBJECT} / peer")
-        ax.set_title(f"{pass_name}, {dtype}" + (f" ({', '.join(stand_ins)}: their bwd)" if stand_ins else ""))
+        ax.set_title(f"{pass_name}, {dtype}")
         ax.set_ylim(bottom=0)
         ax.yaxis.set_major_locator(MultipleLocator(0.25))
         ax.grid(axis="y", alpha=0.3)
@@ -90,6 +86,10 @@ def _write_versus_plot(doc, out_dir, stem):
     name = versus_plot_name(stem)
     fig.savefig(os.path.join(out_dir, name), dpi=100)
     return [name]
+
+
+def _bar_key(row):
+    return (row.get("run"),) + versus.shape_key(row)
 
 
 def _short_point(row):
@@ -106,8 +106,8 @@ def _plot_panel(ax, rows, impls, kind, head_dim, causal):
     # Every implementation is drawn in every panel, even without points, so the shared legend (taken
     # from the first panel) lists them all.
     for impl in impls:
-        points = sorted((row["Sq"], row["tflops"]) for row in rows if row["impl"] == impl)
-        ax.plot([s for s, _ in points], [t for _, t in points], marker="o", label=impl, color=_colour(impl),
+        line = sorted((row["Sq"], row["tflops"]) for row in rows if row["impl"] == impl)
+        ax.plot([s for s, _ in line], [t for _, t in line], marker="o", label=impl, color=_colour(impl),
                 linewidth=2.5 if impl == SUBJECT else 1.5)
     ax.set_xscale("log", base=2)
     ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])

@@ -4,35 +4,42 @@
 The writers read nothing but the JSON document: `python -m fmha_rt bench --report results.json`
 regenerates the Markdown and the plots of any recorded run, on any machine, without a GPU or torch.
 
-Document (format "fmha_rt-bench/1"):
-  header         date (UTC), GPU, SM count, clocks, driver, CUDA, versions, implementations found or
-                 not found (with the reason), settings; a synthetic test fixture says "fixture": true
+Document (format "fmha_rt-bench/2"; records of format 1, before the correctness gate, still load):
+  header         run_id (unique per run), date (UTC), GPU, SM count, clocks, driver, CUDA, versions,
+                 implementations found or not found (with the reason and deterministic mode), settings;
+                 a synthetic test fixture says "fixture": true; a merged record lists its "runs"
   rows           one per (point, implementation): impl, kind, pass, dtype, B, Hq, Hk, Sq, Sk, D, causal
-                 (+ seqlens for varlen), flops, then either ms, ms_min, ms_max, repeats, tflops,
-                 first_call_ms, peak_extra_bytes, copies (+ workspace_bytes, family, kernel for fmha_rt;
-                 + round_ms, each round's median, when the row was timed in several rounds; + settle_error
-                 where a --settle round failed after the planned ones; + sm_mhz, power_w and, with several
-                 rounds, round_sm_mhz where nvidia-smi sampled the clock) or error
-  host_overhead  one per (impl, kind, pass) at the tiny overhead shape (dense, and varlen where the impl has
-                 it): us_per_call (repeated calls), first_call_us (the first, plan cache cleared),
-                 uncached_us_per_call (impls with a plan cache: cleared before every call), or error
+                 (+ seqlens for varlen), then
+                 - "skipped": why the implementation does not run the point (no deterministic mode, ...), or
+                 - flops, copies, first_call_ms, check (the correctness gate: per tensor rel_err and
+                   row_err, the limits, passed, reason where it failed) and, where it passed, ms, ms_min,
+                   ms_max, repeats, tflops, rounds, round_ms (each round's median), peak_extra_bytes
+                   (+ workspace_bytes, family, kernel for fmha_rt; + sm_mhz, round_sm_mhz and power_w where
+                   NVML sampled the turns), or
+                 - error
+                 A merged record's rows carry "run", the run_id of the record they came from.
+  host_overhead  one per (impl, path) at the tiny overhead shape: us_per_call (median over rounds),
+                 round_us, or error
   cold_start     one per impl: seconds from process start to the first forward's result, or error
 """
 
 import json
 import os
 import statistics
+import uuid
 
 from . import flops, grid, peers, versus
 
-FORMAT = "fmha_rt-bench/1"
+FORMAT = "fmha_rt-bench/2"
+READABLE_FORMATS = ("fmha_rt-bench/1", FORMAT)
 SUBJECT = peers.SUBJECT
 POINT_KEYS = ("kind", "pass", "dtype", "B", "Hq", "Hk", "Sq", "Sk", "D", "causal")
 MIB = 1024**2
 
 
 def new_document(header):
-    return {"format": FORMAT, "header": header, "rows": [], "host_overhead": [], "cold_start": []}
+    return {"format": FORMAT, "header": {"run_id": uuid.uuid4().hex[:12], **header}, "rows": [],
+            "host_overhead": [], "cold_start": []}
 
 
 def dumps(doc):
@@ -59,34 +66,70 @@ def save(doc, path):
 def load(path):
     with open(path) as f:
         doc = json.load(f)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"{path} is not a benchmark record of this tool (format {found!r}, expected {FORMAT!r})")
     return doc
 
 
+class MergeRefused(ValueError):
+    """Records that cannot be merged without pairing figures of different runs."""
+
+
+# Settings that may differ between records merged into one report: what was swept, not how it was measured.
+SWEPT_SETTINGS = ("command", "device")
+
+
+def run_id(doc, index=0):
+    """A record's run id (records from before run ids: their date and position)."""
+    header = doc["header"]
+    return header.get("run_id") or f"{header.get('date')}#{index}"
+
+
 def merge(docs):
-    """One document from several runs (e.g. a sweep split over several machines or days): the first run's
-    header, every row, and a later run's row replacing an earlier one at the same (point, impl). An
-    implementation found in any run counts as found (a peer installed for a later run only)."""
-    merged = new_document(dict(docs[0]["header"]))
-    if len(docs) > 1:
-        merged["header"]["merged_from"] = [doc["header"].get("date") for doc in docs]
-        impls = dict(merged["header"].get("impls", {}))
-        for doc in docs[1:]:
-            for name, info in doc["header"].get("impls", {}).items():
-                if info.get("status") == "found" or name not in impls:
-                    impls[name] = info
-        merged["header"]["impls"] = impls
-    sections = {"rows": lambda r: (point_key(r), r["impl"]),
-                "host_overhead": lambda r: (r["impl"], r.get("kind", "dense"), r["pass"]),
-                "cold_start": lambda r: r["impl"]}
-    for section, key in sections.items():
-        by_key = {}
-        for doc in docs:
-            by_key.update((key(row), row) for row in doc.get(section, []))
-        merged[section] = list(by_key.values())
+    """One document from several runs of the same settings (a grid split over two commands, say): the first
+    run's header with the list of runs, and every row tagged with its run, so that every ratio is still
+    formed within one run (versus.pair_key). Refused (MergeRefused) where the runs were measured differently
+    (settings other than SWEPT_SETTINGS, GPU) or where two runs measured the same point: a report would then
+    hold figures of one point from two runs side by side."""
+    if len(docs) == 1:
+        return docs[0]
+    ids = [run_id(doc, i) for i, doc in enumerate(docs)]
+    first = docs[0]["header"]
+    for doc in docs[1:]:
+        for key in ("gpu", "settings"):
+            mine, theirs = _comparable_header(first, key), _comparable_header(doc["header"], key)
+            if mine != theirs:
+                raise MergeRefused(f"records measured with different {key}: {mine} against {theirs}; "
+                                   "report them one by one")
+    merged = new_document(dict(first))
+    merged["header"].update(run_id=None, runs=[{"run_id": i, "date": d["header"].get("date"),
+                                                "command": (d["header"].get("settings") or {}).get("command")}
+                                               for i, d in zip(ids, docs)])
+    impls = dict(first.get("impls", {}))
+    for doc in docs[1:]:
+        for name, info in doc["header"].get("impls", {}).items():
+            if info.get("status") == "found" or name not in impls:
+                impls[name] = info
+    merged["header"]["impls"] = impls
+    owner = {}
+    for index, doc in zip(ids, docs):
+        for row in doc["rows"]:
+            key = point_key(row)
+            if owner.setdefault(key, index) != index:
+                raise MergeRefused(f"runs {owner[key]} and {index} both measured {point_text(row)}; "
+                                   "merge records of disjoint points only")
+            merged["rows"].append({**row, "run": index})
+        merged["host_overhead"] += [{**row, "run": index} for row in doc.get("host_overhead", [])]
+        merged["cold_start"] += [{**row, "run": index} for row in doc.get("cold_start", [])]
     return merged
+
+
+def _comparable_header(header, key):
+    value = header.get(key)
+    if key == "settings" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in SWEPT_SETTINGS}
+    return value
 
 
 def point_key(row):
@@ -122,15 +165,6 @@ def points(rows):
     return table
 
 
-def ratio_to_best_peer(by_impl):
-    """fmha_rt's TFLOP/s over the best other implementation's at one point, or None."""
-    subject = by_impl.get(SUBJECT, {}).get("tflops")
-    peer_values = [row["tflops"] for impl, row in by_impl.items() if impl != SUBJECT and row.get("tflops")]
-    if not subject or not peer_values:
-        return None
-    return subject / max(peer_values)
-
-
 # ---- Markdown -------------------------------------------------------------------------------------
 
 def markdown(doc, plot_names=()):
@@ -138,16 +172,60 @@ def markdown(doc, plot_names=()):
     lines = ["# fmha_rt attention benchmark", ""]
     if header.get("fixture"):
         lines += [f"> **Synthetic test fixture, not a measurement.** {header.get('note', '')}".rstrip(), ""]
+    lines += _headline_section(rows) + _failed_check_section(rows)
     lines += _machine_section(header) + _impls_section(header) + _convention_section(header)
     for (pass_name, dtype), group in groups(rows):
         lines += [f"## {pass_name}, {dtype}: TFLOP/s", ""] + _tflops_table(group) + [""]
-    lines += _versus_section(rows, header.get("settings", {}), bool(header.get("merged_from")))
+    lines += _versus_section(rows)
     if plot_names:
         lines += ["## Plots", ""] + [f"![{name}]({name})" for name in plot_names] + [""]
     lines += _clock_section(rows) + _memory_section(rows) + _first_call_section(rows)
     lines += _overhead_section(doc.get("host_overhead", [])) + _cold_start_section(doc.get("cold_start", []))
     lines += _errors_section(rows)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _headline_section(rows):
+    """The first table: fmha_rt over the best peer at each point (the fastest peer that passed the check
+    there), the median of per-round ratios with its spread and verdict."""
+    found = versus.best_peer_comparisons(rows)
+    if not found:
+        return []
+    counts = []
+    for s in versus.summarize(found, "best peer"):
+        tally = ", ".join(f"{s.count(v)} {v}" for v in versus.VERDICTS)
+        counts.append(f"- {s.pass_name} {s.dtype}: {len(s.items)} points: {tally}")
+    body = [[c.ours["pass"], c.ours["dtype"]] + _point_cells(c.ours) + [c.peer, f"{c.ours['ms']:.3f}",
+            f"{c.theirs['ms']:.3f}", c.text()] for c in sorted(found, key=_headline_order)]
+    return [f"## {SUBJECT} over the best peer at each point", "",
+            f"Speed of {SUBJECT} over the fastest peer that passed the correctness check at that point, in the"
+            " same run: the median over rounds of each round's ratio (peer ms / fmha_rt ms; above 1: fmha_rt is"
+            " faster), [lowest-highest round], and the verdict: parity where the rounds' ratios straddle 1 or the"
+            " median is within the round-to-round noise of 1.", ""] + counts + [""] + \
+        _table(["pass", "dtype", "kind", "B", "Hq/Hk", "S", "D", "causal", "best peer", f"{SUBJECT} ms",
+                "peer ms", f"{SUBJECT} / best peer"], body) + [""]
+
+
+def _headline_order(comparison):
+    row = comparison.ours
+    pass_index = grid.PASSES.index(row["pass"]) if row["pass"] in grid.PASSES else len(grid.PASSES)
+    return (pass_index, row["dtype"]) + _point_sort_key(row)
+
+
+def _failed_check_section(rows):
+    """Implementations whose output disagreed with the fp32 reference: not timed there, in no ratio."""
+    failed = [row for row in rows if not (row.get("check") or {}).get("passed", True)]
+    if not failed:
+        return []
+    body = [(row["impl"], point_text(row), row["check"].get("reason"), _errors_text(row["check"]))
+            for row in failed]
+    return ["## Failed the correctness check", "",
+            "**These implementations gave wrong results at these points: they were not timed there and are in"
+            " no ratio.**", ""] + _table(["impl", "point", "why", "errors (rel / worst row)"], body) + [""]
+
+
+def _errors_text(check):
+    return ", ".join(f"{name} {e['rel_err']:.2g} / {e['row_err']:.2g}" for name, e in check.get("tensors", {}).items())
 
 
 def _table(headings, body):
@@ -181,42 +259,47 @@ def _machine_section(h):
             ("driver / CUDA", text("driver", "cuda")),
             ("python / torch / triton", text("python", "torch", "triton")),
             ("fmha_rt", text("fmha_rt") + commit)]
-    if h.get("merged_from"):
-        body.append(("merged runs", ", ".join(str(d) for d in h["merged_from"])))
+    if h.get("runs"):
+        body.append(("merged runs", ", ".join(f"{r['run_id']} ({r.get('date')})" for r in h["runs"])))
     return ["## Machine", ""] + _table(["", ""], body) + [""]
 
 
 def _impls_section(h):
     impls = h.get("impls", {})
     body = [(name, impls[name].get("status"), impls[name].get("version") or impls[name].get("reason"),
-             impls[name].get("description")) for name in impl_order(impls)]
-    return ["## Implementations", ""] + _table(["impl", "status", "version or reason", "what"], body) + [""]
+             impls[name].get("description"), impls[name].get("deterministic_mode") or "none")
+            for name in impl_order(impls)]
+    return ["## Implementations", ""] + _table(["impl", "status", "version or reason", "what",
+                                                "deterministic mode (bwd_det)"], body) + [""]
 
 
 def _convention_section(h):
     s = h.get("settings", {})
+    from . import correctness  # the limits are constants of the gate; no torch is imported for them
+
     return [
         "TFLOP/s = FLOPs / median time. FLOPs: fwd = 4·B·Hq·Sq·Sk·D, halved when causal; bwd and bwd_det"
         " = 2.5 × fwd. Every dense point has B·S = 16k tokens and Hq·D = 2048.",
         f"Median of {_timing_text(s)}; inputs rotate over copies spanning at least four L2 caches. A backward"
         " is timed alone: fmha_rt's mha_bwd on a saved forward; the torch-based implementations'"
-        " torch.autograd.grad on a saved graph. `–`: not run (the implementation lacks that mode);"
-        " `error`: see Errors.",
+        " torch.autograd.grad on a saved graph.",
+        f"Correctness gate, before any timing: each implementation's first call at a point is compared with an"
+        f" fp32 reference on the same inputs (out; dq, dk, dv): ||err||/||ref|| <= {correctness.REL_ERR_LIMIT:g}"
+        f" and every row within {correctness.ROW_ERR_LIMIT:g}; a bwd_det row must also repeat bit for bit.",
+        "Cells: `–` not run (`no det. mode`: the implementation has no deterministic backward), `failed"
+        " check` (see above), `error` (see Errors); `[a-b]` after a figure: its slowest and fastest round.",
         ""]
 
 
 def _timing_text(settings):
-    """'N calls timed ... after a warm-up of W ms', with the rounds where there were several."""
+    """'N calls timed ... in R rounds ...'."""
     rounds, repeats, warmup = settings.get("rounds", 1), settings.get("repeats"), settings.get("warmup_ms")
-    if rounds == 1 and not settings.get("settle"):
-        return f"{repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms"
-    return (f"{rounds} x {repeats} calls timed by CUDA events after a warm-up of at least {warmup} ms before each of"
-            f" {rounds} rounds, in which the implementations of a point take turns in an order rotated every round"
-            + (" (a shape's backward and deterministic backward take theirs together)"
-               if settings.get("backward_turns_together") else "")
-            + (f"; points where {SUBJECT} and {settings['settle']} were within {settings['settle_within'] * 100:g}%"
-               f" after them took {settings['settle_rounds']} rounds in all" if settings.get("settle") else "") +
-            " (each row's round_ms: the rounds' medians; [a-b] after a figure: its slowest and fastest round)")
+    return (f"{repeats} calls a turn timed by CUDA events after a warm-up of at least {warmup} ms, in {rounds} rounds"
+            " (rounded up at each point to a multiple of its implementations, so that each takes the first turn"
+            " of a round equally often; round r starts with implementation r mod n), after an untimed warm turn"
+            " of every implementation"
+            + ("; a shape's backward and deterministic backward take their turns together"
+               if settings.get("backward_turns_together") else ""))
 
 
 def _tflops_table(group):
@@ -226,57 +309,48 @@ def _tflops_table(group):
     for by_impl in points(group).values():
         first = next(iter(by_impl.values()))
         cells = [_tflops_cell(by_impl.get(impl)) for impl in impls]
-        ratio = ratio_to_best_peer(by_impl)
-        body.append(_point_cells(first) + cells + [by_impl.get(SUBJECT, {}).get("family"),
-                                                   None if ratio is None else f"{ratio:.2f}×"])
+        ours = by_impl.get(SUBJECT)
+        theirs = versus.best_peer(group, ours) if ours is not None and versus.timed(ours) else None
+        ratio = None if theirs is None else f"{versus.Comparison(ours, theirs).text()} ({theirs['impl']})"
+        body.append(_point_cells(first) + cells + [(ours or {}).get("family"), ratio])
     return _table(headings, body)
 
 
-def peer_summaries(rows, settings):
+def peer_summaries(rows):
     """versus.summaries of a record's rows against every peer in them, in the tables' order."""
     peers_found = [impl for impl in impl_order({r["impl"] for r in rows}) if impl != SUBJECT]
-    return versus.summaries(rows, peers_found, settings.get("backward_turns_together", False))
+    return versus.summaries(rows, peers_found)
 
 
-def _versus_section(rows, settings, merged):
-    """fmha_rt over each peer: a line per (peer, pass, dtype), then each peer's points folded away. Rounds
-    ahead only for one run's record (a merged one pairs rows of different runs)."""
-    found = peer_summaries(rows, settings)
+def _versus_section(rows):
+    """fmha_rt over each peer: a line per (peer, pass, dtype), then each peer's points folded away."""
+    found = peer_summaries(rows)
     if not found:
         return []
-    rounds = not merged and any(c.rounds_ahead for s in found for c in s.items)
-    failed = any(s.failed for s in found)
     body = []
     for s in found:
-        against = {"all": f" (against {s.peer}'s bwd)", "some": f" (some against {s.peer}'s bwd)", "": ""}[s.stand_in]
         lowest = s.lowest
-        body.append((s.peer, s.pass_name + against, s.dtype, len(s.items), s.at_or_above,
+        body.append((s.peer, s.pass_name, s.dtype, len(s.items), *(s.count(v) for v in versus.VERDICTS),
                      None if lowest is None else f"{lowest.ratio:.3f} ({_shape_text(lowest.ours)})",
-                     _ratio_text(s.median_ratio), _ratio_text(s.highest_ratio))
-                    + ((len(s.failed),) if failed else ()) + ((_rounds_ahead_text(s.items),) if rounds else ()))
+                     _ratio_text(s.median_ratio), _ratio_text(s.highest_ratio)))
     lines = [f"## {SUBJECT} against each peer", "",
-             f"{SUBJECT}'s TFLOP/s over the peer's at each point both timed. A peer without a deterministic backward"
-             " is held against the deterministic backward with its only backward."]
-    if failed:
-        lines[-1] += (f" {SUBJECT} failed: points the peer has a figure for and {SUBJECT} has none (see Errors);"
-                      " they are not among the points compared.")
-    if rounds:
-        lines[-1] += (f" Rounds ahead: the rounds, summed over the points, in which {SUBJECT}'s median time was at"
-                      " most the peer's (both took a turn in every round).")
-    lines += [""] + _table(["peer", "pass", "dtype", "points", "at or above", "lowest (at)", "median", "highest"]
-                           + ([f"{SUBJECT} failed"] if failed else []) + (["rounds ahead"] if rounds else []),
-                           body) + [""]
+             f"Per point, the median over rounds of each round's speed ratio {SUBJECT} / peer, within one run;"
+             " only rows that passed the correctness check. A peer without a deterministic mode has no bwd_det"
+             " comparison.", ""]
+    lines += _table(["peer", "pass", "dtype", "points", *versus.VERDICTS, "lowest (at)", "median", "highest"],
+                    body) + [""]
     for peer in dict.fromkeys(s.peer for s in found):
         passes = [s for s in found if s.peer == peer]
         by_shape = {}
         for s in passes:
             for c in s.items:
-                by_shape.setdefault(versus.shape_key(c.ours), {})[s.pass_name] = c
-        columns = list(dict.fromkeys(s.pass_name for s in passes if s.items))
-        ordered = points([next(iter(cells.values())).ours for cells in by_shape.values()])
-        body = [_point_cells(first) + [first["dtype"]]
-                + [_ratio_cell(by_shape[versus.shape_key(first)].get(p), rounds) for p in columns]
-                for first in (next(iter(by_impl.values())) for by_impl in ordered.values())]
+                by_shape.setdefault((c.ours.get("run"),) + versus.shape_key(c.ours), {})[s.pass_name] = c
+        columns = list(dict.fromkeys(s.pass_name for s in passes))
+        body = []
+        for cells in by_shape.values():
+            first = next(iter(cells.values())).ours
+            body.append(_point_cells(first) + [first["dtype"]] +
+                        [cells[p].text() if p in cells else None for p in columns])
         lines += [f"<details><summary>{SUBJECT} / {peer}, point by point</summary>", ""]
         lines += _table(["kind", "B", "Hq/Hk", "S", "D", "causal", "dtype", *columns], body) + ["", "</details>", ""]
     return lines
@@ -284,20 +358,6 @@ def _versus_section(rows, settings, merged):
 
 def _ratio_text(ratio):
     return None if ratio is None else f"{ratio:.3f}"
-
-
-def _ratio_cell(comparison, rounds):
-    if comparison is None:
-        return None
-    ahead = _rounds_ahead_text([comparison]) if rounds else None
-    return f"{comparison.ratio:.3f}" + (f" ({ahead})" if ahead else "")
-
-
-def _rounds_ahead_text(comparisons):
-    counted = [c.rounds_ahead for c in comparisons if c.rounds_ahead is not None]
-    if not counted:
-        return None
-    return f"{sum(a for a, _ in counted)}/{sum(n for _, n in counted)}"
 
 
 def _shape_text(row):
@@ -309,11 +369,18 @@ def _point_cells(row):
     return [row["kind"], row["B"], f"{row['Hq']}/{row['Hk']}", seqlen, row["D"], "yes" if row["causal"] else "no"]
 
 
+SKIPPED_CELLS = {"no deterministic mode": "no det. mode", "no varlen interface": "no varlen"}
+
+
 def _tflops_cell(row):
     if row is None:
         return None
+    if "skipped" in row:
+        return SKIPPED_CELLS.get(row["skipped"], row["skipped"])
     if "error" in row:
         return "error"
+    if not versus.timed(row):
+        return "failed check"
     return f"{row['tflops']:.1f}{round_range_text(row)}"
 
 
@@ -323,9 +390,9 @@ def round_range_text(row):
     return _spread_text([flops.tflops(row["flops"], ms) for ms in row.get("round_ms", ())])
 
 
-def _spread_text(values):
+def _spread_text(values, form=".0f"):
     """' [lowest-highest]' of several values, '' of fewer than two."""
-    return f" [{min(values):.0f}-{max(values):.0f}]" if len(values) > 1 else ""
+    return f" [{min(values):{form}}-{max(values):{form}}]" if len(values) > 1 else ""
 
 
 def _clock_section(rows):
@@ -333,15 +400,18 @@ def _clock_section(rows):
     if not any("sm_mhz" in row for row in rows):
         return []
     return _folded_tables(rows, "SM clock and power while timed", _clock_cell,
-                          "Medians of nvidia-smi's samples over each implementation's turns (warm-up and timed "
-                          "calls), MHz / W; with several rounds, the slowest and fastest turn's clock in brackets.")
+                          "NVML sampled every 5 ms; medians of the samples taken during each implementation's own turns"
+                          " (warm-up and timed calls; a turn without a sample of its own has no reading), MHz / W"
+                          " (instantaneous power, where the driver gives it); with several rounds, the slowest and"
+                          " fastest turn's clock in brackets.")
 
 
 def _clock_cell(row):
     if row is None or "sm_mhz" not in row:
         return None
     turns = [mhz for mhz in row.get("round_sm_mhz", ()) if mhz is not None]
-    return f"{row['sm_mhz']:.0f}{_spread_text(turns)} / {row['power_w']:.0f}"
+    power = f"{row['power_w']:.0f}" if row.get("power_w") is not None else "–"
+    return f"{row['sm_mhz']:.0f}{_spread_text(turns)} / {power}"
 
 
 def _memory_section(rows):
@@ -393,42 +463,33 @@ def _first_call_section(rows):
         _table(["impl", "pass", "points", "median extra ms", "max extra ms", "median steady ms"], body) + [""]
 
 
-# (column heading, row kind, pass) of the host-overhead table; varlen columns only when measured.
-_OVERHEAD_COLUMNS = (("fwd", "dense", "fwd"), ("bwd", "dense", "bwd"), ("varlen fwd", "varlen", "fwd"),
-                     ("varlen bwd", "varlen", "bwd"))
-# (row label suffix, field) of each line an implementation gets, where it measured that field.
-_OVERHEAD_LINES = (("", "us_per_call"), (", plan cache cleared", "uncached_us_per_call"),
-                   (", first call", "first_call_us"))
-
-
 def _overhead_section(overhead):
+    overhead = [row for row in overhead if "path" in row]  # records from before the user-path measurement: none
     if not overhead:
         return []
-    by_impl = {}
-    for row in overhead:
-        by_impl.setdefault(row["impl"], {})[(row.get("kind", "dense"), row["pass"])] = row
-    columns = [c for c in _OVERHEAD_COLUMNS if c[1] == "dense" or any((c[1], c[2]) in rows for rows in by_impl.values())]
-    body = []
-    for impl in impl_order(by_impl):
-        rows = by_impl[impl]
-        for suffix, field in _OVERHEAD_LINES:
-            if field == "us_per_call" or any(field in r for r in rows.values()):
-                body.append((impl + suffix, *(_overhead_cell(rows.get((kind, p)), field) for _, kind, p in columns)))
+    from . import overhead as paths
+
+    paths_order = list(paths.USER_PATHS) + list(paths.RAW_PATHS)
+    impls = impl_order({row["impl"] for row in overhead})
+    rows = sorted(overhead, key=lambda r: (paths_order.index(r["path"]) if r.get("path") in paths_order
+                                           else len(paths_order), impls.index(r["impl"])))
+    body = [(row["impl"], row.get("path"), _overhead_cell(row)) for row in rows]
     shape = grid.OVERHEAD_SHAPE
     return [f"## Host overhead, µs per call (B={shape['batch']} H={shape['heads']} S={shape['seqlen']}"
-            f" D={shape['head_dim']}, bf16; varlen: sequences of {', '.join(map(str, grid.OVERHEAD_VARLEN_SEQLENS))})",
-            "", "Wall clock over many back-to-back calls of a problem too small to keep the GPU busy. \"plan cache "
-            "cleared\": the cache is emptied before every call, so each call validates and plans as a call of a "
-            "new signature does; \"first call\": one call's host time, plan cache cleared before it.", ""] + \
-        _table(["impl", *(c[0] for c in columns)], body) + [""]
+            f" D={shape['head_dim']}, bf16, causal)", "",
+            "Wall clock over many back-to-back calls of a problem too small to keep the GPU busy, each"
+            " implementation called as its users call it, outputs allocated every call: `fwd` the forward"
+            f" ({SUBJECT}: fmha_rt.torch.flash_attn_func; SDPA on [B, H, S, D] tensors; FA4: flash_attn_func),"
+            " `fwd+bwd` the forward then torch.autograd.grad of its output. The `raw ..., outputs given` rows are"
+            f" {SUBJECT}'s own API with preallocated outputs (mha_fwd / mha_bwd): a different path, not comparable"
+            " with the others. Median over rounds, taken in turns; [lowest-highest round].", ""] + \
+        _table(["impl", "path", "µs per call"], body) + [""]
 
 
-def _overhead_cell(row, field="us_per_call"):
-    if row is None:
-        return None
+def _overhead_cell(row):
     if "error" in row:
         return "error"
-    return f"{row[field]:.1f}" if field in row else None
+    return f"{row['us_per_call']:.1f}{_spread_text(row.get('round_us', ()), '.1f')}"
 
 
 def _cold_start_section(cold):
@@ -461,12 +522,20 @@ def point_text(row):
             f" S={row['Sq']} D={row['D']}{causal}")
 
 
-def write_reports(doc, out_dir, stem="results"):
-    """Markdown and PNGs for `doc` in `out_dir`; returns the paths written."""
-    from . import plots  # matplotlib, only where reports are written
+PLOTS_HINT = "plots skipped: matplotlib is not installed (pip install matplotlib, or the bench extra: pip install 'fmha_rt[bench]')"
 
+
+def write_reports(doc, out_dir, stem="results", say=print):
+    """Markdown and PNGs for `doc` in `out_dir`; returns the paths written. Without matplotlib the Markdown
+    is still written and `say` gets one line on how to get the plots."""
     os.makedirs(out_dir, exist_ok=True)
-    names = plots.write_plots(doc, out_dir, stem)
+    try:
+        from . import plots  # matplotlib, only where reports are written
+    except ImportError:
+        plots, names = None, []
+        say(PLOTS_HINT)
+    if plots is not None:
+        names = plots.write_plots(doc, out_dir, stem)
     md_path = os.path.join(out_dir, f"{stem}.md")
     with open(md_path, "w") as f:
         f.write(markdown(doc, names))

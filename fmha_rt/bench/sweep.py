@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 
-from . import flops, grid, peers, timing, versus
+from . import correctness, flops, peers, timing
 
 ERROR_CHARS = 1000
 
@@ -23,16 +23,11 @@ class Settings:
     repeats: int = 30
     warmup_ms: float = 50.0
     overhead_calls: int = 2000
+    # rounds asked for; each point takes this many rounded up to a multiple of its implementations
     rounds: int = 1
     # A shape's backward and deterministic backward take turns in the same rounds (turn_groups); False
-    # gives each its own, as records before this setting did.
+    # gives each its own.
     backward_turns_together: bool = True
-    # Points where fmha_rt and the `settle` peer are within `settle_within` of each other after `rounds`
-    # are timed to `settle_rounds` rounds in all: the decision is taken once, on closeness alone, so
-    # that it favours neither side (extending until one side pulls ahead would).
-    settle: str | None = None
-    settle_within: float = 0.03
-    settle_rounds: int = 8
 
     def fields(self):
         return dataclasses.asdict(self)
@@ -48,10 +43,25 @@ def planned_pairs(points, adapters):
             if peers.unsupported(adapter, point) is None]
 
 
+def skipped_rows(points, adapters):
+    """A row per (point, impl) pair not run for a mode the implementation lacks, saying which: a peer without
+    a deterministic mode has no bwd_det figure, rather than its plain backward's under that name."""
+    return [{"impl": name, **point.fields(), "skipped": peers.unsupported(adapter, point)}
+            for point in points for name, adapter in adapters.items() if peers.unsupported(adapter, point)]
+
+
+def equal_turn_rounds(requested, implementations):
+    """`requested` rounded up to a multiple of `implementations`, so that in turn_order each implementation
+    takes the first turn of a round equally often."""
+    if implementations < 1:
+        return requested
+    return -(-requested // implementations) * implementations
+
+
 def turn_order(names, round_index):
-    """Who is timed when in round `round_index`: the list rotated by one place per round, so that no
-    implementation always runs right after the same one (the GPU's clock under its power limit, and
-    its temperature, carry over from one implementation's calls to the next one's)."""
+    """Who is timed when in round `round_index`: round r starts with names[r mod n] and goes on in the list's
+    order. Over a multiple of n rounds each takes every slot equally often, the first one included (the
+    turn after an idle moment, when the GPU is coolest and its clock highest under the power limit)."""
     shift = round_index % len(names) if names else 0
     return list(names[shift:]) + list(names[:shift])
 
@@ -61,9 +71,8 @@ def turn_groups(pairs, backward_together=True):
     except that (with `backward_together`) a shape's backward and deterministic backward form one group.
     Timed alone, back to back, a deterministic backward held the GPU at its power limit longer than a
     backward whose turns alternate with other implementations', and ran at a lower clock (H200, 16k
-    tokens, D=128: 1808 MHz against 1853 for the same kernels in the backward's group), which a
-    comparison of it against the peers' backward would count against it. Groups in the order of their
-    first pair; pairs in `pairs`' order."""
+    tokens, D=128: 1808 MHz against 1853 for the same kernels in the backward's group). Groups in the order
+    of their first pair; pairs in `pairs`' order."""
     groups = {}
     for point, name in pairs:
         key = dataclasses.replace(point, pass_name="bwd") if backward_together and point.backward else point
@@ -72,12 +81,12 @@ def turn_groups(pairs, backward_together=True):
 
 
 def run_sweep(points, adapters, device, settings, *, on_point=None, progress_stream=sys.stderr):
-    """Measure every supported pair; `adapters` maps impl names to adapters. The pairs of each turn group
-    are prepared, then timed in `settings.rounds` rounds (turn_order). After each group, on_point(rows so
-    far) runs (the CLI saves partial results there)."""
+    """Measure every supported pair; `adapters` maps impl names to adapters. Each turn group is prepared and
+    checked (measure_group), then timed in rounds. After each group, on_point(rows so far) runs (the CLI
+    saves partial results there). Pairs an implementation does not run are rows that say why."""
     pairs = planned_pairs(points, adapters)
-    progress = Progress(len(pairs) * settings.rounds, progress_stream)
-    rows = []
+    progress = Progress(len(pairs), progress_stream)
+    rows = skipped_rows(points, adapters)
     try:
         for group in turn_groups(pairs, settings.backward_turns_together):
             group_rows, lost = measure_group(group, adapters, device, settings, progress)
@@ -92,98 +101,98 @@ def run_sweep(points, adapters, device, settings, *, on_point=None, progress_str
     return rows
 
 
+class _Group:
+    """The bookkeeping of one turn group: its rows, the timed calls of the pairs still in it, their samples
+    and clock readings per turn."""
+
+    def __init__(self, group):
+        self.rows = {pair: {"impl": pair[1], **pair[0].fields(), "flops": pair[0].flops()} for pair in group}
+        self.calls, self.samples, self.readings = {}, {pair: [] for pair in group}, {pair: [] for pair in group}
+
+    def drop(self, pair, error):
+        self.rows[pair]["error"] = error
+        self.calls.pop(pair, None)
+
+    def implementations(self):
+        """The names still timed, in the group's order; each takes its turn with all its passes."""
+        return list(dict.fromkeys(name for _, name in self.calls))
+
+    def finish(self):
+        for pair, row in self.rows.items():
+            if "error" in row or not self.samples[pair]:
+                continue
+            measured = timing.summarize([ms for turn in self.samples[pair] for ms in turn])
+            row.update(measured.fields(), tflops=flops.tflops(row["flops"], measured.ms),
+                       rounds=len(self.samples[pair]), round_ms=[statistics.median(t) for t in self.samples[pair]])
+            row.update(_clock_fields(self.readings[pair]))
+        return list(self.rows.values())
+
+
 def measure_group(group, adapters, device, settings, progress):
     """(rows of the (point, impl name) pairs of `group`, in its order; the failure that left the device
-    broken, as {impl, label, error}, or None). A failure in preparation or in the planned rounds ends that
-    pair's measurement and becomes its row's error; one in the settle rounds ends its turns there, keeps
-    its figures from the rounds before and is noted as the row's settle_error."""
-    rows = {pair: {"impl": pair[1], **pair[0].fields(), "flops": pair[0].flops()} for pair in group}
-    calls, samples, readings = {}, {pair: [] for pair in group}, {pair: [] for pair in group}
+    broken, as {impl, label, error}, or None).
 
-    def lost(pair, field):
-        return {"impl": pair[1], "label": pair[0].label(), "error": rows[pair][field]}
-
-    def finish(failure=None):
-        for pair in group:
-            if "error" in rows[pair] or not samples[pair]:
-                continue
-            measured = timing.summarize([ms for turn in samples[pair] for ms in turn])
-            rows[pair].update(measured.fields(), tflops=flops.tflops(rows[pair]["flops"], measured.ms))
-            rows[pair].update(_clock_fields(readings[pair]))
-            if len(samples[pair]) > 1:
-                rows[pair]["round_ms"] = [statistics.median(turn) for turn in samples[pair]]
-        if failure is None:  # a broken context would fail this too
-            device.release_cached()
-        return list(rows.values()), failure
-
-    def take_turns(first, last, field):
-        """Rounds first..last-1, each pair still timed once per round in turn_order, a failure recorded in its
-        row's `field`; the failure that left the device broken, or None."""
-        for round_index in range(first, last):
-            for pair in turn_order(list(calls), round_index):
-                point, name = pair
-                if round_index:
-                    progress.start(f"{name} {point.label()} (round {round_index + 1}/{last})")
-                failed = {}
-                with _failure_recorded(failed, adapters[name]):
-                    start = time.monotonic()
-                    samples[pair].append(timing.sample_calls(calls[pair], device, warmup_ms=settings.warmup_ms,
-                                                             repeats=settings.repeats))
-                    readings[pair].append(device.clock_reading(start, time.monotonic()))
-                if failed:
-                    rows[pair][field] = failed["error"]
-                    del calls[pair]
-                    progress.advance(last - round_index)
-                    if not device.healthy():
-                        return lost(pair, field)
-                else:
-                    progress.advance()
-        return None
-
+    1. Each pair is prepared and its first call checked against the fp32 reference (check_pair); a pair that
+       fails is not timed (its row keeps the check), one that raises keeps the error.
+    2. A warm turn: every pair's calls once, untimed, so that round 0 starts on a GPU as warm as later ones.
+    3. equal_turn_rounds(settings.rounds, implementations) rounds in turn_order: in its turn an implementation
+       runs each of its passes in the group (warm-up, then `repeats` timed calls)."""
+    state = _Group(group)
+    reference = {}
     for pair in group:
         point, name = pair
-        progress.start(f"{name} {point.label()}")
-        with _failure_recorded(rows[pair], adapters[name]):
-            calls[pair] = _prepare_point(adapters[name], point, device, rows[pair])
-        if pair not in calls:
-            progress.advance(settings.rounds)
+        progress.start(f"{name} {point.label()} (prepare, check)")
+        with _failure_recorded(state.rows[pair], adapters[name]):
+            state.calls[pair] = _prepare_point(adapters[name], point, device, state.rows[pair], reference)
+        if "error" in state.rows[pair] or not state.rows[pair]["check"]["passed"]:
+            state.calls.pop(pair, None)
+            progress.advance()
             if not device.healthy():
-                return finish(lost(pair, "error"))
-    failure = take_turns(0, settings.rounds, "error")
-    if failure is None and settles(group, calls, samples, settings):
-        progress.extend(len(calls) * (settings.settle_rounds - settings.rounds))
-        failure = take_turns(settings.rounds, settings.settle_rounds, "settle_error")
-    return finish(failure)
+                return state.finish(), _lost(state, pair)
+    reference.clear()
+    names = state.implementations()
+    rounds = equal_turn_rounds(settings.rounds, len(names))
+    for round_index in [None] + list(range(rounds)):  # None: the untimed warm turn
+        for name in turn_order(names, round_index or 0):
+            for pair in [p for p in state.calls if p[1] == name]:
+                failed = _take_turn(state, pair, adapters[name], device, settings, timed=round_index is not None)
+                if failed and not device.healthy():
+                    return state.finish(), _lost(state, pair)
+    for pair in state.calls:
+        progress.advance()
+    device.release_cached()
+    return state.finish(), None
 
 
-def settles(group, calls, samples, settings):
-    """Whether `group` takes the settle rounds: fmha_rt and the settle peer both still timed, and at some
-    pass their median times so far within settle_within (the peer's backward standing in for a
-    deterministic backward it has no pair of, as versus.comparisons compares them)."""
-    if not settings.settle or settings.settle_rounds <= settings.rounds:
-        return False
-    passes = {(point.pass_name, name) for point, name in group}
-    medians = {(point.pass_name, name): statistics.median(ms for turn in samples[(point, name)] for ms in turn)
-               for point, name in group if (point, name) in calls}
-    for (pass_name, name), ours in medians.items():
-        if name != peers.SUBJECT:
-            continue
-        peer_pass = pass_name if (pass_name, settings.settle) in passes else versus.STAND_IN_PASS.get(pass_name)
-        theirs = medians.get((peer_pass, settings.settle))
-        if theirs is not None and abs(theirs / ours - 1) < settings.settle_within:
-            return True
-    return False
+def _take_turn(state, pair, adapter, device, settings, timed):
+    """One turn of a pair; True where it failed (the pair then leaves the group, its row holding the error)."""
+    failed = {}
+    with _failure_recorded(failed, adapter):
+        start = time.monotonic()
+        samples = timing.sample_calls(state.calls[pair], device, warmup_ms=settings.warmup_ms,
+                                      repeats=settings.repeats)
+        if timed:
+            state.samples[pair].append(samples)
+            state.readings[pair].append(device.clock_reading(start, time.monotonic()))
+    if failed:
+        state.drop(pair, failed["error"])
+    return bool(failed)
+
+
+def _lost(state, pair):
+    return {"impl": pair[1], "label": pair[0].label(), "error": state.rows[pair].get("error")}
 
 
 def _clock_fields(readings):
-    """sm_mhz and power_w, the medians over a row's turns (round_sm_mhz, each turn's clock, with several
-    turns); nothing where no turn had a reading."""
+    """sm_mhz (and power_w where it was sampled), the medians over the turns that had samples of their own,
+    and round_sm_mhz, each turn's (None for a turn without one); nothing where no turn had a sample."""
     clocks = [r["sm_mhz"] for r in readings if r]
     if not clocks:
         return {}
-    fields = {"sm_mhz": statistics.median(clocks), "power_w": statistics.median(r["power_w"] for r in readings if r)}
-    if len(readings) > 1:
-        fields["round_sm_mhz"] = [r.get("sm_mhz") for r in readings]
+    fields = {"sm_mhz": statistics.median(clocks), "round_sm_mhz": [r.get("sm_mhz") for r in readings]}
+    power = [r["power_w"] for r in readings if r.get("power_w") is not None]
+    if power:
+        fields["power_w"] = statistics.median(power)
     return fields
 
 
@@ -200,13 +209,18 @@ def _failure_recorded(row, adapter):
             row["error"] = describe_error(exc, caught)
 
 
-def _prepare_point(adapter, point, device, row):
+def _prepare_point(adapter, point, device, row, reference):
     """The timed calls of `point` (one per input copy), after recording what is measured once: the
-    first call, the launch info, the peak extra memory and the workspace."""
+    correctness check of the first call (timed by the wall clock: a first call includes any compile), the
+    launch info, the peak extra memory and the workspace. `reference`: the group's fp32 reference, computed
+    here by the first pair that needs it (every pair's copy 0 holds the same inputs)."""
     copies = timing.copies_needed(timing.working_set_bytes(point), device.l2_bytes())
     cases = [peers.make_case(point, device.name, seed=i) for i in range(copies)]
-    calls = [_prepare(adapter, point, case) for case in cases]
-    row.update(copies=copies, first_call_ms=timing.first_call_ms(calls[0], device))
+    calls = [prepare_call(adapter, point, case) for case in cases]
+    row["copies"] = copies
+    row["check"], row["first_call_ms"] = check_pair(adapter, cases[0], calls[0], device, reference)
+    if not row["check"]["passed"]:
+        return calls
     row.update(adapter.launch_info())
     row["peak_extra_bytes"] = device.peak_extra_bytes(calls[0])
     workspace = adapter.workspace_bytes(cases[0], point.deterministic) if point.backward else None
@@ -215,7 +229,27 @@ def _prepare_point(adapter, point, device, row):
     return calls
 
 
-def _prepare(adapter, point, case):
+def check_pair(adapter, case, call, device, reference):
+    """(the correctness check of one call on `case`, the call's wall-clock ms). Outputs the call was given are
+    poisoned first; a deterministic backward is called a second time and must repeat its results bit for
+    bit."""
+    correctness.poison_given_outputs(call)
+    first_ms, result = timing.first_call(call, device)
+    results = adapter.outputs(case, result)
+    if not reference:
+        reference.update(correctness.reference(case))
+    check = correctness.judge(results, reference)
+    if check["passed"] and case.point.deterministic:
+        first = {name: tensor.clone() for name, tensor in results.items()}
+        correctness.poison_given_outputs(call)
+        again = adapter.outputs(case, call())
+        device.synchronize()
+        if not correctness.bitwise_equal(first, again):
+            check.update(passed=False, reason="two calls on the same inputs differ: not bitwise repeatable")
+    return check, first_ms
+
+
+def prepare_call(adapter, point, case):
     return adapter.backward(case, point.deterministic) if point.backward else adapter.forward(case)
 
 
@@ -229,42 +263,6 @@ def describe_error(exc, caught_warnings=()):
     if notes:
         text += " | warnings: " + " / ".join(notes)
     return text[:ERROR_CHARS]
-
-
-def overhead_points(adapter):
-    """The tiny points of the host-overhead measurement: forward and backward at grid.OVERHEAD_SHAPE,
-    and their varlen forms for implementations that have them."""
-    points = [peers.small_point(grid.OVERHEAD_SHAPE, p) for p in ("fwd", "bwd")]
-    if adapter.has_varlen:
-        points += [peers.small_point(grid.OVERHEAD_SHAPE, p, seqlens=grid.OVERHEAD_VARLEN_SEQLENS)
-                   for p in ("fwd", "bwd")]
-    return points
-
-
-def measure_host_overhead(name, adapter, device, settings):
-    """Host microseconds per call of the tiny overhead points. Each row has `us_per_call` (one call
-    repeated: what a training loop pays, plan cache warm), `first_call_us` (the call's first run,
-    plan cache cleared just before it) and, for implementations with a plan cache,
-    `uncached_us_per_call` (the cache cleared before every call: what a call of a new signature pays,
-    kernels already loaded)."""
-    rows = []
-    for point in overhead_points(adapter):
-        row = {"impl": name, **point.fields(), "calls": settings.overhead_calls}
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                with adapter.context():
-                    call = _prepare(adapter, point, peers.make_case(point, device.name, seed=0))
-                    adapter.clear_plan_cache()
-                    row["first_call_us"] = timing.one_call_us(call, device)
-                    row["us_per_call"] = timing.host_overhead_us(call, device, calls=settings.overhead_calls)
-                    if adapter.has_plan_cache:
-                        row["uncached_us_per_call"] = timing.host_overhead_us(
-                            call, device, calls=settings.overhead_calls, before_each=adapter.clear_plan_cache)
-            except Exception as exc:  # recorded like any other failed measurement
-                row["error"] = describe_error(exc, caught)
-        rows.append(row)
-    return rows
 
 
 class Progress:
@@ -283,13 +281,6 @@ class Progress:
             self._bar.set_postfix_str(label, refresh=True)
         else:
             print(f"[{self._done + 1}/{self._total}] {label}", file=self._stream, flush=True)
-
-    def extend(self, steps):
-        """More steps than the bar was made for (a group that takes the settle rounds)."""
-        self._total += steps
-        if self._bar is not None:
-            self._bar.total += steps
-            self._bar.refresh()
 
     def advance(self, steps=1):
         self._done += steps

@@ -7,11 +7,12 @@
 - The first call is timed on its own (it includes any JIT compile), then a warm-up of at least
   `warmup_ms` of synchronised calls, then `repeats` calls, each between two CUDA events on the current
   stream; the figure reported is their median.
-- With several rounds (`--rounds`), the implementations of a point take turns, the order rotated each
-  round, and the figure is the median over every round's calls (sweep.turn_order says why).
+- The implementations of a point take turns in rounds, the first turn rotating (sweep.turn_order), after
+  an untimed warm turn of each; the figure is the median over every round's calls, and each round's
+  median is kept for the ratios (versus.py).
 - A backward is timed alone: the forward it needs runs once per copy before timing.
-- The SM clock and power while each implementation's turn ran are sampled beside it (clocks.py), since
-  at the power limit the clock moves with the kernel and with what ran before.
+- The SM clock and power while each implementation's turn ran are sampled beside it (clocks.py, NVML
+  every 5 ms), since at the power limit the clock moves with the kernel and with what ran before.
 
 Device access goes through `CudaDevice`, the few operations the harness needs, so that the logic above
 also runs (untimed) in tests on a CPU.
@@ -74,13 +75,18 @@ def copies_needed(bytes_per_copy, l2_bytes=DEFAULT_L2_BYTES):
     return min(MAX_COPIES, max(MIN_COPIES, math.ceil(L2_SPAN * l2_bytes / bytes_per_copy)))
 
 
-def first_call_ms(call, device):
-    """Wall-clock time of one synchronised call: the cost a new shape pays, compile included."""
+def first_call(call, device):
+    """(wall-clock ms, result) of one synchronised call: the cost a new shape pays, compile included."""
     device.synchronize()
     start = time.perf_counter()
-    call()
+    result = call()
     device.synchronize()
-    return (time.perf_counter() - start) * 1e3
+    return (time.perf_counter() - start) * 1e3, result
+
+
+def first_call_ms(call, device):
+    """first_call's milliseconds alone."""
+    return first_call(call, device)[0]
 
 
 def sample_calls(calls, device, *, warmup_ms, repeats):
@@ -185,11 +191,15 @@ class CudaDevice:
         self.name = f"cuda:{index}"
         torch.cuda.set_device(index)
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-        self._clocks = clocks.Sampler(clocks.gpu_id(uuid, index))
+        self._clocks = clocks.Sampler(clocks.nvml_source(uuid, index))
 
     def clock_reading(self, start, end):
-        """The SM clock and power between two time.monotonic() readings ({} where nvidia-smi is absent)."""
+        """The SM clock and power between two time.monotonic() readings ({} where NVML is absent)."""
         return self._clocks.reading(start, end)
+
+    def stop_clock_sampling(self):
+        """End the sampling thread (before measuring host time, which its wake-ups would share)."""
+        self._clocks.close()
 
     def close(self):
         self._clocks.close()

@@ -1,9 +1,18 @@
-"""fmha_rt's speed over one peer's, point by point: the form the project's speed targets take
-("at least FlexAttention on every point").
+"""fmha_rt's speed over its peers', point by point, computed only within one run.
 
-A peer without a deterministic backward (none of the torch-based ones has one) is held against
-fmha_rt's deterministic backward with its only backward: the work is the same, and a user who needs
-bitwise-reproducible gradients would otherwise have nothing to compare.
+At a point, fmha_rt and a peer took a turn in every round, adjacent in time. A round's ratio is the peer's
+median ms of that round over fmha_rt's (above 1: fmha_rt is faster); a comparison's figure is the median of
+those per-round ratios, with their lowest and highest as its spread. Ratios of figures from different rounds,
+let alone different runs, are never formed: rows pair only when they carry the same run (the "run" a merged
+record gives each row; none in a single run's record) and the same number of rounds.
+
+Verdict. The round-to-round noise of a row is its rounds' range over their median; a comparison's noise is
+the larger of its two rows'. A comparison whose per-round ratios straddle 1.0, or whose median is within the
+noise of 1.0, is "parity"; otherwise "faster" or "slower".
+
+Only rows that passed the correctness gate (correctness.py) and were timed take part; a peer's row of the
+same pass is the only counterpart (a peer without a deterministic mode has no bwd_det row to compare). The
+best peer at a point is the fastest passing peer by median ms.
 """
 
 import dataclasses
@@ -12,83 +21,117 @@ import statistics
 from . import flops
 from .peers import SUBJECT
 
-# The pass a peer's row stands in for where the peer has no row of that pass.
-STAND_IN_PASS = {"bwd_det": "bwd"}
 # A row's point, less its pass: the fields that must agree for two rows to be compared.
 SHAPE_KEYS = ("kind", "dtype", "B", "Hq", "Hk", "Sq", "Sk", "D", "causal")
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """fmha_rt's row and the peer's at one point and pass."""
-    pass_name: str
-    ours: dict
-    theirs: dict
-    stand_in_shared_rounds: bool = False  # the stand-in row took its turns in the same rounds as ours
-
-    @property
-    def stand_in(self):
-        """True where the peer's row is of another pass (STAND_IN_PASS)."""
-        return self.theirs["pass"] != self.pass_name
-
-    @property
-    def ratio(self):
-        return self.ours["tflops"] / self.theirs["tflops"]
-
-    @property
-    def rounds_ahead(self):
-        """(rounds in which fmha_rt's median time was at most the peer's, rounds) where both rows were timed
-        in the same rounds (implementations of a point take adjacent turns, so round i of one row and of
-        the other ran under the same conditions); None otherwise."""
-        ours, theirs = self.ours.get("round_ms"), self.theirs.get("round_ms")
-        if (self.stand_in and not self.stand_in_shared_rounds) or not ours or not theirs or len(ours) != len(theirs):
-            return None
-        return sum(a <= b for a, b in zip(ours, theirs)), len(ours)
+VERDICTS = ("faster", "parity", "slower")
 
 
 def shape_key(row):
     return tuple(row.get(key) for key in SHAPE_KEYS) + (tuple(row.get("seqlens") or ()),)
 
 
-def _counterparts(rows, peer):
-    """[(fmha_rt's row, the peer's timed row it is compared with)] for every fmha_rt row, timed or not, that
-    has one: the peer's row of the same point and pass, or, where the peer has no row of that pass (a
-    failed one counts as a row), of STAND_IN_PASS's pass."""
-    timed = {(shape_key(r), r["pass"], r["impl"]): r for r in rows if r.get("tflops")}
-    has_pass = {(shape_key(r), r["pass"], r["impl"]) for r in rows}
+def pair_key(row):
+    """What two rows must share to be compared: the run, the point and the pass."""
+    return row.get("run"), shape_key(row), row["pass"]
+
+
+def timed(row):
+    """Whether a row has a figure that may enter a ratio: timed, no error, the correctness check passed."""
+    return "ms" in row and "error" not in row and (row.get("check") or {}).get("passed", True)
+
+
+def round_ms(row):
+    return row.get("round_ms") or [row["ms"]]
+
+
+def noise(row):
+    """The relative range of a row's round medians (0 with a single round)."""
+    values = round_ms(row)
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """fmha_rt's row and the peer's at one point and pass, of one run."""
+    ours: dict
+    theirs: dict
+
+    @property
+    def pass_name(self):
+        return self.ours["pass"]
+
+    @property
+    def peer(self):
+        return self.theirs["impl"]
+
+    @property
+    def round_ratios(self):
+        return [theirs / ours for ours, theirs in zip(round_ms(self.ours), round_ms(self.theirs))]
+
+    @property
+    def ratio(self):
+        return statistics.median(self.round_ratios)
+
+    @property
+    def spread(self):
+        return min(self.round_ratios), max(self.round_ratios)
+
+    @property
+    def noise(self):
+        return max(noise(self.ours), noise(self.theirs))
+
+    @property
+    def verdict(self):
+        low, high = self.spread
+        if low <= 1.0 <= high or abs(self.ratio - 1.0) <= self.noise:
+            return "parity"
+        return "faster" if self.ratio > 1.0 else "slower"
+
+    def text(self):
+        """'1.043 [1.021-1.060] faster'."""
+        low, high = self.spread
+        return f"{self.ratio:.3f} [{low:.3f}-{high:.3f}] {self.verdict}"
+
+
+def _comparable(ours, theirs):
+    return timed(ours) and timed(theirs) and len(round_ms(ours)) == len(round_ms(theirs))
+
+
+def comparisons(rows, peer):
+    """Every (run, point, pass) at which both fmha_rt and `peer` have a passing timed row from the same
+    rounds, in the rows' order."""
+    theirs = {pair_key(r): r for r in rows if r["impl"] == peer}
+    return [Comparison(ours, theirs[pair_key(ours)]) for ours in rows
+            if ours["impl"] == SUBJECT and pair_key(ours) in theirs and _comparable(ours, theirs[pair_key(ours)])]
+
+
+def best_peer(rows, ours):
+    """The fastest peer row (by median ms) that passed and was timed at `ours`' run, point and pass, or None."""
+    candidates = [r for r in rows if r["impl"] != SUBJECT and pair_key(r) == pair_key(ours) and _comparable(ours, r)]
+    return min(candidates, key=lambda r: r["ms"], default=None)
+
+
+def best_peer_comparisons(rows):
+    """A Comparison per fmha_rt row with the best peer at its run, point and pass."""
     found = []
     for ours in rows:
-        if ours["impl"] != SUBJECT:
-            continue
-        shape, pass_name = shape_key(ours), ours["pass"]
-        key = (shape, pass_name, peer)
-        theirs = timed.get(key) if key in has_pass else timed.get((shape, STAND_IN_PASS.get(pass_name), peer))
-        if theirs is not None:
-            found.append((ours, theirs))
+        if ours["impl"] == SUBJECT and timed(ours):
+            theirs = best_peer(rows, ours)
+            if theirs is not None:
+                found.append(Comparison(ours, theirs))
     return found
-
-
-def comparisons(rows, peer, backward_turns_together=False):
-    """Every (point, pass) at which both fmha_rt and `peer` have a timed row, in the rows' order;
-    `backward_turns_together`: the run's setting of that name (whether a stand-in row shared our rounds)."""
-    return [Comparison(ours["pass"], ours, theirs, backward_turns_together)
-            for ours, theirs in _counterparts(rows, peer) if ours.get("tflops")]
 
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """One pass and dtype of comparisons against one peer."""
+    """One pass and dtype of comparisons against one peer (or against the best peer: peer "best peer")."""
     peer: str
     pass_name: str
     dtype: str
     items: tuple
-    # fmha_rt's rows of this pass and dtype without a figure (an error) where the peer has one: a target of
-    # "at least the peer on every point" is not met there, whatever the other points say
-    failed: tuple = ()
 
-    @property
-    def at_or_above(self):
-        return sum(c.ratio >= 1 for c in self.items)
+    def count(self, verdict):
+        return sum(c.verdict == verdict for c in self.items)
 
     @property
     def lowest(self):
@@ -102,26 +145,19 @@ class Summary:
     def highest_ratio(self):
         return max((c.ratio for c in self.items), default=None)
 
-    @property
-    def stand_in(self):
-        """'all', 'some' or '' of the comparisons against the peer's row of another pass."""
-        count = sum(c.stand_in for c in self.items)
-        return "all" if count and count == len(self.items) else "some" if count else ""
+
+def summarize(found, peer_name=None):
+    """Summaries of comparisons by (peer, pass, dtype), passes in the benchmark's order; `peer_name` names
+    them all alike (the best-peer summary)."""
+    by_key = {}
+    for c in found:
+        by_key.setdefault((peer_name or c.peer, c.pass_name, c.ours["dtype"]), []).append(c)
+    order = sorted(by_key, key=lambda k: (flops.PASSES.index(k[1]) if k[1] in flops.PASSES else 99, k[2]))
+    peers_in_order = list(dict.fromkeys(k[0] for k in by_key))
+    order.sort(key=lambda k: peers_in_order.index(k[0]))
+    return [Summary(peer, p, d, tuple(by_key[(peer, p, d)])) for peer, p, d in order]
 
 
-def summaries(rows, peers, backward_turns_together=False):
-    """A Summary per (peer, pass, dtype) that has comparisons, peers in the given order and passes in
-    the benchmark's order."""
-    found = []
-    for peer in peers:
-        by_pass, failed = {}, {}
-        for ours, theirs in _counterparts(rows, peer):
-            key = (ours["pass"], ours["dtype"])
-            if ours.get("tflops"):
-                by_pass.setdefault(key, []).append(Comparison(ours["pass"], ours, theirs, backward_turns_together))
-            else:
-                failed.setdefault(key, []).append(ours)
-        order = sorted(set(by_pass) | set(failed),
-                       key=lambda k: (flops.PASSES.index(k[0]) if k[0] in flops.PASSES else 99, k[1]))
-        found += [Summary(peer, p, d, tuple(by_pass.get((p, d), ())), tuple(failed.get((p, d), ()))) for p, d in order]
-    return found
+def summaries(rows, peers):
+    """A Summary per (peer, pass, dtype) with comparisons, peers in the given order."""
+    return [s for peer in peers for s in summarize(comparisons(rows, peer))]

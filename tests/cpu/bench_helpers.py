@@ -48,10 +48,22 @@ class StandInDevice:
 
 
 def table_after(markdown, heading):
+    """(headings, body) of the table two lines below the line `heading`."""
     lines = markdown.splitlines()
-    start = lines.index(heading) + 2
+    return _read_table(lines[lines.index(heading) + 2:])
+
+
+def first_table_after(markdown, heading):
+    """(headings, body) of the first table after the first line starting with `heading`, whatever stands
+    between."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    return _read_table(lines[next(i for i in range(start, len(lines)) if lines[i].startswith("|")):])
+
+
+def _read_table(lines):
     table = []
-    for line in lines[start:]:
+    for line in lines:
         if not line.startswith("|"):
             break
         table.append([cell.strip() for cell in line.strip("|").split(" | ")])

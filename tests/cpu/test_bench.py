@@ -16,7 +16,7 @@ import torch
 
 import fmha_rt
 from bench_helpers import StandInDevice, table_after, tiny_point
-from fmha_rt.bench import cli, flops, grid, machine, peers, report, sweep, timing
+from fmha_rt.bench import cli, flops, grid, machine, overhead, peers, report, sweep, timing
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_sample.json")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -197,11 +197,11 @@ def test_missing_peers_are_not_found_and_present_ones_have_versions():
 def test_list_names_every_implementation(capsys):
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split()[0]: line for line in out.splitlines()}
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     for spec in peers.PEERS:
         if not importable(spec.module):
             assert lines[spec.name].split()[1:3] == ["not", "found"]
-    assert lines["sdpa_flash"].split()[1:3] == ["found", torch.__version__]
+    assert lines["sdpa_flash"].split()[-1] == torch.__version__
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without a GPU")
@@ -220,10 +220,10 @@ def test_unsupported_modes_are_skipped_not_failed():
     varlen = tiny_point("fwd", seqlens=(5, 9))
     deterministic = tiny_point("bwd_det")
     assert peers.unsupported(sdpa, varlen) == "no varlen interface"
-    assert peers.unsupported(sdpa, deterministic) == "no deterministic backward"
-    assert peers.unsupported(sdpa, tiny_point("bwd")) is None
+    assert peers.unsupported(sdpa, deterministic) is None  # torch.use_deterministic_algorithms
+    assert peers.unsupported(peers._Adapter(), deterministic) == "no deterministic mode"
     assert sweep.planned_pairs([varlen, deterministic, tiny_point("bwd")], {"sdpa_flash": sdpa}) == [
-        (tiny_point("bwd"), "sdpa_flash")]
+        (deterministic, "sdpa_flash"), (tiny_point("bwd"), "sdpa_flash")]
 
 
 def test_fmha_rt_adapter_calls_the_public_api(monkeypatch):
@@ -295,64 +295,18 @@ def test_pick_smi_row_by_uuid_and_tolerates_na():
     assert machine.pick_smi_row("", None, 0) == {}
 
 
-def test_host_overhead_rows():
-    rows = sweep.measure_host_overhead("sdpa_flash", peers.SdpaAdapter("FLASH_ATTENTION"), StandInDevice(),
-                                       sweep.Settings(overhead_calls=2))
-    shapes = [(r["pass"], r["B"], r["Hq"], r["Sq"], r["D"]) for r in rows]
-    assert shapes == [("fwd", 1, 1, 128, 64), ("bwd", 1, 1, 128, 64)]
-    assert all(r["us_per_call"] > 0 and r["calls"] == 2 for r in rows)
-
-
-class PlanCachedAdapter(peers._Adapter):
-    """An implementation with varlen and a plan cache whose clears are counted."""
-
-    has_varlen = True
-    has_plan_cache = True
-
-    def __init__(self):
-        self.clears, self.calls = 0, []
-
-    def clear_plan_cache(self):
-        self.clears += 1
-
-    def forward(self, case):
-        return lambda: self.calls.append((case.point.kind, "fwd"))
-
-    def backward(self, case, deterministic):
-        return lambda: self.calls.append((case.point.kind, "bwd"))
-
-
-def test_host_overhead_of_an_implementation_with_a_plan_cache():
-    adapter = PlanCachedAdapter()
-    rows = sweep.measure_host_overhead("fmha_rt", adapter, StandInDevice(), sweep.Settings(overhead_calls=3))
-    assert [(r["kind"], r["pass"], r["B"], r["Sq"]) for r in rows] == [
-        ("dense", "fwd", 1, 128), ("dense", "bwd", 1, 128), ("varlen", "fwd", 2, 80), ("varlen", "bwd", 2, 80)]
-    assert all(r["seqlens"] == [48, 80] for r in rows[2:])
-    assert all(r["first_call_us"] > 0 and r["us_per_call"] > 0 and r["uncached_us_per_call"] > 0 for r in rows)
-    # per point: one clear before the first call, one before each of the 3 uncached calls
-    assert adapter.clears == 4 * (1 + 3)
-    assert len(adapter.calls) == 4 * (1 + 1 + 3 + 1 + 3)  # first, warm-up + 3 repeated, warm-up + 3 uncached
-    sdpa_rows = sweep.measure_host_overhead("sdpa_flash", peers.SdpaAdapter("FLASH_ATTENTION"), StandInDevice(),
-                                            sweep.Settings(overhead_calls=2))
-    assert len(sdpa_rows) == 2 and all("uncached_us_per_call" not in r and r["first_call_us"] > 0 for r in sdpa_rows)
-
-
-def test_host_overhead_table_shows_cached_uncached_and_first_calls(fixture_doc):
-    doc = json.loads(json.dumps(fixture_doc))
-    for row in doc["host_overhead"]:
-        if row["impl"] == "fmha_rt":
-            row.update(uncached_us_per_call=row["us_per_call"] * 10, first_call_us=row["us_per_call"] * 20)
-    varlen = {"impl": "fmha_rt", "kind": "varlen", "dtype": "bf16", "B": 2, "Hq": 1, "Hk": 1, "Sq": 80, "Sk": 80,
-              "D": 64, "causal": False, "seqlens": [48, 80], "calls": 2000}
-    doc["host_overhead"] += [dict(varlen, **{"pass": "fwd", "us_per_call": 11.0, "uncached_us_per_call": 120.0}),
-                             dict(varlen, **{"pass": "bwd", "error": "RuntimeError: no"})]
-    text = report.markdown(doc)
-    assert "| impl | fwd | bwd | varlen fwd | varlen bwd |" in text
-    assert "| fmha_rt | 9.5 | 20.9 | 11.0 | error |" in text
-    assert "| fmha_rt, plan cache cleared | 95.0 | 209.0 | 120.0 | error |" in text
-    assert "| fmha_rt, first call | 190.0 | 418.0 | – | error |" in text
-    assert "| sdpa_flash | 14.0 | 30.8 | – | – |" in text
-    assert len(report.merge([doc])["host_overhead"]) == len(doc["host_overhead"])  # varlen rows keep their own key
+def test_host_overhead_on_the_user_path_and_the_raw_api():
+    """Every implementation's fwd and fwd+bwd as its users call it, then fmha_rt's raw API rows, in turns: the
+    rounds rounded up to a multiple of the entries."""
+    adapters = {"fmha_rt": peers.SdpaAdapter("MATH"), "sdpa_math": peers.SdpaAdapter("MATH")}
+    rows = overhead.measure_host_overhead(adapters, StandInDevice(), sweep.Settings(overhead_calls=2, rounds=1))
+    assert [(r["impl"], r["path"]) for r in rows] == [
+        ("fmha_rt", "fwd"), ("fmha_rt", "fwd+bwd"), ("sdpa_math", "fwd"), ("sdpa_math", "fwd+bwd"),
+        ("fmha_rt", "raw fwd, outputs given"), ("fmha_rt", "raw bwd, outputs given")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["us_per_call"] > 0 and len(r["round_us"]) == 6 and (r["batch"], r["heads"], r["seqlen"]) == (1, 2, 128)
+        assert r["causal"] is True and r["head_dim"] == 64 and r["dtype"] == "bf16"
 
 
 def test_error_text_carries_the_warnings():
@@ -429,26 +383,26 @@ def test_markdown_table_rows_and_ratios(fixture_doc):
             row = by_impl.get(impl)
             expected = "–" if row is None else "error" if "error" in row else f"{row['tflops']:.1f}"
             assert column == expected
-        best_peer = max(r["tflops"] for i, r in by_impl.items() if i != "fmha_rt" and "tflops" in r)
-        assert cells[10] == f"{by_impl['fmha_rt']['tflops'] / best_peer:.2f}×"
+        best = max((r for i, r in by_impl.items() if i != "fmha_rt" and "tflops" in r), key=lambda r: r["tflops"])
+        ratio = by_impl["fmha_rt"]["tflops"] / best["tflops"]  # one round: the ratio of the medians
+        assert cells[10].startswith(f"{ratio:.3f} [{ratio:.3f}-{ratio:.3f}] ") and cells[10].endswith(f"({best['impl']})")
         assert cells[9] == by_impl["fmha_rt"]["family"]
     # The one failed point: the ratio is taken against the peer that did run.
     failed = [c for c in body if c[8] == "error"]
-    assert len(failed) == 1 and failed[0][10] == f"{float(failed[0][6]) / float(failed[0][7]):.2f}×"
+    assert len(failed) == 1 and failed[0][10].endswith("(sdpa_flash)")
 
 
 def test_markdown_sections(fixture_doc):
     text = report.markdown(fixture_doc, ["p.png"])
     _, impls = table_after(text, "## Implementations")
     assert ["fa2", "not found", "ModuleNotFoundError: No module named 'flash_attn'",
-            "flash-attn 2 (flash_attn)"] in impls
+            "flash-attn 2 (flash_attn)", "none"] in impls
     _, det = table_after(text, "## bwd_det, bf16: TFLOP/s")
     assert all(len(row) == 10 for row in det)  # sdpa_flash has no deterministic mode: no column
     _, errors = table_after(text, "## Errors")
     assert errors == [["fa4", "dense bwd bf16 B=16 H=32/32 S=1024 D=64 causal",
                        "RuntimeError: synthetic failure for the fixture \\| warnings: made up"]]
     assert "![p.png](p.png)" in text
-    assert "| fmha_rt | 9.5 | 20.9 |" in text
     assert "| fa4 | – | – | exit status 1: RuntimeError: synthetic failure for the fixture |" in text
     assert "| fa4 | fwd | 20 | 900.0 | 900.0 |" in text
 
@@ -481,21 +435,6 @@ def test_report_flag_needs_only_the_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run.md").exists() and (tmp_path / "run_fwd_bf16.png").exists()
     assert str(tmp_path / "run.md") in proc.stdout
-
-
-def test_merge_keeps_every_point_and_later_runs_win(fixture_doc, tmp_path):
-    first = json.loads(json.dumps(fixture_doc))
-    second = json.loads(json.dumps(fixture_doc))
-    second["header"]["date"] = "2025-01-02T00:00:00+00:00"
-    second["rows"] = [dict(second["rows"][0], tflops=999.0)]
-    merged = report.merge([first, second])
-    assert len(merged["rows"]) == len(first["rows"])
-    assert merged["rows"][0]["tflops"] == 999.0
-    assert merged["header"]["merged_from"] == ["2025-01-01T00:00:00+00:00", "2025-01-02T00:00:00+00:00"]
-    for name, doc in (("a.json", first), ("b.json", second)):
-        report.save(doc, str(tmp_path / name))
-    assert cli.main(["--report", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")]) == 0
-    assert report.load(str(tmp_path / "m" / "results.json"))["rows"][0]["tflops"] == 999.0
 
 
 def test_saved_record_has_one_row_a_line(fixture_doc, tmp_path):
@@ -535,6 +474,8 @@ def test_merge_counts_a_peer_found_in_any_run_as_found(fixture_doc):
     second = json.loads(json.dumps(fixture_doc))
     first["header"]["impls"]["late_peer"] = {"status": "not found", "version": None, "reason": "ModuleNotFoundError"}
     second["header"]["impls"]["late_peer"] = {"status": "found", "version": "1.0", "reason": None}
+    second["rows"] = []  # runs merged must hold disjoint points
+    first["header"]["run_id"], second["header"]["run_id"] = "a", "b"
     assert report.merge([first, second])["header"]["impls"]["late_peer"]["status"] == "found"
     assert report.merge([second, first])["header"]["impls"]["late_peer"]["status"] == "found"
 
@@ -560,14 +501,13 @@ def test_report_gives_each_figure_its_range_over_the_rounds(fixture_doc):
     _, body = table_after(report.markdown(doc), "## bwd, bf16: TFLOP/s")
     cells = [c[6] for c in body]
     assert cells.count(expected) == 1 and sum("[" in c for c in cells) == 1
-    assert "[a-b] after a figure: its slowest and fastest round" in report.markdown(doc)
+    assert "`[a-b]` after a figure: its slowest and fastest round" in report.markdown(doc)
     assert report.round_range_text({"flops": 1e12, "round_ms": [1.0]}) == ""
 
 
 def test_report_says_how_many_rounds_were_timed(fixture_doc):
     doc = json.loads(json.dumps(fixture_doc))
     repeats = doc["header"]["settings"]["repeats"]
-    assert f"Median of {repeats} calls" in report.markdown(doc) and "rounds" not in report.markdown(doc)
     doc["header"]["settings"]["rounds"] = 3
-    assert f"Median of 3 x {repeats} calls" in report.markdown(doc)
-    assert "3 rounds, in which the implementations of a point take turns" in report.markdown(doc)
+    assert f"Median of {repeats} calls a turn" in report.markdown(doc)
+    assert "in 3 rounds (rounded up at each point to a multiple of its implementations" in report.markdown(doc)

@@ -267,7 +267,7 @@ def test_the_bench_runs_the_v3_family_beside_the_default(monkeypatch):
     for pass_name in ("fwd", "bwd"):
         assert peers.unsupported(adapter, grid.Point(pass_name=pass_name, **point)) is None
     # deterministic calls keep the portable kernels: the default's rows already time them
-    assert peers.unsupported(adapter, grid.Point(pass_name="bwd_det", **point)) == "no deterministic backward"
+    assert peers.unsupported(adapter, grid.Point(pass_name="bwd_det", **point)) == "no deterministic mode"
 
 
 # ----------------------------------------------------------------------------------------- backward
