@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to the other tests
-jax = pytest.importorskip("jax")
+from gpu_presence import require
+
+jax = require("jax")
 import jax.numpy as jnp
 
 import fmha_rt
 from fmha_rt import launch_program, reference
 from fmha_rt.problem import AttentionProblem
 
-fj = pytest.importorskip("fmha_rt.jax")
+fj = require("fmha_rt.jax")
 
 TOL = 1e-2
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
