@@ -3,9 +3,11 @@ just before it, on a given stream and from several threads.
 
 `call(outputs, stream)` launches fmha_rt on `stream` (a torch stream), writing into the list `outputs`
 (given arrays, never allocated ones: a block torch's allocator recycles may already hold an identical
-result). On each stream, in order: a GPU sleep (which keeps the stream busy, so that a launch that went to
-another stream runs before the poison and leaves NaN for the snapshot), the poison, the call and a
-snapshot of the outputs; the stream first waits for the current stream, where the inputs were written.
+result). On each stream, in order: a GPU sleep, the poison, the call and a snapshot of the outputs; the
+stream first waits for the current stream, where the inputs were written. A launch that misses the call's
+stream then leaves NaN or stale values in the snapshot: one on an idle stream runs during the sleep,
+before the poison; one on the legacy default stream (or on a stream waiting for it) runs after another
+sleep queued there for each run, after the snapshot.
 The snapshots are returned after the stream is synchronised: compare them bitwise with a reference run
 (gpu_tensors.differing_bits) or with the float64 reference (error_bounds).
 """
@@ -42,6 +44,8 @@ def repeat(call, specs, stream, repeats):
         outputs = poisoned(specs)
         for _ in range(repeats):
             torch.cuda._sleep(SLEEP_CYCLES)
+            with torch.cuda.stream(torch.cuda.default_stream()):
+                torch.cuda._sleep(SLEEP_CYCLES)
             for out in outputs:
                 out.fill_(float("nan"))
             call(outputs, stream)

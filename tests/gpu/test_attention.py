@@ -268,6 +268,41 @@ def test_short_key_forward_matches_float64_and_writes_every_row(dtype_name):
     assert_lse_close("lse", lse, want_lse)
 
 
+def test_outputs_given_are_untouched_after_an_error():
+    """Calls refused late in validation (after some of their outputs passed, up to the workspace, the
+    last check before the launches) leave every given array bitwise as it was, NaN poison included."""
+    B, S, Hq, Hk, D = 2, 128, 4, 2, 64  # GQA: the two-kernel backward, which takes a workspace
+    gen = generator(40)
+    q, dout = rand((B, S, Hq, D), torch.bfloat16, gen), rand((B, S, Hq, D), torch.bfloat16, gen)
+    k, v = rand((B, S, Hk, D), torch.bfloat16, gen), rand((B, S, Hk, D), torch.bfloat16, gen)
+    out, lse = fmha_rt.mha_fwd(q, k, v)
+    given = {"out": nan_like(q.shape, q.dtype), "lse": nan_like((B, Hq, S), torch.float32),
+             "dq": nan_like(q.shape, q.dtype), "dk": nan_like(k.shape, k.dtype), "dv": nan_like(v.shape, v.dtype)}
+    grads = {name: given[name] for name in ("dq", "dk", "dv")}
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) > 0
+    refused = {
+        "lse dtype": (fmha_rt.FmhaTypeError, lambda: fmha_rt.mha_fwd(
+            q, k, v, out=given["out"], lse=nan_like((B, Hq, S), torch.float16))),
+        "bad window": (fmha_rt.FmhaValueError, lambda: fmha_rt.mha_fwd(
+            q, k, v, out=given["out"], lse=given["lse"], window=(-5, 0))),
+        "dv dtype": (fmha_rt.FmhaTypeError, lambda: fmha_rt.mha_bwd(
+            dout, q, k, v, out, lse, dq=given["dq"], dk=given["dk"], dv=nan_like(v.shape, torch.float32))),
+        "workspace too small": (fmha_rt.FmhaValueError, lambda: fmha_rt.mha_bwd(
+            dout, q, k, v, out, lse, deterministic=True, **grads,
+            workspace_alloc=lambda nbytes, zero_init: torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"))),
+        "workspace overlaps dq": (fmha_rt.FmhaValueError, lambda: fmha_rt.mha_bwd(
+            dout, q, k, v, out, lse, deterministic=True, **grads,
+            workspace_alloc=lambda nbytes, zero_init: given["dq"].view(torch.uint8).view(-1)[:nbytes])),
+    }
+    arrays = [q, k, v, dout, out, lse, *given.values()]
+    before = [t.clone() for t in arrays]
+    for name, (error, call) in refused.items():
+        with pytest.raises(error):
+            call()
+        torch.cuda.synchronize()
+        assert_bitwise(f"after '{name}'", [arrays], before)
+
+
 def test_outputs_are_allocated_as_torch_tensors_on_the_input_device():
     gen = generator(17)
     q, k, v = (rand((1, 128, 2, 64), torch.float16, gen) for _ in range(3))
