@@ -35,19 +35,20 @@ class Plant:
     contrast: tuple = ()  # tests that miss the bug: they pass with it planted
 
 
+DROPOUT_TESTS = ("tests/cpu/test_dropout_philox.py",)
+# judges the kernels' dropout by the mask kernel's own mask
+KERNEL_MASK_TEST = ("tests/cpu/test_portable_kernels.py::test_dropout_matches_reference_given_the_kernel_mask",)
 PLANTS = [
     Plant("one dropout mask for every batch and head (the Philox counter ignores (b, h))",
           "kernels/portable/fmha_common.py",
           "return philox_offset + (bh.to(tl.int64) * seqlen_q + rows) * groups_per_row",
           "return philox_offset + (0 * bh.to(tl.int64) * seqlen_q + rows) * groups_per_row",
-          ("tests/cpu/test_dropout_philox.py",), gpu=False,
-          contrast=("tests/cpu/test_portable_kernels.py::test_dropout_matches_reference_given_the_kernel_mask",)),
+          DROPOUT_TESTS, gpu=False, contrast=KERNEL_MASK_TEST),
     Plant("dropout lanes in another order (key j reads draw (j % 4) in 0, 2, 1, 3 order)",
           "kernels/portable/fmha_common.py",
           "tl.join(tl.join(r0, r2), tl.join(r1, r3))",
           "tl.join(tl.join(r0, r1), tl.join(r2, r3))",
-          ("tests/cpu/test_dropout_philox.py",), gpu=False,
-          contrast=("tests/cpu/test_portable_kernels.py::test_dropout_matches_reference_given_the_kernel_mask",)),
+          DROPOUT_TESTS, gpu=False, contrast=KERNEL_MASK_TEST),
     Plant("the forward kernel skips writing one row of every query block",
           "kernels/portable/fmha_fwd.py",
           "out.to(Out.dtype.element_ty),\n             mask=q_ok[:, None] & dv_ok[None, :])",

@@ -19,20 +19,9 @@ from error_bounds import assert_close, assert_lse_close
 from fmha_rt import reference
 from gpu_tensors import attention_f64, f64, generator, nan_like, rand
 from repeat_runs import assert_bitwise, reference_run, repeat
-from test_attention import DTYPES, assert_grads_close, backward_call, mask_kwargs, run_case
+from test_attention import DTYPES, assert_grads_close, backward_call, check_against_reference, run_case
 
 HEAD_DIMS = (1, 5, 13, 100)
-
-
-def check_against_reference(case, opts):
-    q, k, v, dout, out, lse, dq, dk, dv = case
-    ref_opts = dict(mask_kwargs(opts, q.shape[1], k.shape[1]), softmax_scale=opts.get("softmax_scale"))
-    ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref_opts)
-    assert_close("out", out, ro)
-    assert_lse_close("lse", lse, rl)
-    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref_opts)
-    for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
-        assert_close(name, got, want)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])

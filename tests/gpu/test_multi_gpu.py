@@ -19,15 +19,11 @@ import threading
 
 import numpy as np
 import pytest
-
-from gpu_presence import require
-
-torch = require("torch")
+import torch
 
 import fmha_rt  # noqa: E402
 from fmha_rt import backend, portable_plan, reference  # noqa: E402
 from fmha_rt.errors import FmhaError  # noqa: E402
-from gpu_tensors import BITS  # noqa: E402
 
 MIN_GPUS = 2
 THREADS_PER_GPU = 8  # two threads per kind of call, so that two threads load the same kernel at once
@@ -166,6 +162,11 @@ def bitwise_backward(deterministic, arch):
     return deterministic or portable_plan.DEFAULT_DQ_STRATEGY[arch] == portable_plan.DQ_DETERMINISTIC
 
 
+def raw_bits(t):
+    """The tensor's elements as integers of their width (torch.equal compares values: -0.0 == 0.0)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def mismatches(what, got, want, bitwise_bwd):
     """How `got` differs from `want` (host tensors), as messages: unwritten (NaN) elements, and any
     bit that differs where results must repeat exactly."""
@@ -175,7 +176,7 @@ def mismatches(what, got, want, bitwise_bwd):
         if torch.isnan(g).any():
             problems.append(f"{what}: {name} has {int(torch.isnan(g).sum())} NaN (unwritten) elements")
         elif name in ("out", "lse") or bitwise_bwd:
-            differ = int((g.view(BITS[g.dtype]) != w.view(BITS[w.dtype])).sum())  # raw bits
+            differ = int((raw_bits(g) != raw_bits(w)).sum())
             if differ:
                 problems.append(f"{what}: {name} differs bitwise from the run it must repeat in "
                                 f"{differ} of {g.numel()} elements")
