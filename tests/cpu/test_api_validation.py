@@ -7,6 +7,7 @@ raised before any launch, with every output left as it was.
 """
 import contextlib
 import ctypes
+import re
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "i
 
 
 class FakeGpuArray(DLPackExporter):
-    """Host memory exported as a CUDA array; `strides`/`offset` make views, `read_only` marks it."""
+    """Host memory exported as a CUDA array; `strides`/`offset` make views, `read_only` marks it. A new
+    buffer is filled with 0xA5 bytes (not zeros, which a stray write could leave unchanged); `untouched`
+    compares every byte of the array's span with what it held when made."""
 
     def __init__(self, shape, dtype="float16", *, device=0, strides=None, offset=0, base=None, read_only=False,
                  device_type="cuda"):
@@ -32,10 +35,13 @@ class FakeGpuArray(DLPackExporter):
         self.ptr = start + offset * itemsize
         self.device = (device_type, device)
         self.read_only = read_only
-        self.poison = bytes(ctypes.string_at(self.ptr, 16))
+        self.nbytes = span * itemsize
+        if base is None:
+            ctypes.memset(self.ptr, 0xA5, self.nbytes)
+        self.poison = bytes(ctypes.string_at(self.ptr, self.nbytes))
 
     def untouched(self):
-        return bytes(ctypes.string_at(self.ptr, 16)) == self.poison
+        return bytes(ctypes.string_at(self.ptr, self.nbytes)) == self.poison
 
     def view(self, shape, strides, offset=0):
         return FakeGpuArray(shape, self.dtype, strides=strides, offset=offset, base=self.base)
@@ -201,12 +207,39 @@ def test_bad_input_raises_precisely_before_any_launch(case):
     assert fragment in str(info.value), f"{name}: {info.value}"
 
 
-def test_outputs_given_are_untouched_after_an_error():
+def _grads():
+    return FakeGpuArray((2, 64, 4, 64)), FakeGpuArray((2, 64, 4, 64)), FakeGpuArray((2, 64, 4, 64))
+
+
+LATE_ERRORS = {
+    # name: (call(q, k, v, out, lse, grads), error, message fragment); each fails after some outputs passed
+    "bad window": (lambda q, k, v, out, lse, g: fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, window=(-5, 0)),
+                   FmhaValueError, "window"),
+    "lse dtype": (lambda q, k, v, out, lse, g: fmha_rt.mha_fwd(
+        q, k, v, out=out, lse=FakeGpuArray((2, 4, 64), "float16")), FmhaTypeError, "lse has dtype float16"),
+    "out overlaps q": (lambda q, k, v, out, lse, g: fmha_rt.mha_fwd(q, k, v, out=q, lse=lse), FmhaValueError,
+                       "overlaps q"),
+    "dv dtype": (lambda q, k, v, out, lse, g: fmha_rt.mha_bwd(
+        q, q, k, v, out, lse, dq=g[0], dk=g[1], dv=FakeGpuArray((2, 64, 4, 64), "float32")), FmhaTypeError,
+        "dv has dtype float32"),
+    "dbias shape": (lambda q, k, v, out, lse, g: fmha_rt.mha_bwd(
+        q, q, k, v, out, lse, dq=g[0], dk=g[1], dv=g[2], bias=FakeGpuArray((1, 1, 64, 64)),
+        dbias=FakeGpuArray((1, 1, 64, 32))), FmhaValueError, "dbias must have shape (1, 1, 64, 64)"),
+}
+
+
+@pytest.mark.parametrize("name", LATE_ERRORS)
+def test_outputs_given_are_untouched_after_an_error(name):
+    """Every byte of every given array (inputs too) is as it was, and the error is the precise one, not
+    the stand-in launch's: it was raised before any launch."""
+    call, error, fragment = LATE_ERRORS[name]
     q, k, v = qkv()
     out, lse = FakeGpuArray((2, 64, 4, 64)), FakeGpuArray((2, 4, 64), "float32")
-    with pytest.raises(FmhaValueError):
-        fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, window=(-5, 0))
-    assert out.untouched() and lse.untouched()
+    grads = _grads()
+    with pytest.raises(error, match=re.escape(fragment)):
+        call(q, k, v, out, lse, grads)
+    for array in (q, k, v, out, lse, *grads):
+        assert array.untouched()
 
 
 def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):

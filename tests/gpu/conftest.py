@@ -1,22 +1,17 @@
-"""GPU tests: they run wherever a GPU is visible and skip, saying why, only where none is."""
+"""GPU tests: they run wherever a GPU is present and skip, saying why, only where none is (gpu_presence.py);
+where one is present but fmha_rt cannot use it, each test fails with the reason."""
 import pytest
 
-from fmha_rt import backend
-from fmha_rt.errors import FmhaError
-
-
-def _gpu_reason():
-    try:
-        rt = backend.runtime()
-    except FmhaError as exc:
-        return f"no GPU runtime: {exc}"
-    return None if rt.devices else f"no GPU device ({rt.backend} runtime {rt.library} sees none)"
-
-
-SKIP_REASON = _gpu_reason()
+from gpu_presence import FAILURE, SKIP_REASON
 
 
 def pytest_collection_modifyitems(config, items):
     if SKIP_REASON:
         for item in items:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture(autouse=True)
+def usable_gpu():
+    if FAILURE:
+        pytest.fail(FAILURE, pytrace=False)

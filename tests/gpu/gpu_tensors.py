@@ -1,7 +1,27 @@
-"""Tensor helpers shared by the GPU tests: fresh random inputs, NaN-poisoned outputs, float64 copies."""
+"""Tensor helpers shared by the GPU tests: seeded generators that print their seed, fresh random inputs,
+NaN-poisoned outputs, float64 copies, raw-bit comparison and a float64 attention computed on the GPU."""
 import itertools
+import math
+import zlib
 
-import torch
+from gpu_presence import require
+
+torch = require("torch")
+
+# Integer views of each float dtype, for comparing raw bits (torch.equal compares values: -0.0 == 0.0).
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+        torch.float64: torch.int64}
+
+
+def seed_of(name):
+    """A fixed seed for a name (the same in every process, unlike hash())."""
+    return zlib.crc32(name.encode()) % 1_000_000
+
+
+def generator(seed):
+    """A CUDA generator seeded with `seed`, which is printed (pytest shows it with a failure)."""
+    print(f"seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def rand(shape, dtype, gen, scale=1.0):
@@ -19,11 +39,43 @@ def f64(t):
     return t.detach().to("cpu", torch.float64).numpy()
 
 
+def differing_bits(got, want):
+    """Elements of the tensors `got` whose raw bits differ from `want`'s, as a device scalar (no host sync);
+    a NaN left in an output differs from any written value."""
+    total = torch.zeros((), dtype=torch.int64, device="cuda")
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        total += (g.view(BITS[g.dtype]) != w.view(BITS[w.dtype])).sum()
+    return total
+
+
+def attention_f64(q, k, v, *, causal=False, rows=None, dout=None):
+    """The float64 attention of batched q [B, Sq, Hq, D], k, v [B, Sk, Hk, D] (GQA by repeated key heads,
+    causal top-left), computed on the GPU: (out, lse), or (out, lse, dq, dk, dv) with `dout`. rows: a 1-D
+    tensor of query rows to compute alone (the others are not formed; no gradients then)."""
+    group = q.shape[2] // k.shape[2]
+    qd = (q if rows is None else q[:, rows]).double()
+    kd, vd = k.double(), v.double()
+    if dout is not None:
+        qd, kd, vd = (t.requires_grad_() for t in (qd, kd, vd))
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(group, 2)) / math.sqrt(q.shape[-1])
+    if causal:
+        query_rows = torch.arange(q.shape[1], device="cuda") if rows is None else rows
+        hidden = torch.arange(k.shape[1], device="cuda")[None, :] > query_rows[:, None]
+        scores = scores.masked_fill(hidden[None, None], float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vd.repeat_interleave(group, 2))
+    lse = torch.logsumexp(scores, -1)
+    if dout is None:
+        return out.detach(), lse.detach()
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
+
+
 def varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed, dtype=torch.bfloat16):
     """cu_seqlens_q, cu_seqlens_k (int32 on the GPU) and fresh packed q, k, v, dout for those lengths."""
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
                   for lens in (lens_q, lens_k))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = generator(seed)
     tq, tk = sum(lens_q), sum(lens_k)
     q, k, v = rand((tq, heads_q, head_dim), dtype, gen), rand((tk, heads_k, head_dim), dtype, gen), \
         rand((tk, heads_k, head_dim), dtype, gen)

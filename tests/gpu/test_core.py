@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fmha_rt import backend, launch, selftest
+from gpu_presence import require
 from fmha_rt.registry import registry
 
 
@@ -20,7 +21,7 @@ def test_selftest_kernels_are_exact():
 
 
 def test_32_threads_each_with_its_own_stream_race_on_a_cold_map():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     launch._handles.clear()  # Python-side cache cold; the C map may already hold the entries
     barrier = threading.Barrier(32)
 

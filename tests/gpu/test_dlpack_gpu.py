@@ -6,6 +6,9 @@ import pytest
 from fmha_rt import backend
 from fmha_rt.arrays import Arg
 from fmha_rt.buffers import DeviceBuffer
+from gpu_presence import require
+
+NO_JAX_GPU = "a GPU is present but this JAX has no GPU platform"
 
 
 def filled_buffer(n=4096):
@@ -16,7 +19,7 @@ def filled_buffer(n=4096):
 
 
 def test_device_buffer_to_torch_without_copy():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     buf = filled_buffer()
     t = torch.from_dlpack(buf)
     assert t.device.type == "cuda" and t.data_ptr() == buf.ptr and t.dtype == torch.float32
@@ -28,7 +31,7 @@ def test_device_buffer_to_torch_without_copy():
 
 
 def test_device_buffer_to_cupy_without_copy():
-    cupy = pytest.importorskip("cupy")
+    cupy = require("cupy")
     buf = filled_buffer()
     c = cupy.from_dlpack(buf)
     assert c.data.ptr == buf.ptr
@@ -36,9 +39,8 @@ def test_device_buffer_to_cupy_without_copy():
 
 
 def test_device_buffer_to_jax():
-    jax = pytest.importorskip("jax")
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("this JAX has no GPU platform")
+    jax = require("jax")
+    assert any(d.platform == "gpu" for d in jax.devices()), NO_JAX_GPU
     buf = filled_buffer()
     backend.synchronize(0)
     j = jax.dlpack.from_dlpack(buf)
@@ -47,7 +49,7 @@ def test_device_buffer_to_jax():
 
 @pytest.mark.parametrize("framework", ["torch", "cupy", "jax"])
 def test_framework_arrays_import_with_pointer_shape_and_strides(framework):
-    mod = pytest.importorskip(framework)
+    mod = require(framework)
     host = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
     if framework == "torch":
         arr = mod.from_numpy(host).cuda()[:, 1:]  # a strided view with a byte offset
@@ -56,8 +58,7 @@ def test_framework_arrays_import_with_pointer_shape_and_strides(framework):
         arr = mod.asarray(host)[:, 1:]
         ptr, strides = arr.data.ptr, tuple(s // 4 for s in arr.strides)
     else:
-        if not any(d.platform == "gpu" for d in mod.devices()):
-            pytest.skip("this JAX has no GPU platform")
+        assert any(d.platform == "gpu" for d in mod.devices()), NO_JAX_GPU
         arr = mod.device_put(host[:, 1:], mod.devices("gpu")[0])
         ptr, strides = arr.unsafe_buffer_pointer(), (16, 8, 1)
     arg = Arg("x", arr, 0)

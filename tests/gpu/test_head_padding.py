@@ -4,31 +4,24 @@ Such calls run on zero-padded copies (fmha_rt/head_padding.py): the inputs are w
 buffers, the kernels run at the padded width, and the outputs are narrowed back into the caller's arrays,
 which may have any strides (a contiguous [.., H, 5] array has rows 5H elements apart) and start on any
 element. Outputs are NaN-poisoned, inputs fresh random draws, errors relative (< 1e-2 for bf16/fp16);
-outputs given as views of wider buffers must leave the columns past the head dim untouched.
+outputs given as views of wider buffers must leave the columns past the head dim untouched. Errors are
+bounded for the whole tensor, per head and per row (tests/error_bounds.py).
 """
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from gpu_presence import require
 
-from gpu_tensors import f64, nan_like, rand
-from test_attention import DTYPES, assert_close, mask_kwargs, run_case
+torch = require("torch")
 
 import fmha_rt
+from error_bounds import assert_close, assert_lse_close
 from fmha_rt import reference
+from gpu_tensors import attention_f64, f64, generator, nan_like, rand
+from repeat_runs import assert_bitwise, reference_run, repeat
+from test_attention import DTYPES, assert_grads_close, backward_call, check_against_reference, run_case
 
 HEAD_DIMS = (1, 5, 13, 100)
-
-
-def check_against_reference(case, opts):
-    q, k, v, dout, out, lse, dq, dk, dv = case
-    ref_opts = dict(mask_kwargs(opts, q.shape[1], k.shape[1]), softmax_scale=opts.get("softmax_scale"))
-    ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref_opts)
-    assert_close("out", out, ro)
-    assert_close("lse", lse, rl, tol=1e-3)
-    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref_opts)
-    for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
-        assert_close(name, got, want)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
@@ -65,7 +58,7 @@ def _view(gen, shape, width, dtype, lead=1):
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 def test_strided_inputs_and_outputs_inside_wider_buffers(dtype_name):
     dtype, d, B, Sq, Sk, H = DTYPES[dtype_name], 5, 2, 190, 70, 3
-    gen = torch.Generator(device="cuda").manual_seed(7)
+    gen = generator(7)
     q, k, v, dout = (_view(gen, (B, s, H, d), w, dtype) for s, w in ((Sq, 7), (Sk, 9), (Sk, 6), (Sq, 11)))
     assert q.data_ptr() % 16 and q.stride(1) % 8
     wide = {name: nan_like((B, s, H, d + 3), dtype) for name, s in (("out", Sq), ("dq", Sq), ("dk", Sk), ("dv", Sk))}
@@ -81,7 +74,7 @@ def test_strided_inputs_and_outputs_inside_wider_buffers(dtype_name):
 def test_varlen_with_padded_seqstarts_leaves_gap_rows_alone():
     lens_q, lens_k, gaps = [37, 0, 1, 128, 64], [50, 3, 1, 128, 0], [2, 0, 5, 1, 3]
     H, Hk, D = 4, 2, 13
-    gen = torch.Generator(device="cuda").manual_seed(21)
+    gen = generator(21)
     starts_q, starts_k, pos_q, pos_k = [], [], 0, 0
     for lq, lk, gap in zip(lens_q, lens_k, gaps):
         starts_q.append(pos_q + gap)
@@ -105,7 +98,7 @@ def test_varlen_with_padded_seqstarts_leaves_gap_rows_alone():
     ref = {"window": (-1, 0)}
     ro, rl = reference.mha_varlen_fwd_ref(f64(q[rows_q]), f64(k[rows_k]), f64(v[rows_k]), cq, ck, **ref)
     assert_close("out", out[rows_q], ro)
-    assert_close("lse", lse[:, rows_q], rl, tol=1e-3)
+    assert_lse_close("lse", lse[:, rows_q], rl)
     grads = reference.mha_varlen_bwd_ref(f64(dout[rows_q]), f64(q[rows_q]), f64(k[rows_k]), f64(v[rows_k]), cq, ck,
                                          **ref)
     for name, got, rows, want in (("dq", dq, rows_q, grads[0]), ("dk", dk, rows_k, grads[1]),
@@ -118,20 +111,23 @@ def test_varlen_with_padded_seqstarts_leaves_gap_rows_alone():
 
 
 def test_deterministic_backward_is_bitwise_equal():
-    gen = torch.Generator(device="cuda").manual_seed(22)
+    """Repeats into re-poisoned outputs, on the current stream and a side stream, bitwise equal to a
+    reference run that matches float64."""
+    gen = generator(22)
     q, k, v, dout = (rand((2, 512, 4, 13), torch.bfloat16, gen) for _ in range(4))
     out, lse = fmha_rt.mha_fwd(q, k, v, causal=True)
-    first = fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    for _ in range(3):
-        again = fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    call, specs = backward_call(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    first = reference_run(call, specs)
+    assert_grads_close(first, attention_f64(q, k, v, causal=True, dout=dout)[2:])
+    assert_bitwise("current stream", repeat(call, specs, torch.cuda.current_stream(), 3), first)
+    assert_bitwise("side stream", repeat(call, specs, torch.cuda.Stream(), 3), first)
 
 
 def test_workspace_holds_the_padded_buffers():
     """The backward's padded copies come from its workspace: the callback is asked for what
     bwd_workspace_bytes says, 8 padded [.., H, 8] buffers more than a head dim of 8 needs."""
     B, S, H, d = 1, 256, 2, 5
-    gen = torch.Generator(device="cuda").manual_seed(23)
+    gen = generator(23)
     q, k, v, dout = (rand((B, S, H, d), torch.float16, gen) for _ in range(4))
     out, lse = fmha_rt.mha_fwd(q, k, v)
     asked = []
@@ -150,7 +146,7 @@ def test_workspace_holds_the_padded_buffers():
 def test_torch_autograd_with_head_dim_13():
     from fmha_rt.torch import flash_attn_func
 
-    gen = torch.Generator(device="cuda").manual_seed(24)
+    gen = generator(24)
     q, k, v = (rand((2, 160, 4, 13), torch.bfloat16, gen).requires_grad_() for _ in range(3))
     dout = rand((2, 160, 4, 13), torch.bfloat16, gen)
     out = flash_attn_func(q, k, v, causal=True)

@@ -5,13 +5,14 @@ size on the current stream: the freed block must not come back while the call's 
 Values are then checked against the float64 reference, so a block handed out early would show as
 overwritten results too."""
 import numpy as np
-import pytest
-import torch
+
+from gpu_presence import require
+
+torch = require("torch")
 
 import fmha_rt
 from fmha_rt import reference
-
-from gpu_tensors import f64, rand
+from gpu_tensors import f64, generator, rand
 
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at the H200's clock: far longer than the host needs below
 
@@ -24,7 +25,7 @@ def _busy_stream():
 
 
 def _inputs(seed, b=2, s=256, h=4, d=64, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = generator(seed)
     return [rand((b, s, h, d), dtype, gen) for _ in range(3)]
 
 
@@ -59,7 +60,7 @@ def test_a_dropped_lse_does_not_take_memory_from_the_current_stream():
 
 
 def test_cupy_outputs_are_tied_to_the_calls_stream():
-    cupy = pytest.importorskip("cupy")
+    cupy = require("cupy")
     q, k, v = (cupy.asarray(x) for x in _inputs(3, dtype=torch.float16))  # CuPy has no bfloat16
     side = _busy_stream()
     out, lse = fmha_rt.mha_fwd(q, k, v, stream=side.cuda_stream)

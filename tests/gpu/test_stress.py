@@ -3,7 +3,8 @@
 - 64 threads, each with its own torch stream, make a few thousand mixed calls (forward, deterministic
   backward, varlen, bias, ALiBi, dropout, GQA, several head dims, fp16 and bf16, outputs given or
   allocated, workspace from a callback or not); every result is bitwise the one the same call gave
-  when run serially first. Device memory (torch's and what the driver reports beyond torch's) and host
+  when run serially first, and that serial run matches the float64 reference (dropout by the
+  independent Philox mask, tests/philox_reference.py). Device memory (torch's and what the driver reports beyond torch's) and host
   memory (peak RSS, Python allocations) stay flat over the second half of the calls.
   FMHA_RT_STRESS_CALLS sets the number of calls (default below).
 - Scores of magnitude ~1e4 do not overflow and match the float64 reference; NaN and Inf in the inputs
@@ -22,17 +23,19 @@ import tracemalloc
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from gpu_presence import require
 
-import fmha_rt  # noqa: E402
-from fmha_rt import reference  # noqa: E402
-from gpu_tensors import f64, nan_like, rand  # noqa: E402
+torch = require("torch")
+
+import fmha_rt
+import philox_reference
+from error_bounds import LSE_TOL, TOL, assert_close, assert_lse_close
+from fmha_rt import reference
+from gpu_tensors import attention_f64, differing_bits, f64, generator, nan_like, rand
 
 THREADS = 64
 CALLS = int(os.environ.get("FMHA_RT_STRESS_CALLS", "4096"))
-TOL, LSE_TOL = 1e-2, 1e-3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 DEVICE_SLACK = 32 << 20  # driver-side growth allowed over the second half (allocator rounding)
 RSS_SLACK_KB = 64 << 10
 TRACED_BYTES_PER_CALL = 64  # Python allocations a call may leave behind, on average, after warm-up
@@ -95,7 +98,7 @@ class Prepared:
 
 def prepare(case: Case, seed: int) -> Prepared:
     dtype = DTYPES[case.dtype]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = generator(seed)
     opts = {}
     for name, value in case.opts:
         if name == "bias":
@@ -156,12 +159,41 @@ def given_outputs(p: Prepared) -> dict:
     return {name: nan_like(shape, dtype) for name, (shape, dtype) in p.output_shapes.items()}
 
 
-def mismatched_bits(got: tuple, want: tuple):
-    """Elements whose bits differ, as a device scalar (no host sync)."""
-    total = torch.zeros((), dtype=torch.int64, device="cuda")
-    for g, w in zip(got, want, strict=True):
-        total += (g.view(BITS[g.dtype]) != w.view(BITS[w.dtype])).sum()
-    return total
+def reference_outputs(p: Prepared) -> tuple:
+    """The float64 reference of a case's outputs, in the order `call` returns them."""
+    c, opts = p.case, dict(p.case.opts)
+    window = list(opts.get("window", (-1, -1)))
+    if opts.get("causal"):
+        window[1] = 0
+    ref = {"window": tuple(window), "bottom_right": opts.get("causal_alignment") == "bottom_right"}
+    if "bias" in p.opts:
+        ref["bias"] = f64(p.opts["bias"])
+    if "alibi_slopes" in p.opts:
+        ref["alibi_slopes"] = f64(p.opts["alibi_slopes"])
+    if "dropout_p" in opts:  # batched cases only
+        ref["dropout_p"] = opts["dropout_p"]
+        ref["dropout_keep"] = philox_reference.keep_mask(opts["seed"], opts["offset"], c.b, c.hq, c.sq, c.sk,
+                                                         opts["dropout_p"])
+    if c.kind == "fwd":
+        return reference.mha_fwd_ref(*(f64(t) for t in p.args), **ref)
+    if c.kind == "bwd":
+        dout, q, k, v = (f64(t) for t in p.args[:4])
+        dq, dk, dv, dbias = reference.mha_bwd_ref(dout, q, k, v, **ref)
+        return (dq, dk, dv) + ((dbias,) if "bias" in p.opts else ())
+    cu_q, cu_k = (t.cpu().numpy() for t in p.args[-4:-2])
+    if c.kind == "varlen_fwd":
+        return reference.mha_varlen_fwd_ref(*(f64(t) for t in p.args[:3]), cu_q, cu_k, **ref)
+    dout, q, k, v = (f64(t) for t in p.args[:4])
+    return reference.mha_varlen_bwd_ref(dout, q, k, v, cu_q, cu_k, **ref)[:3]
+
+
+def check_serial_run(p: Prepared):
+    for name, got, want in zip(p.output_shapes, p.expected, reference_outputs(p), strict=True):
+        label = f"{p.case.name}: {name}"
+        if name == "lse":
+            assert_lse_close(label, got, want)
+        else:
+            assert_close(label, got, want, head_axis=-3 if name == "dbias" else -2)
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +205,7 @@ def prepared():
         cases.append(p)
     torch.cuda.synchronize()
     for p in cases:
-        for name, t in zip(p.output_shapes, p.expected):
-            assert not torch.isnan(t).any(), f"{p.case.name}: {name} has NaN in the serial run (unwritten?)"
+        check_serial_run(p)
     return cases
 
 
@@ -191,7 +222,7 @@ def run_round(pool, streams, cases, calls_per_thread, start):
             barrier.wait()  # every thread's calls at once
             for i in range(calls_per_thread):
                 p = cases[(start + t * 5 + i * 7) % len(cases)]
-                bad[p.case.name] += mismatched_bits(call(p, stream, buffers[p.case.name]), p.expected)
+                bad[p.case.name] += differing_bits(call(p, stream, buffers[p.case.name]), p.expected)
             return {name: int(count.item()) for name, count in bad.items()}
 
     totals = {p.case.name: 0 for p in cases}
@@ -276,13 +307,6 @@ def finish_within(seconds, fn):
     return box["result"]
 
 
-def assert_close(name, got, want, tol=TOL):
-    got = f64(got) if isinstance(got, torch.Tensor) else got
-    assert np.isfinite(got).all(), f"{name}: non-finite values"
-    err = reference.rel_err(got, want)
-    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
-
-
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 def test_scores_of_magnitude_1e4_do_not_overflow(dtype_name):
     """q, k ~ N(0, 100^2): scaled scores have a standard deviation of 1e4 and the softmax is nearly
@@ -290,7 +314,7 @@ def test_scores_of_magnitude_1e4_do_not_overflow(dtype_name):
     stays finite and its dV, a plain weighted sum, matches too."""
     dtype = DTYPES[dtype_name]
     B, S, H, D = 2, 512, 4, 64
-    gen = torch.Generator(device="cuda").manual_seed(31)
+    gen = generator(31)
     q, k = rand((B, S, H, D), dtype, gen, 100.0), rand((B, S, H, D), dtype, gen, 100.0)
     v, dout = rand((B, S, H, D), dtype, gen), rand((B, S, H, D), dtype, gen)
     out, lse = nan_like((B, S, H, D), dtype), nan_like((B, H, S), torch.float32)
@@ -300,7 +324,7 @@ def test_scores_of_magnitude_1e4_do_not_overflow(dtype_name):
     ro, rl = reference.mha_fwd_ref(f64(q[sl]), f64(k[sl]), f64(v[sl]), window=(-1, 0))
     assert np.abs(rl).max() > 1e4, "the scores are not as large as intended"
     assert_close("out", out[sl], ro)
-    assert_close("lse", lse[1:2, 1:3], rl, tol=1e-5)
+    assert_lse_close("lse", lse[1:2, 1:3], rl, tol=1e-5)
     _, _, rdv, _ = reference.mha_bwd_ref(f64(dout[sl]), f64(q[sl]), f64(k[sl]), f64(v[sl]), window=(-1, 0))
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(t).all(), f"{name} overflowed"
@@ -325,7 +349,7 @@ def test_nan_and_inf_spread_as_in_the_reference(poison):
     row, all of dK and column 5 of dV of its head. Every other element is finite and matches the
     reference, and every call finishes."""
     B, S, H, D = 2, 192, 2, 64
-    gen = torch.Generator(device="cuda").manual_seed(41)
+    gen = generator(41)
     q, k, v, dout = (rand((B, S, H, D), torch.bfloat16, gen) for _ in range(4))
     target = {"nan in q": (q, math.nan), "inf in k": (k, math.inf), "nan in v": (v, math.nan),
               "nan in dout": (dout, math.nan)}[poison]
@@ -349,7 +373,7 @@ def test_nan_and_inf_spread_as_in_the_reference(poison):
 @pytest.mark.parametrize("causal", [True, False])
 def test_long_sequence_128k(causal):
     B, S, Hq, Hk, D = 1, 131072, 4, 2, 128
-    gen = torch.Generator(device="cuda").manual_seed(51)
+    gen = generator(51)
     q, k, v = rand((B, S, Hq, D), torch.bfloat16, gen), rand((B, S, Hk, D), torch.bfloat16, gen), \
         rand((B, S, Hk, D), torch.bfloat16, gen)
     out, lse = nan_like((B, S, Hq, D), torch.bfloat16), nan_like((B, Hq, S), torch.float32)
@@ -357,14 +381,6 @@ def test_long_sequence_128k(causal):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten output elements"
     # a sample of query rows against float64 on exactly those rows
     rows = torch.tensor([0, 1, 127, 128, 4097, 65535, 65536, 100003, S - 1], device="cuda")
-    kv_heads = torch.arange(Hq, device="cuda") // (Hq // Hk)
-    kk, vv = k[:, :, kv_heads].double(), v[:, :, kv_heads].double()
-    scores = torch.einsum("bqhd,bkhd->bhqk", q[:, rows].double(), kk) / math.sqrt(D)
-    if causal:
-        allowed = torch.arange(S, device="cuda")[None, :] <= rows[:, None]
-        scores = scores.masked_fill(~allowed[None, None], float("-inf"))
-    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
-    err = ((out[:, rows].double() - ref).norm() / ref.norm()).item()
-    assert err < TOL, f"relative error {err:.2e} on the sampled rows"
-    ref_lse = torch.logsumexp(scores, -1)
-    assert torch.allclose(lse[:, :, rows].double(), ref_lse, atol=1e-3, rtol=1e-5)
+    want_out, want_lse = attention_f64(q, k, v, causal=causal, rows=rows)
+    assert_close("out (sampled rows)", out[:, rows], want_out)
+    assert_lse_close("lse (sampled rows)", lse[:, :, rows], want_lse)
