@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import backend, launch_program
+from . import backend, jax_cpu_reference, jax_sharding, launch_program
 from .api import (
     INT32_LIMIT,
     MaskSpec,
@@ -137,10 +137,12 @@ def _gpu_arch() -> str:
         gpus = jax.devices("gpu")
     except RuntimeError:
         gpus = []
+    if not gpus and jax_cpu_reference.enabled():
+        return jax_cpu_reference.ARCH
     if not gpus:
         have = ", ".join(sorted({d.platform for d in jax.devices()}))
         raise FmhaRuntimeError(f"fmha_rt.jax runs on a GPU, but jax has no GPU platform here (only: {have}); "
-                               "install jax with CUDA or ROCm support")
+                               "install jax with CUDA or ROCm support (or, for tests, fmha_rt.jax_cpu_reference.enable())")
     archs = {d.arch for d in backend.runtime().devices}
     if len(archs) != 1:
         raise FmhaNotImplementedError(f"fmha_rt.jax plans for one GPU arch per process; found {sorted(archs) or 'none'}")
@@ -357,7 +359,16 @@ def _pad_keys(x, width):
 def _call(kind: str, problem: AttentionProblem, arch: str, arrays):
     """The custom call running `kind` ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd') on `arrays` in the
     program's operand order, None where the call has no bias, slopes or seed: the forwards return
-    (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad."""
+    (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad. Under jit over a
+    device mesh, XLA's partitioner splits it over batch and heads (fmha_rt/jax_sharding.py)."""
+    return jax_sharding.sharded_call(_local_call, kind, problem, arch, arrays)
+
+
+def _local_call(kind: str, problem: AttentionProblem, arch: str, arrays):
+    """_call on one device's operands, planned for their shapes (the CPU platform's float64 reference
+    when that serves, fmha_rt/jax_cpu_reference.py)."""
+    if arch == jax_cpu_reference.ARCH:
+        return jax_cpu_reference.call(kind, problem, arrays)
     assert problem.head_dim_qk % 8 == 0 and problem.head_dim_v % 8 == 0, "padded by _padded_head_dims"
     program, _ = _program(kind, problem, arch)
     operands = [x for x in arrays if x is not None]
