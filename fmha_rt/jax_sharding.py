@@ -104,9 +104,9 @@ def split_of(problem: AttentionProblem, mesh, q_sharding) -> Split:
     if problem.has_dropout or not isinstance(q_sharding, NamedSharding):
         return Split()
     spec = tuple(q_sharding.spec) + (None,) * 4
-    batch, heads = (_axes(spec[i]) for i in ((None, 1) if problem.varlen else (0, 2)))
+    batch, heads = ((), _axes(spec[1])) if problem.varlen else (_axes(spec[0]), _axes(spec[2]))
     bias_grad_over = problem.bias_shape if problem.bias_grad else "BH"
-    if problem.varlen or problem.batch % _size(mesh, batch) or bias_grad_over[0] != "B":
+    if problem.batch % _size(mesh, batch) or bias_grad_over[0] != "B":
         batch = ()
     if problem.heads_k % _size(mesh, heads) or bias_grad_over[1] != "H":
         heads = ()
