@@ -18,7 +18,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import reference, xla_cpu_handler
 from .errors import FmhaNotImplementedError
