@@ -20,6 +20,10 @@ run one after another). The kernel images are
 registered with the shim at trace time; the handler loads them into the kernel map on first use, per
 device.
 
+Under jit over a device mesh, each call splits over batch and heads by a custom_partitioning rule
+(fmha_rt/jax_sharding.py, docs/scaling-out.md); without a GPU, fmha_rt.jax_cpu_reference.enable() lets
+the calls run on the CPU platform through the float64 reference (for tests).
+
 Score terms and dropout. A bias (q's dtype, [1|B, 1|Hq, Sq, Sk]) is an operand of both custom calls;
 the backward returns dbias in the bias's shape, and only when the bias is differentiated (custom_vjp's
 `perturbed`), so a constant bias costs the backward no dS workspace. ALiBi slopes (float32 [Hq] or
