@@ -20,6 +20,10 @@ run one after another). The kernel images are
 registered with the shim at trace time; the handler loads them into the kernel map on first use, per
 device.
 
+Under jit over a device mesh, each call splits over batch and heads by a custom_partitioning rule
+(fmha_rt/jax_sharding.py, docs/scaling-out.md); without a GPU, fmha_rt.jax_cpu_reference.enable() lets
+the calls run on the CPU platform through the float64 reference (for tests).
+
 Score terms and dropout. A bias (q's dtype, [1|B, 1|Hq, Sq, Sk]) is an operand of both custom calls;
 the backward returns dbias in the bias's shape, and only when the bias is differentiated (custom_vjp's
 `perturbed`), so a constant bias costs the backward no dS workspace. ALiBi slopes (float32 [Hq] or
@@ -54,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import backend, launch_program
+from . import backend, jax_cpu_reference, jax_sharding, launch_program
 from .api import (
     INT32_LIMIT,
     MaskSpec,
@@ -137,10 +141,12 @@ def _gpu_arch() -> str:
         gpus = jax.devices("gpu")
     except RuntimeError:
         gpus = []
+    if not gpus and jax_cpu_reference.enabled():
+        return jax_cpu_reference.ARCH
     if not gpus:
         have = ", ".join(sorted({d.platform for d in jax.devices()}))
         raise FmhaRuntimeError(f"fmha_rt.jax runs on a GPU, but jax has no GPU platform here (only: {have}); "
-                               "install jax with CUDA or ROCm support")
+                               "install jax with CUDA or ROCm support (or, for tests, fmha_rt.jax_cpu_reference.enable())")
     archs = {d.arch for d in backend.runtime().devices}
     if len(archs) != 1:
         raise FmhaNotImplementedError(f"fmha_rt.jax plans for one GPU arch per process; found {sorted(archs) or 'none'}")
@@ -357,7 +363,16 @@ def _pad_keys(x, width):
 def _call(kind: str, problem: AttentionProblem, arch: str, arrays):
     """The custom call running `kind` ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd') on `arrays` in the
     program's operand order, None where the call has no bias, slopes or seed: the forwards return
-    (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad."""
+    (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad. Under jit over a
+    device mesh, XLA's partitioner splits it over batch and heads (fmha_rt/jax_sharding.py)."""
+    return jax_sharding.sharded_call(_local_call, kind, problem, arch, arrays)
+
+
+def _local_call(kind: str, problem: AttentionProblem, arch: str, arrays):
+    """_call on one device's operands, planned for their shapes (the CPU platform's float64 reference
+    when that serves, fmha_rt/jax_cpu_reference.py)."""
+    if arch == jax_cpu_reference.ARCH:
+        return jax_cpu_reference.call(kind, problem, arrays)
     assert problem.head_dim_qk % 8 == 0 and problem.head_dim_v % 8 == 0, "padded by _padded_head_dims"
     program, _ = _program(kind, problem, arch)
     operands = [x for x in arrays if x is not None]

@@ -219,3 +219,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return_attn_probs, (out, lse fp32 [Hq, total_q], None). Each sequence is masked on its own lengths."""
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, alibi_slopes, deterministic, return_attn_probs)
+
+
+if torch.distributed.is_available():  # DTensor sharding rules: batch and heads (fmha_rt/torch_sharding.py)
+    from . import torch_sharding
+
+    torch_sharding.register(torch.ops.fmha_rt.fwd.default, torch.ops.fmha_rt.bwd.default)
