@@ -3,7 +3,7 @@ Philox state, deterministic backward, torch.library.opcheck, torch.compile and C
 
 Inputs are fresh random draws; errors are relative, ||got - ref|| / ||ref|| < 1e-2 (bf16). The ops
 allocate their outputs, so before the reference-checked calls the blocks they will get from torch's
-caching allocator are filled with NaN (see `poison_allocator`): an element the kernels skip shows as NaN.
+caching allocator are filled with NaN (gpu_tensors.poison_allocator): an element the kernels skip shows as NaN.
 """
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ import fmha_rt  # noqa: E402
 from fmha_rt import reference  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
 from fmha_rt.torch import flash_attn_func, flash_attn_varlen_func  # noqa: E402
-from gpu_tensors import f64  # noqa: E402
+from gpu_tensors import f64, poison_for  # noqa: E402
 
 TOL = 1e-2
 LSE_TOL = 1e-3
@@ -30,22 +30,6 @@ def assert_close(name, got, want, tol=TOL):
     assert not np.isnan(got).any(), f"{name}: NaN in output (unwritten or invalid)"
     err = reference.rel_err(got, want)
     assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
-
-
-def poison_allocator(*specs):
-    """Leave NaN-filled blocks of these (shape, dtype) sizes in torch's caching allocator, which hands
-    a freed block of the requested size back first: the adapter's next allocations of these sizes
-    start as NaN. Best effort (other allocations may take a block), which the reference check backs."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in specs]
-    del blocks
-
-
-def poison_for(q, k, v, lse_shape):
-    out_shape = (*q.shape[:-1], v.shape[-1])
-    poison_allocator((out_shape, q.dtype), (lse_shape, torch.float32), (q.shape, q.dtype), (k.shape, k.dtype),
-                     (v.shape, v.dtype))
 
 
 # name, B, Sq, Sk, Hq, Hk, D, Dv, options
