@@ -1,8 +1,8 @@
 """Host microseconds per call of the torch user path: fmha_rt.torch's flash_attn_func and
 flash_attn_varlen_func, forward (inputs with and without grad) and a training step (forward, then
 `.sum().backward()`), through the eager route (what an eager call takes) and through the registered
-ops (`torch.ops.fmha_rt.fwd`, what a compiled graph runs, called with autograd as an eager call did
-before issue 37), against torch's scaled_dot_product_attention called the same way.
+ops (torch_eager.registered_ops_only: the route every call took before issue 37, and the ops a compiled
+graph runs), against torch's scaled_dot_product_attention called the same way.
 
     python bench/torch_host_overhead.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--out FILE]
 
@@ -17,10 +17,8 @@ printed. --profile NAME prints a cProfile of that row instead; --out FILE (with 
 numbers as JSON with the machine header.
 """
 import argparse
-import cProfile
 import json
 import pathlib
-import pstats
 import sys
 
 import torch
@@ -32,20 +30,23 @@ sys.path[:0] = [str(ROOT)]  # this checkout's fmha_rt (the stand-in comes with h
 import fmha_rt  # noqa: E402
 from fmha_rt.bench import machine  # noqa: E402
 from fmha_rt.bench.timing import host_us_per_call  # noqa: E402
+from fmha_rt import torch_eager  # noqa: E402
 from fmha_rt.torch import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 
-from host_overhead_profile import real_gpu, stand_in  # noqa: E402
+from host_overhead_profile import print_profile, real_gpu, stand_in  # noqa: E402
 
 B, S, H, D = 1, 128, 2, 64
 SEQLENS = (48, 80)
 DTYPE = torch.bfloat16
 
 
-def _registered(q, k, v, cu_seqlens=None, max_seqlen=0):
-    """The registered forward op with autograd, causal (window (-1, 0)), no dropout: the route a
-    compiled graph takes."""
-    return torch.ops.fmha_rt.fwd(q, k, v, cu_seqlens, cu_seqlens, None, None, max_seqlen, max_seqlen, None, -1, 0,
-                                 0.0, False)[0]
+def _registered(attention):
+    """`attention` through the registered ops, the route every call took before issue 37 (and the ops a
+    compiled graph runs)."""
+    def call():
+        with torch_eager.registered_ops_only():
+            return attention()
+    return call
 
 
 def _step(attention):
@@ -80,9 +81,9 @@ def calls(device: str, sdpa: bool) -> dict:
         "flash_attn_func fwd+bwd": _step(fa),
         "flash_attn_varlen_func fwd": varlen,
         "flash_attn_varlen_func fwd+bwd": _step(varlen),
-        "registered op fwd": lambda: _registered(q, k, v),
-        "registered op fwd+bwd": _step(lambda: _registered(q, k, v)),
-        "registered op varlen fwd+bwd": _step(lambda: _registered(vq, vk, vv, cu, longest)),
+        "registered ops: flash_attn_func fwd": _registered(fa),
+        "registered ops: flash_attn_func fwd+bwd": _step(_registered(fa)),
+        "registered ops: varlen fwd+bwd": _step(_registered(varlen)),
     }
     if sdpa:  # SDPA takes [B, H, S, D]
         tq, tk, tv = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
@@ -112,9 +113,7 @@ def main():
     with real_gpu() if args.gpu else stand_in():
         table = calls("cuda" if args.gpu else "cpu", sdpa=args.gpu)
         if args.profile:
-            profile = cProfile.Profile()
-            profile.runcall(host_us_per_call, table[args.profile], args.calls)
-            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+            print_profile(table[args.profile], args.calls)
             return
         sync, batch = (torch.cuda.synchronize, args.batch) if args.gpu else (None, 0)
         best = dict.fromkeys(table, float("inf"))
@@ -133,7 +132,7 @@ def main():
     where = f"GPU 0, synchronized every {batch} calls" if args.gpu else "CPU stand-in, not a GPU number"
     print(f"host µs per call ({where}; min of {args.rounds} rounds of {args.calls} calls; fmha_rt {fmha_rt.__version__})")
     for name, us in best.items():
-        print(f"  {name:32s} {us:8.2f}")
+        print(f"  {name:40s} {us:8.2f}")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,27 @@ are what tracing needs, so every call that some tracer or interceptor could be w
 them; `takes_eager_route` says when none can be. Both routes run the same torch_calls functions, so
 they launch the same kernels on the same arguments.
 """
+import contextlib
+
 import torch
 
 from . import torch_calls
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _C = torch._C
+_enabled = True  # registered_ops_only turns the eager route off
+
+
+@contextlib.contextmanager
+def registered_ops_only():
+    """Every call in the block (in any thread) takes the registered ops, as every call did before
+    issue 37: for comparing the two routes (tests, benchmarks)."""
+    global _enabled
+    _enabled, before = False, _enabled
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def takes_eager_route(q, k, v, cu_seqlens_q, alibi_slopes, rng_state) -> bool:
@@ -21,10 +36,10 @@ def takes_eager_route(q, k, v, cu_seqlens_q, alibi_slopes, rng_state) -> bool:
     torch.export, make_fx, torch.jit.trace), no torch function or dispatch mode (FakeTensorMode, a
     user's recording mode, DTensor's) and no functorch transform (vmap, grad) is active, and its
     tensors are plain torch tensors off the meta device (subclasses such as DTensor and FakeTensor
-    dispatch through the op; meta tensors take its fake implementation). is_compiling comes first: under
-    torch.compile it is the constant True, so nothing after it is traced. cu_seqlens_k goes wherever
-    cu_seqlens_q goes."""
-    return (not torch.compiler.is_compiling()
+    dispatch through the op; meta tensors take its fake implementation), and no registered_ops_only
+    block is open. is_compiling comes first: under torch.compile it is the constant True, so nothing
+    after it is traced. cu_seqlens_k goes wherever cu_seqlens_q goes."""
+    return (not torch.compiler.is_compiling() and _enabled
             and type(q) in _PLAIN_TENSORS and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
             and (cu_seqlens_q is None or type(cu_seqlens_q) in _PLAIN_TENSORS)
             and (alibi_slopes is None or type(alibi_slopes) in _PLAIN_TENSORS)

@@ -79,7 +79,9 @@ def test_whatever_could_trace_or_intercept_a_call_takes_the_registered_ops():
     torch.func.grad(lambda x: record(x).sum())(q.detach().float())
     make_fx(record)(q.detach())
     torch.jit.trace(record, (q.detach(),), check_trace=False)
-    assert seen == [False] * 4
+    with torch_eager.registered_ops_only():
+        record(q)
+    assert seen == [False] * 5 and takes_eager(q, k, v)
 
 
 # ------------------------------------------------------------------------------- equal launches
@@ -184,23 +186,16 @@ def run(route, inputs, dout, seed):
     return (out, *torch.autograd.grad(out, inputs, dout))
 
 
-def through_the_registered_ops(monkeypatch, call):
-    def registered(*inputs):
-        with monkeypatch.context() as m:
-            m.setattr(torch_eager, "takes_eager_route", lambda *_: False)
-            return call(*inputs)
-    return registered
-
-
 @pytest.mark.parametrize("name, make, options", CASES, ids=[c[0] for c in CASES])
-def test_the_eager_route_launches_what_the_registered_ops_launch(monkeypatch, watch, name, make, options):
+def test_the_eager_route_launches_what_the_registered_ops_launch(watch, name, make, options):
     seed = sum(map(ord, name))
     print(f"seed {seed}")
     call, inputs, dout = make(torch.Generator().manual_seed(seed), dict(options))
     for _ in range(3):  # the first call of a signature is planned, the next ones replay the plan cache's record
         run(call, inputs, dout, seed)
         eager = watch.take()
-        run(through_the_registered_ops(monkeypatch, call), inputs, dout, seed)
+        with torch_eager.registered_ops_only():
+            run(call, inputs, dout, seed)
         registered = watch.take()
         assert [c[0] for c in eager] == ["forward", "backward"]
         assert eager == registered
@@ -208,7 +203,7 @@ def test_the_eager_route_launches_what_the_registered_ops_launch(monkeypatch, wa
 
 
 @pytest.mark.parametrize("name, make, options", [CASES[2], CASES[3]], ids=[CASES[2][0], CASES[3][0]])
-def test_the_eager_route_launches_what_a_compiled_graph_launches(monkeypatch, watch, name, make, options):
+def test_the_eager_route_launches_what_a_compiled_graph_launches(watch, name, make, options):
     seed = sum(map(ord, name)) + 1
     print(f"seed {seed}")
     call, inputs, dout = make(torch.Generator().manual_seed(seed), dict(options))

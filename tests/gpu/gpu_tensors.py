@@ -1,8 +1,11 @@
 """Tensor helpers shared by the GPU tests: fresh random inputs, NaN-poisoned outputs (given, or from torch's
-caching allocator), float64 copies."""
+caching allocator), float64 copies and the comparison with the float64 reference."""
 import itertools
 
+import numpy as np
 import torch
+
+from fmha_rt import reference
 
 
 def rand(shape, dtype, gen, scale=1.0):
@@ -46,3 +49,11 @@ def poison_for(q, k, v, lse_shape):
     out_shape = (*q.shape[:-1], v.shape[-1])
     poison_allocator((out_shape, q.dtype), (lse_shape, torch.float32), (q.shape, q.dtype), (k.shape, k.dtype),
                      (v.shape, v.dtype))
+
+
+def assert_close(name, got, want, tol):
+    """A tensor against its float64 reference: no NaN (no element unwritten), relative error below tol."""
+    got = f64(got)
+    assert not np.isnan(got).any(), f"{name}: NaN in output (unwritten or invalid)"
+    err = reference.rel_err(got, want)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"

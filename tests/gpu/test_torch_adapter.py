@@ -14,6 +14,7 @@ import fmha_rt  # noqa: E402
 from fmha_rt import reference  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
 from fmha_rt.torch import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+import gpu_tensors  # noqa: E402
 from gpu_tensors import f64, poison_for  # noqa: E402
 
 TOL = 1e-2
@@ -26,10 +27,7 @@ def rand(shape, gen, dtype=torch.bfloat16, requires_grad=False):
 
 
 def assert_close(name, got, want, tol=TOL):
-    got = f64(got)
-    assert not np.isnan(got).any(), f"{name}: NaN in output (unwritten or invalid)"
-    err = reference.rel_err(got, want)
-    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+    gpu_tensors.assert_close(name, got, want, tol)
 
 
 # name, B, Sq, Sk, Hq, Hk, D, Dv, options

@@ -8,7 +8,8 @@ before each step so that every route draws the same dropout state (inductor draw
 random ops: fallback_random). Inputs are fresh random draws with printed seeds; before each step the
 blocks torch's caching allocator will hand out are filled with NaN (gpu_tensors.poison_for).
 """
-import numpy as np
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 import fmha_rt  # noqa: E402
 from fmha_rt import reference, torch_eager  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
+import gpu_tensors  # noqa: E402
 from gpu_tensors import f64, poison_for, rand, varlen_inputs  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 
@@ -43,19 +45,7 @@ def assert_bitwise_equal(route, got, want):
 
 
 def assert_close(name, got, want, tol=TOL):
-    got = f64(got)
-    assert not np.isnan(got).any(), f"{name}: NaN in output (unwritten or invalid)"
-    err = reference.rel_err(got, want)
-    assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
-
-
-def registered_ops(monkeypatch, attention):
-    """`attention` with every call sent through the registered ops, as an eager call went before issue 37."""
-    def call(*args):
-        with monkeypatch.context() as m:
-            m.setattr(torch_eager, "takes_eager_route", lambda *_: False)
-            return attention(*args)
-    return call
+    gpu_tensors.assert_close(name, got, want, tol)
 
 
 def compiled(attention):
@@ -63,17 +53,18 @@ def compiled(attention):
     return torch.compile(attention, fullgraph=True)
 
 
-def steps(monkeypatch, attention, inputs, dout, lse_shape, seed):
+def steps(attention, inputs, dout, lse_shape, seed):
     """(out, lse, dq, dk, dv) of one step of `attention` by each route, eager first."""
     results = {}
-    routes = {"eager": attention, "registered ops": registered_ops(monkeypatch, attention),
-              "compiled": compiled(attention)}
+    routes = {"eager": (attention, contextlib.nullcontext), "registered ops": (attention, torch_eager.registered_ops_only),
+              "compiled": (compiled(attention), contextlib.nullcontext)}
     with inductor_config.patch(fallback_random=True):
-        for route, call in routes.items():
+        for route, (call, context) in routes.items():
             poison_for(*inputs, lse_shape)
             torch.manual_seed(seed)
-            out, lse, _ = call(*inputs)
-            results[route] = (out, lse, *torch.autograd.grad(out, inputs, dout))
+            with context():
+                out, lse, _ = call(*inputs)
+                results[route] = (out, lse, *torch.autograd.grad(out, inputs, dout))
             if route == "eager":
                 assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
                 results["dropout state"] = fmha_torch.last_dropout_state()
@@ -81,7 +72,7 @@ def steps(monkeypatch, attention, inputs, dout, lse_shape, seed):
 
 
 @pytest.mark.parametrize("case", BATCH_CASES, ids=[c[0] for c in BATCH_CASES])
-def test_eager_registered_and_compiled_routes_agree_bitwise_and_match_the_reference(monkeypatch, case):
+def test_eager_registered_and_compiled_routes_agree_bitwise_and_match_the_reference(case):
     name, B, Sq, Sk, Hq, Hk, D, options = case
     seed = sum(map(ord, name))
     print(f"seed {seed}")
@@ -94,7 +85,7 @@ def test_eager_registered_and_compiled_routes_agree_bitwise_and_match_the_refere
     def attention(q, k, v):
         return fmha_torch.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **options)
 
-    results = steps(monkeypatch, attention, (q, k, v), dout, (B, Hq, Sq), seed)
+    results = steps(attention, (q, k, v), dout, (B, Hq, Sq), seed)
     for route in ("registered ops", "compiled"):
         assert_bitwise_equal(route, results[route], results["eager"])
 
@@ -116,7 +107,7 @@ def test_eager_registered_and_compiled_routes_agree_bitwise_and_match_the_refere
         assert_close(grad_name, got, want)
 
 
-def test_varlen_routes_agree_bitwise_and_match_the_reference(monkeypatch):
+def test_varlen_routes_agree_bitwise_and_match_the_reference():
     lens_q, lens_k, Hq, Hk, D, seed = [37, 0, 128, 64], [50, 3, 128, 40], 4, 2, 64, 371
     print(f"seed {seed}")
     cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, Hq, Hk, D, seed)
@@ -126,7 +117,7 @@ def test_varlen_routes_agree_bitwise_and_match_the_reference(monkeypatch):
         return fmha_torch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                  deterministic=True, return_attn_probs=True)
 
-    results = steps(monkeypatch, attention, (q, k, v), dout, (Hq, sum(lens_q)), seed)
+    results = steps(attention, (q, k, v), dout, (Hq, sum(lens_q)), seed)
     for route in ("registered ops", "compiled"):
         assert_bitwise_equal(route, results[route], results["eager"])
     out, lse, dq, dk, dv = results["eager"]
