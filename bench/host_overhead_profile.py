@@ -271,6 +271,13 @@ def array_pieces(n: int) -> dict:
             "describe 5 cupy arrays, interface": host_us_per_call(lambda: by_interface(five, address, 5, 0), n)}
 
 
+def print_profile(call, n: int) -> None:
+    """A cProfile of n calls of `call`, the functions that spent most time first."""
+    profile = cProfile.Profile()
+    profile.runcall(host_us_per_call, call, n)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true",
@@ -288,9 +295,7 @@ def main():
         table = calls(args.gpu)
         hits = fmha_rt.plan_cache_info()["hits"]
         if args.profile:
-            profile = cProfile.Profile()
-            profile.runcall(host_us_per_call, table[args.profile], args.calls)
-            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            print_profile(table[args.profile], args.calls)
             return
         sync, batch = (torch.cuda.synchronize, args.batch) if args.gpu else (None, 0)
         best = dict.fromkeys(table, float("inf"))

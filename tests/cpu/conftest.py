@@ -1,12 +1,13 @@
 """Shared by every CPU test: workspaces the shim kept for a stand-in runtime (fake_gpu.py) are its host
 memory, reached through its callbacks, so they are released while the test's patches keep it alive.
-Also the stand-in runtime and driver of the tests that run calls up to the launch (`rt`, `driver`)."""
+Also the stand-in runtime and driver of the tests that run calls up to the launch (`rt`, `driver`), and
+torch CPU tensors posing as CUDA tensors there (`torch_as_cuda`)."""
 import threading
 
 import pytest
 
 import fmha_rt
-from fmha_rt import launch
+from fmha_rt import arrays, launch
 from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi
 
@@ -60,3 +61,15 @@ def rt(monkeypatch):
 @pytest.fixture
 def driver(monkeypatch, rt):
     return Driver(monkeypatch)
+
+
+@pytest.fixture
+def torch_as_cuda(monkeypatch):
+    """torch CPU tensors read as CUDA tensors by the validating path (the stand-in's GPU arrays)."""
+    as_cuda = arrays.TorchView.__init__
+
+    def cuda_view(self, t):
+        as_cuda(self, t)
+        self.device_type = "cuda"
+
+    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, arrays, executor, launch, plan_cache, portable_plan
+from fmha_rt import api, executor, launch, plan_cache, portable_plan
 from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi, lib
 from fmha_rt.errors import DriverError, FmhaTypeError, FmhaValueError
@@ -38,18 +38,6 @@ def two_launch_backward(monkeypatch):
     one (dQ, then dK/dV: patched pointers in two launches, logging, per-stream buffers), except
     test_one_launch_backward_hit_launches_what_an_uncached_call_launches, which sets the limit back."""
     monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)
-
-
-@pytest.fixture
-def torch_as_cuda(monkeypatch):
-    """torch CPU tensors read as CUDA tensors by the validating path (the stand-in's GPU arrays)."""
-    as_cuda = arrays.TorchView.__init__
-
-    def cuda_view(self, t):
-        as_cuda(self, t)
-        self.device_type = "cuda"
-
-    monkeypatch.setattr(arrays.TorchView, "__init__", cuda_view)
 
 
 def unpack(key, packed):

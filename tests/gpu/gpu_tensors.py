@@ -1,5 +1,6 @@
 """Tensor helpers shared by the GPU tests: seeded generators that print their seed, fresh random inputs,
-NaN-poisoned outputs, float64 copies, raw-bit comparison and a float64 attention computed on the GPU."""
+NaN-poisoned outputs (given, or blocks left in torch's caching allocator for what the torch adapter
+allocates), float64 copies, raw-bit comparison and a float64 attention computed on the GPU."""
 import itertools
 import math
 import zlib
@@ -80,3 +81,20 @@ def varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed, dtype=torch.
     q, k, v = rand((tq, heads_q, head_dim), dtype, gen), rand((tk, heads_k, head_dim), dtype, gen), \
         rand((tk, heads_k, head_dim), dtype, gen)
     return cu_q, cu_k, q, k, v, rand((tq, heads_q, head_dim), dtype, gen)
+
+
+def poison_allocator(*specs):
+    """Leave NaN-filled blocks of these (shape, dtype) sizes in torch's caching allocator, which hands
+    a freed block of the requested size back first: the adapter's next allocations of these sizes
+    start as NaN. Best effort (other allocations may take a block), which the reference check backs."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in specs]
+    del blocks
+
+
+def poison_for(q, k, v, lse_shape):
+    """poison_allocator for what fmha_rt.torch allocates in a step on q, k, v: out, lse, dq, dk, dv."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    poison_allocator((out_shape, q.dtype), (lse_shape, torch.float32), (q.shape, q.dtype), (k.shape, k.dtype),
+                     (v.shape, v.dtype))

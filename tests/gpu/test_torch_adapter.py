@@ -19,7 +19,7 @@ from error_bounds import assert_close, assert_lse_close
 from fmha_rt import reference
 from fmha_rt import torch as fmha_torch
 from fmha_rt.torch import flash_attn_func, flash_attn_varlen_func
-from gpu_tensors import differing_bits, f64, generator
+from gpu_tensors import differing_bits, f64, generator, poison_for
 
 
 def rand(shape, gen, dtype=torch.bfloat16, requires_grad=False):
@@ -27,20 +27,6 @@ def rand(shape, gen, dtype=torch.bfloat16, requires_grad=False):
     return x.requires_grad_(requires_grad)
 
 
-def poison_allocator(*specs):
-    """Leave NaN-filled blocks of these (shape, dtype) sizes in torch's caching allocator, which hands
-    a freed block of the requested size back first: the adapter's next allocations of these sizes
-    start as NaN. Best effort (other allocations may take a block), which the reference check backs."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in specs]
-    del blocks
-
-
-def poison_for(q, k, v, lse_shape):
-    out_shape = (*q.shape[:-1], v.shape[-1])
-    poison_allocator((out_shape, q.dtype), (lse_shape, torch.float32), (q.shape, q.dtype), (k.shape, k.dtype),
-                     (v.shape, v.dtype))
 
 
 # name, B, Sq, Sk, Hq, Hk, D, Dv, options

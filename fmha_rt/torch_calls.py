@@ -1,0 +1,93 @@
+"""The fmha_rt calls behind fmha_rt.torch, on torch tensors: one forward and one backward that both of
+the adapter's routes run (the registered ops' implementations, which compiled graphs call, and the
+eager autograd function of torch_eager.py), so that the two launch the same kernels on the same
+arguments and give bitwise-equal results.
+
+Arguments come as the ops take them: tensors first (batch inputs pass None cu_seqlens, and max_seqlen_*
+are then unused), then the scalars, with the mask as bottom-right window sides. Outputs, the backward's
+workspace and contiguous copies of inputs whose last dim is not contiguous come from torch's caching
+allocator, and every launch goes on torch's current stream of q's device: nothing synchronises the
+host, so both calls can be captured in a CUDA graph. Tensors that require grad are passed as they are:
+fmha_rt reads a plain torch tensor from its attributes (through DLPack's C exchange API), which
+autograd does not guard.
+"""
+import torch
+
+from .api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd
+from .packing import Pointer
+
+
+class caching_workspace:  # noqa: N801 - used like a function: mha_bwd(..., workspace_alloc=caching_workspace(dev))
+    """A workspace_alloc for one mha_bwd call on torch tensors: the workspace comes from torch's caching
+    allocator on the current stream (so the call can be captured in a CUDA graph) and is handed over as
+    its address, which spares the call importing and checking a tensor it made itself. The tensor is
+    held by this object: keep it until the call returns (the launches are queued by then, and torch
+    reuses the memory stream-ordered after that)."""
+
+    __slots__ = ("device", "held")
+
+    def __init__(self, device):
+        self.device, self.held = device, None
+
+    def __call__(self, nbytes: int, zero_init: bool) -> Pointer:  # fmha_rt zeroes what must start at zero
+        self.held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return Pointer(self.held.data_ptr())
+
+
+def lse_shape(q, varlen: bool) -> tuple:
+    """lse's shape: [B, Hq, Sq] of a batch q [B, Sq, Hq, D], [Hq, total_q] of a varlen q [total_q, Hq, D]."""
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def out_shape(q, v) -> tuple:
+    return (*q.shape[:-1], v.shape[-1])
+
+
+def _last_dim_contiguous(x):
+    """x, or a copy contiguous in the last dim, which the kernels need: gradients such as the ones of
+    `out.sum()` arrive with zero strides."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def _stream(t) -> int | None:
+    """The handle of torch's current stream on t's device, where the launches belong (read without
+    making a torch Stream object). Tensors not on a GPU go on to fmha_rt with no stream, so that its
+    error names the argument."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device()) if t.is_cuda else None
+
+
+def _options(softmax_scale, window_left, window_right, alibi_slopes, dropout_p, rng_state, stream) -> dict:
+    return dict(softmax_scale=softmax_scale, window=(window_left, window_right), causal_alignment="bottom_right",
+                alibi_slopes=_last_dim_contiguous(alibi_slopes), dropout_p=dropout_p,
+                seed=rng_state if dropout_p > 0 else None, stream=stream)
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window_left, window_right, dropout_p):
+    """Attention forward -> (out, lse)."""
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    varlen = cu_seqlens_q is not None
+    out = q.new_empty(out_shape(q, v))
+    lse = q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
+    options = _options(softmax_scale, window_left, window_right, alibi_slopes, dropout_p, rng_state, _stream(q))
+    if varlen:
+        mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out=out, lse=lse, **options)
+    else:
+        mha_fwd(q, k, v, out=out, lse=lse, **options)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
+             max_seqlen_k, softmax_scale, window_left, window_right, dropout_p, deterministic):
+    """Attention backward -> (dq, dk, dv), with the forward's options."""
+    dout, q, k, v, out, lse = (_last_dim_contiguous(x) for x in (dout, q, k, v, out, lse))
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    options = _options(softmax_scale, window_left, window_right, alibi_slopes, dropout_p, rng_state, _stream(q))
+    workspace = caching_workspace(q.device)  # alive until the launches are queued
+    if cu_seqlens_q is not None:
+        mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace_alloc=workspace, **options)
+    else:
+        mha_bwd(dout, q, k, v, out, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace_alloc=workspace,
+                **options)
+    return dq, dk, dv
