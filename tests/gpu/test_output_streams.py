@@ -6,7 +6,8 @@ Values are then checked against the float64 reference, so a block handed out ear
 overwritten results too."""
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")  # before gpu_tensors, which needs it too
 
 import fmha_rt
 from fmha_rt import reference
