@@ -31,7 +31,9 @@ class InterfaceView(StridedSpan):
 
 
 def offers_only_the_interface(obj) -> bool:
-    return hasattr(obj, "__cuda_array_interface__") and not hasattr(obj, "__dlpack__")
+    """Whether `obj` has the interface and no DLPack. DLPack is asked first: reading the interface may
+    run the producer's code (a property), which a DLPack producer's call must not."""
+    return not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__")
 
 
 def import_interface(obj, *, stream: int, name: str = "array") -> InterfaceView:
