@@ -64,9 +64,18 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
+    import pathlib
+
+    from .portable_plan import SIGNATURES
+    from .registry import SCRATCH_POINTERS, registry
+    from .source_check import check_sources
+
     lines, ok = registry_report()
-    print(*lines, sep="\n")
-    return 0 if ok else 1
+    kernels = registry().entries.values() if ok else ()
+    source_lines, sources_ok = check_sources(pathlib.Path(__file__).resolve().parent.parent, kernels, SIGNATURES,
+                                             SCRATCH_POINTERS)
+    print(*lines, *source_lines, sep="\n")
+    return 0 if ok and sources_ok else 1
 
 
 def cmd_selftest(args) -> int:
@@ -98,7 +107,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("quickstart", help="what works here; on a GPU the self-test and one real problem, timed")
     p.add_argument("--device", type=int, default=0)
     sub.add_parser("info", help="backend, devices, code objects and ABI checks")
-    sub.add_parser("check", help="verify every code object against the manifest (sha256, layout, arch)")
+    sub.add_parser("check", help="verify every code object against the manifest (sha256, layout, arch), and the "
+                   "shim calls, launch-program constants and planned kernel signatures against header and manifest")
     p = sub.add_parser("selftest", help="correctness sweep on the local GPU against the float64 reference")
     p.add_argument("--device", type=int, default=0)
     sub.add_parser("bench", help="benchmark against the peers (see `fmha-rt bench --help`)")
