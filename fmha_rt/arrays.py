@@ -9,6 +9,7 @@ import sys
 
 from . import backend, launch
 from .buffers import DeviceBuffer
+from .cuda_array_interface import import_interface, offers_only_the_interface
 from .dlpack import StridedSpan, import_array
 from .errors import FmhaTypeError, FmhaValueError
 from .packing import Pointer
@@ -62,8 +63,8 @@ def _is_plain_torch_tensor(obj) -> bool:
 
 
 class Arg:
-    """One imported array: its view (DLPack's, or a torch tensor's own attributes) and the pointer the
-    kernels get."""
+    """One imported array: its view (DLPack's, a torch tensor's own attributes, or the CUDA Array
+    Interface's for an object that offers nothing else) and the pointer the kernels get."""
 
     __slots__ = ("name", "view", "pointer", "source", "_span")
 
@@ -71,6 +72,8 @@ class Arg:
         self.name, self.source, self._span = name, obj, None
         if _is_plain_torch_tensor(obj):
             self.view = TorchView(obj)
+        elif offers_only_the_interface(obj):
+            self.view = import_interface(obj, stream=stream, name=name)
         elif (device := _gpu_device_of(obj)) is not None:
             # frameworks export only from their current device: make the array's device current
             with backend.device_scope(device):

@@ -175,8 +175,8 @@ def import_array(obj, *, stream=None, name="array"):
     (the legacy default stream). `name` is the argument's name in error messages.
     """
     if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
-        raise FmhaTypeError(f"{name} must support DLPack (__dlpack__ and __dlpack_device__); "
-                            f"got {type(obj).__qualname__}")
+        raise FmhaTypeError(f"{name} must support DLPack (__dlpack__ and __dlpack_device__) or the CUDA Array "
+                            f"Interface (__cuda_array_interface__); got {type(obj).__qualname__}")
     device_code, _ = obj.__dlpack_device__()
     device_type = DEVICE_TYPES.get(int(device_code))
     dlpack_stream = None if stream is None else dlpack_stream_arg(stream, device_type)

@@ -1,7 +1,9 @@
 """Shared by every CPU test: workspaces the shim kept for a stand-in runtime (fake_gpu.py) are its host
 memory, reached through its callbacks, so they are released while the test's patches keep it alive.
-Also the stand-in runtime and driver of the tests that run calls up to the launch (`rt`, `driver`), and
-torch CPU tensors posing as CUDA tensors there (`torch_as_cuda`)."""
+Also the stand-in runtime and driver of the tests that run calls up to the launch (`rt`, `driver`), torch
+CPU tensors posing as CUDA tensors there (`torch_as_cuda`), and, with FMHA_RT_TESTS_NEED_ALL_PACKAGES set
+(tools/test.sh), a failure for every test or test file that would skip because a package is missing."""
+import os
 import threading
 
 import pytest
@@ -12,6 +14,34 @@ from fmha_rt import registry as registry_module
 from fmha_rt.backend import ffi
 
 from fake_gpu import StandInRuntime
+
+
+MISSING_PACKAGE = "could not import"  # how pytest.importorskip words its skip
+_missing_package_skips = []  # (where, why) of every skip for a missing package
+
+
+def _note_missing_package(report):
+    why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if report.skipped and MISSING_PACKAGE in why:
+        _missing_package_skips.append((report.nodeid or report.fspath, why))
+
+
+def pytest_collectreport(report):
+    _note_missing_package(report)
+
+
+def pytest_runtest_logreport(report):
+    _note_missing_package(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for where, why in _missing_package_skips:
+        terminalreporter.write_line(f"skipped for a missing package: {where}: {why}")
+
+
+def pytest_sessionfinish(session):
+    if os.environ.get("FMHA_RT_TESTS_NEED_ALL_PACKAGES") and _missing_package_skips:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)
