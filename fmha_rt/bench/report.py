@@ -200,8 +200,9 @@ def _headline_section(rows):
     return [f"## {SUBJECT} over the best peer at each point", "",
             f"Speed of {SUBJECT} over the fastest peer that passed the correctness check at that point, in the"
             " same run: the median over rounds of each round's ratio (peer ms / fmha_rt ms; above 1: fmha_rt is"
-            " faster), [lowest-highest round], and the verdict: parity where the rounds' ratios straddle 1 or the"
-            " median is within the round-to-round noise of 1.", ""] + counts + [""] + \
+            " faster), [lowest-highest round], and the verdict: parity where the middle half of the rounds' ratios"
+            " (first to third quartile) straddles 1 or the median is within the round-to-round noise of 1"
+            " (interquartile).", ""] + counts + [""] + \
         _table(["pass", "dtype", "kind", "B", "Hq/Hk", "S", "D", "causal", "best peer", f"{SUBJECT} ms",
                 "peer ms", f"{SUBJECT} / best peer"], body) + [""]
 

@@ -6,9 +6,11 @@ those per-round ratios, with their lowest and highest as its spread. Ratios of f
 let alone different runs, are never formed: rows pair only when they carry the same run (the "run" a merged
 record gives each row; none in a single run's record) and the same number of rounds.
 
-Verdict. The round-to-round noise of a row is its rounds' range over their median; a comparison's noise is
-the larger of its two rows'. A comparison whose per-round ratios straddle 1.0, or whose median is within the
-noise of 1.0, is "parity"; otherwise "faster" or "slower".
+Verdict. The round-to-round noise of a row is the interquartile range of its round medians over their median;
+a comparison's noise is the larger of its two rows'. A comparison whose middle half of per-round ratios (first
+to third quartile) straddles 1.0, or whose median is within the noise of 1.0, is "parity"; otherwise "faster"
+or "slower". Quartiles rather than the extremes, so that one disturbed round neither makes nor hides a
+difference; the spread shown is still the lowest and highest round.
 
 Only rows that passed the correctness gate (correctness.py) and were timed take part; a peer's row of the
 same pass is the only counterpart (a peer without a deterministic mode has no bwd_det row to compare). The
@@ -44,10 +46,19 @@ def round_ms(row):
     return row.get("round_ms") or [row["ms"]]
 
 
+def quartiles(values):
+    """(first, third) quartile of values, the extremes' inclusive interpolation; (v, v) for a single value."""
+    if len(values) < 2:
+        return values[0], values[0]
+    first, _, third = statistics.quantiles(values, n=4, method="inclusive")
+    return first, third
+
+
 def noise(row):
-    """The relative range of a row's round medians (0 with a single round)."""
+    """The interquartile range of a row's round medians over their median (0 with a single round)."""
     values = round_ms(row)
-    return (max(values) - min(values)) / statistics.median(values)
+    first, third = quartiles(values)
+    return (third - first) / statistics.median(values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +93,7 @@ class Comparison:
 
     @property
     def verdict(self):
-        low, high = self.spread
+        low, high = quartiles(self.round_ratios)
         if low <= 1.0 <= high or abs(self.ratio - 1.0) <= self.noise:
             return "parity"
         return "faster" if self.ratio > 1.0 else "slower"
