@@ -10,8 +10,8 @@ from .api import (BwdLauncher, bwd_workspace_bytes, clear_plan_cache, mha_bwd, m
                   mha_varlen_bwd, mha_varlen_fwd, plan_cache_info, release_workspaces)
 from .errors import (DriverError, FmhaError, FmhaNotImplementedError, FmhaRuntimeError, FmhaTypeError,
                      FmhaValueError)
-from .executor import last_launch_info
-from .packing import Pointer
+from .runtime.executor import last_launch_info
+from .runtime.packing import Pointer
 
 __all__ = ["mha_fwd", "mha_bwd", "mha_varlen_fwd", "mha_varlen_bwd", "mha_dropout_mask", "BwdLauncher",
            "bwd_workspace_bytes", "last_launch_info", "clear_plan_cache", "plan_cache_info", "release_workspaces", "Pointer",

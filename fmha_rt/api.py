@@ -17,16 +17,18 @@ import dataclasses
 
 import numpy as np
 
-from . import backend, dispatch, executor, head_padding, plan_cache, portable_plan
+from .runtime import backend, executor
+from .plan import dispatch, head_padding, portable
+from .replay import plan_cache
 from .arrays import (ATTN_DTYPES, Arg, acquire_workspace, allocate_like, check_overlap, check_shape, finish_outputs,
                      framework, gpu_array, signatures)
-from .buffers import DeviceBuffer
+from .runtime.buffers import DeviceBuffer
 from .errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
-from .launch import Ready
-from .packing import Pointer
-from .problem import AttentionProblem
-from .registry import registry
-from .streams import stream_handle
+from .runtime.kernel_launch import Ready
+from .runtime.packing import Pointer
+from .plan.problem import AttentionProblem
+from .runtime.registry import registry
+from .runtime.streams import stream_handle
 
 INT32_LIMIT = 2**31  # lengths, window sides and small strides reach the kernels as int32
 
@@ -346,7 +348,7 @@ def _outputs(call: _Call, specs, inputs):
 
 
 def carve(scratch, buf, tensors: dict) -> None:
-    """Put the regions of `scratch` (portable_plan.Scratch: a forward's padding scratch or a backward's
+    """Put the regions of `scratch` (portable.Scratch: a forward's padding scratch or a backward's
     workspace) into the call's tensors, as addresses inside `buf` (None when there are no bytes)."""
     base = buf.pointer.address if buf is not None else 0
     for region in scratch.regions:
@@ -753,5 +755,5 @@ def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
     p = call.problem
     (mask_arr,), _ = _outputs(call, [("mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8")],
                               call.inputs)
-    executor.run(call.device, call.arch, _with_work(portable_plan.plan_dropout_mask(p, call.arch, call.tensors)), handle)
+    executor.run(call.device, call.arch, _with_work(portable.plan_dropout_mask(p, call.arch, call.tensors)), handle)
     return finish_outputs(call.template, (mask_arr,), handle)[0]

@@ -9,9 +9,9 @@ from . import __version__
 
 
 def _registry_lines():
-    from .abi_check import check_all
+    from .runtime.abi_check import check_all
     from .errors import FmhaError
-    from .registry import registry, search_paths
+    from .runtime.registry import registry, search_paths
 
     try:
         reg = registry()
@@ -31,7 +31,7 @@ def _registry_lines():
 
 
 def cmd_info(args) -> int:
-    from . import backend
+    from .runtime import backend
     from .errors import FmhaError
 
     print(f"fmha_rt {__version__}")
@@ -49,7 +49,7 @@ def cmd_info(args) -> int:
     lines, ok = _registry_lines()
     print(*lines, sep="\n")
     if rt is not None and rt.devices:
-        from .registry import registry
+        from .runtime.registry import registry
 
         try:
             reg = registry()

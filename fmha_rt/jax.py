@@ -8,7 +8,7 @@
 
 How it runs. Shapes are static under jit, so when a call is traced fmha_rt validates it, plans its
 kernels for the GPU's arch and packs their arguments with placeholder pointers into a launch program
-(fmha_rt.launch_program), which becomes an attribute of an XLA custom call. When XLA runs the call, the
+(fmha_rt.replay.xla_program), which becomes an attribute of an XLA custom call. When XLA runs the call, the
 shim's FFI handler (fmha_rt/xla_ffi.c) writes the buffers' addresses into the packed arguments and
 launches on XLA's stream and device: no Python runs then, and the GIL is never taken. The backward is
 a second custom call, through jax.custom_vjp. A call's workspace is an extra result (XLA allocates it;
@@ -39,7 +39,7 @@ the instances one after another (jax.lax.map), each with its own key.
 Semantics follow mha_fwd: masks align top-left unless causal_alignment="bottom_right" (as in
 jax.nn.dot_product_attention); window=(left, right) with -1 for unbounded; softmax_scale defaults to
 1/sqrt(D). The backward is bitwise repeatable unless deterministic=False meets the v3 family's backward
-(FMHA_RT_V3=1, fmha_rt/v3_plan.py), whose dQ additions come in varying order. Head dims that
+(FMHA_RT_V3=1, fmha_rt/v3.py), whose dQ additions come in varying order. Head dims that
 are not multiples of 8 are zero-padded around the custom calls (_padded_head_dims), whose programs
 carry no padding copies.
 """
@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import backend, launch_program
+from .runtime import backend
+from .replay import xla_program
 from .api import (
     INT32_LIMIT,
     MaskSpec,
@@ -67,15 +68,15 @@ from .api import (
     resolve_mask,
 )
 from .arrays import ATTN_DTYPES
-from .backend import ffi, lib
+from .runtime.backend import ffi, lib
 from .errors import (
     FmhaNotImplementedError,
     FmhaRuntimeError,
     FmhaTypeError,
     FmhaValueError,
 )
-from .problem import AttentionProblem
-from .registry import registry
+from .plan.problem import AttentionProblem
+from .runtime.registry import registry
 
 __all__ = ["flash_attention", "flash_attention_varlen", "handler_built", "philox_seed_offset", "register_targets"]
 
@@ -319,7 +320,7 @@ def _philox_words(key):
     """The dropout's Philox [seed, offset] drawn from `key`: two int64 as their four little-endian uint32
     words [seed low, seed high, offset low, offset high], the operand both custom calls take (uint32, so
     that no int64 array, and no jax_enable_x64, is needed)."""
-    bits = jax.random.bits(key, (launch_program.PHILOX_WORDS,), jnp.uint32)
+    bits = jax.random.bits(key, (xla_program.PHILOX_WORDS,), jnp.uint32)
     return bits & jnp.array(_PHILOX_MASKS, jnp.uint32)
 
 
@@ -340,7 +341,7 @@ def philox_seed_offset(dropout_rng) -> tuple[int, int]:
 @functools.lru_cache(maxsize=512)
 def _program(kind: str, problem: AttentionProblem, arch: str):
     """(launch program, its int64 words) of one call, planned once per problem and arch."""
-    build = launch_program.backward if kind.endswith("bwd") else launch_program.forward
+    build = xla_program.backward if kind.endswith("bwd") else xla_program.forward
     program = build(problem, arch)
     _register_images(program, arch)
     words = program.encode()

@@ -32,7 +32,7 @@ import torch
 
 from .api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd, resolve_mask
 from .errors import FmhaValueError
-from .packing import Pointer
+from .runtime.packing import Pointer
 
 __all__ = ["caching_workspace", "flash_attn_func", "flash_attn_varlen_func", "last_dropout_state"]
 

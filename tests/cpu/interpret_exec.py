@@ -15,7 +15,7 @@ import traceback
 import torch
 import torch.multiprocessing
 
-from fmha_rt import portable_plan as pp
+from fmha_rt.plan import portable as pp
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, backend, executor, portable_plan
-from fmha_rt.dlpack import DLPackExporter
+from fmha_rt import api
+from fmha_rt.runtime import backend, executor
+from fmha_rt.plan import portable
+from fmha_rt.runtime.dlpack import DLPackExporter
 from fmha_rt.errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
 
 NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
@@ -166,7 +168,7 @@ def _bwd_ws(alloc):
     """A backward with workspace_alloc on a problem past SINGLE_MAX_SCORES: the one-launch backward of
     smaller ones needs no workspace and never calls it."""
     q, k, v = qkv(B=1, Sq=1024, Sk=1024)
-    assert 4 * 1024 * 1024 > portable_plan.SINGLE_MAX_SCORES
+    assert 4 * 1024 * 1024 > portable.SINGLE_MAX_SCORES
     out, lse = FakeGpuArray(q.shape), FakeGpuArray((1, 4, 1024), "float32")
     return fmha_rt.mha_bwd(FakeGpuArray(out.shape), q, k, v, out, lse, dq=FakeGpuArray(q.shape),
                            dk=FakeGpuArray(k.shape), dv=FakeGpuArray(v.shape), workspace_alloc=alloc)
@@ -228,10 +230,10 @@ def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     q, k, v = qkv(B=3, Sq=100, Sk=64, Hq=4, Hk=4)
     bias = FakeGpuArray((1, 1, 100, 64))
     ds_bytes = 3 * 4 * 100 * 64 * 4  # dS, fp32 [B, Hq, Sq, ceil8(Sk)], zeroed
-    assert 3 * 4 * 100 * 64 <= portable_plan.SINGLE_MAX_SCORES
+    assert 3 * 4 * 100 * 64 <= portable.SINGLE_MAX_SCORES
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 0
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 0
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 104 * 4 // 256) * 256 == 10240
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 10240
     # a tensor bias with gradient adds dS (the one-launch backward takes no bias)

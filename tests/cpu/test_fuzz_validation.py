@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import fmha_rt
-from fmha_rt import executor
-from fmha_rt import registry as registry_module
+from fmha_rt.runtime import executor
+from fmha_rt.runtime import registry as registry_module
 from fmha_rt.errors import FmhaError
-from fmha_rt.packing import NULL, Pointer
-from fmha_rt.portable_plan import MAX_GRID_YZ
+from fmha_rt.runtime.packing import NULL, Pointer
+from fmha_rt.plan.portable import MAX_GRID_YZ
 
 from fake_gpu import FakeGpuArray, StandInRuntime
 

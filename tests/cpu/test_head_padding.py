@@ -1,6 +1,6 @@
 """Head dims that are not multiples of 8: the padding copies alone under the CPU interpreter, their
 planning (workspace and forward-scratch regions), the alignment rule their arguments follow, and the
-runtime's integration (fmha_rt/head_padding.py).
+runtime's integration (fmha_rt/plan/head_padding.py).
 
 Attention through the padding (pad -> forward/backward -> unpad against the float64 reference) runs in
 test_portable_kernels.py, whose cases include padded head dims. Inputs are fp16 (the interpreter
@@ -12,12 +12,13 @@ import interpret_exec as ie
 import pytest
 import torch
 
-from fmha_rt import executor, head_padding
-from fmha_rt import portable_plan as pp
-from fmha_rt import registry as registry_module
+from fmha_rt.runtime import executor
+from fmha_rt.plan import head_padding
+from fmha_rt.plan import portable as pp
+from fmha_rt.runtime import registry as registry_module
 from fmha_rt.errors import FmhaValueError
-from fmha_rt.packing import Pointer
-from fmha_rt.problem import AttentionProblem
+from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.problem import AttentionProblem
 
 SENTINEL = 777.0  # fp16-exact: memory a copy must not touch
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import interpret_exec as ie
-from fmha_rt import portable_plan as pp
+from fmha_rt.plan import portable as pp
 from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
-from fmha_rt.problem import BIAS_SHAPES, AttentionProblem
+from fmha_rt.plan.problem import BIAS_SHAPES, AttentionProblem
 from fmha_rt.reference import mha_bwd_ref, mha_fwd_ref, mha_varlen_bwd_ref, mha_varlen_fwd_ref, rel_err
 
 TOL = 5e-3  # fp16 inputs, fp32 accumulation: observed errors are ~3e-4
@@ -541,7 +541,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
-from fmha_rt import portable_plan as pp
+from fmha_rt.plan import portable as pp
 
 def attrs(sig):
     out = {}

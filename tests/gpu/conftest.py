@@ -1,7 +1,7 @@
 """GPU tests: they run wherever a GPU is visible and skip, saying why, only where none is."""
 import pytest
 
-from fmha_rt import backend
+from fmha_rt.runtime import backend
 from fmha_rt.errors import FmhaError
 
 

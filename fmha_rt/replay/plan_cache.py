@@ -32,14 +32,14 @@ import operator
 import struct
 import threading
 
-from . import backend, executor
-from . import launch as launch_module
-from .arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
-from .backend import ffi, lib
-from .errors import FmhaError, FmhaRuntimeError, FmhaValueError
-from .launch import Ready
-from .packing import NULL, Pointer
-from .registry import SCRATCH_POINTERS
+from ..runtime import backend, executor
+from ..runtime import kernel_launch
+from ..arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
+from ..runtime.backend import ffi, lib
+from ..errors import FmhaError, FmhaRuntimeError, FmhaValueError
+from ..runtime.kernel_launch import Ready
+from ..runtime.packing import NULL, Pointer
+from ..runtime.registry import SCRATCH_POINTERS
 
 DEFAULT_CAPACITY = 256
 _SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
@@ -210,7 +210,7 @@ class ReplayProgram:
     def __init__(self, device: int, templates, index: dict, overlaps, fills, workspace_bytes: int):
         self.templates = [ffi.new("char[]", t.packed) for t in templates]
         self.launches = ffi.new("fmha_launch_config[]", [{
-            "kernel": launch_module.kernel_handle(device, t.entry), "grid": t.grid, "block": (t.entry.threads, 1, 1),
+            "kernel": kernel_launch.kernel_handle(device, t.entry), "grid": t.grid, "block": (t.entry.threads, 1, 1),
             "dynamic_shared_bytes": t.entry.shared, "args": args, "args_size": len(t.packed)}
             for t, args in zip(templates, self.templates)] or 1)
         self.patches = ffi.new("fmha_replay_patch[]", [
@@ -271,7 +271,7 @@ class CallPlan:
     def launch(self, values, stream: int, allocate: bool, failed) -> None:
         """The C replay of this plan with a call's value array on `stream`; `allocate`: it takes fmha_rt's
         own workspace; `failed`: a size_t * for what a refused replay names."""
-        status = lib.fmha_replay(self.program, launch_module.REPLAY_OPS, values, stream, allocate, failed)
+        status = lib.fmha_replay(self.program, kernel_launch.REPLAY_OPS, values, stream, allocate, failed)
         if status:
             self.raise_for(status, failed[0], CallValues(values, self.index))
 
@@ -313,7 +313,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     names: the call's array names in the order the key describes them (their addresses lead every
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
-    layout the backward's workspace layout (portable_plan.Workspace), whose regions the call put into
+    layout the backward's workspace layout (portable.Workspace), whose regions the call put into
     `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
@@ -387,7 +387,7 @@ def replay(plan: CallPlan, objects: tuple, values, failed, stream: int, workspac
         arrays = _allocate_outputs(plan, objects[plan.template_position], arrays, values, stream)
     # fmha_rt's own workspace is taken by the C replay, unless launches are logged (the log shows every
     # address, so the workspace must have one before the replay starts).
-    logged = launch_module.LOG_CONFIG
+    logged = kernel_launch.LOG_CONFIG
     in_replay = bool(plan.workspace_bytes) and workspace_alloc is None and not logged
     # Without a workspace its value stays the 0 signatures wrote: its regions are empty and point at 0, as planned.
     keep_alive = None

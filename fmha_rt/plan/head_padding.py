@@ -1,10 +1,10 @@
-"""Head dims that are not multiples of 8: the runtime's side of portable_plan.plan_head_padding.
+"""Head dims that are not multiples of 8: the runtime's side of portable.plan_head_padding.
 
 The kernels take head dims in units of 8, so such a call runs on zero-padded copies: the inputs are
 widened into scratch buffers before the attention launches and the padded outputs narrowed back into
 the caller's arrays after them. The caller's arrays may have any strides (last dim contiguous) and
 need only be aligned to their element. The forward's buffers are regions of a scratch allocation of
-`fwd_scratch_bytes(problem)` bytes (portable_plan.fwd_scratch), the backward's are regions of its
+`fwd_scratch_bytes(problem)` bytes (portable.fwd_scratch), the backward's are regions of its
 workspace (bwd_workspace); either way the API has put the regions into the call's tensors, like
 the backward's other workspace regions, so that cached calls allocate them in the replay.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import portable_plan
+from . import portable
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,10 @@ class HeadPadding:
 
 def fwd_scratch_bytes(problem) -> int:
     """Scratch bytes a forward of `problem` needs (0 when both head dims are multiples of 8)."""
-    return portable_plan.fwd_scratch(problem).total_bytes
+    return portable.fwd_scratch(problem).total_bytes
 
 
 def for_pass(problem, arch, tensors, pass_name) -> HeadPadding:
     """Padding of a forward ('fwd') or backward ('bwd'); its buffers are the '<name>_padded' regions
     of the forward's scratch or the backward's workspace, which the caller has put into `tensors`."""
-    return HeadPadding(*portable_plan.plan_head_padding(problem, arch, tensors, pass_name))
+    return HeadPadding(*portable.plan_head_padding(problem, arch, tensors, pass_name))

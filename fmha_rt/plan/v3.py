@@ -1,7 +1,7 @@
 """The v3 kernel family (Hopper, written in Gluon: kernels/v3/): which variants exist and which calls
 they serve.
 
-A v3 kernel takes the portable signature of its function (portable_plan.SIGNATURES), so a v3 launch is
+A v3 kernel takes the portable signature of its function (portable.SIGNATURES), so a v3 launch is
 the portable plan's launch with another variant key and grid, plus one argument the portable kernels
 never need: Triton's `global_scratch`, the memory in which each program makes its TMA descriptors
 (GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
@@ -19,7 +19,7 @@ after changing it.
 """
 import os
 
-from . import portable_plan as pp
+from . import portable as pp
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
@@ -83,7 +83,7 @@ def _gluon(variant, function):
 
 
 def variants(arch: str) -> list[dict]:
-    """The v3 variants to build for `arch` (none but on sm_90), in the form of portable_plan.variants,
+    """The v3 variants to build for `arch` (none but on sm_90), in the form of portable.variants,
     with language 'gluon' and the global scratch each program needs."""
     if arch not in ARCHS:
         return []
@@ -138,7 +138,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
 
 
 def fwd_scratch(problem) -> pp.Scratch:
-    """The scratch of a forward the v3 family serves: portable_plan.fwd_scratch's padding regions, then
+    """The scratch of a forward the v3 family serves: portable.fwd_scratch's padding regions, then
     one region for its programs' descriptors."""
     return pp.fwd_scratch(problem, _descriptor_region(GLOBAL_SCRATCH["fmha_fwd"] * _programs(problem), problem))
 
@@ -163,7 +163,7 @@ def bwd_workspace(problem) -> pp.Workspace:
 
 def plan_bwd(problem, tensors) -> list:
     """The launches of a backward the v3 family serves: the portable plan of the atomic strategy with
-    this family's kernels; tensors as portable_plan.plan_bwd's, with the regions of bwd_workspace."""
+    this family's kernels; tensors as portable.plan_bwd's, with the regions of bwd_workspace."""
     pair = pp.head_dim_tiles(problem)
     workspace = bwd_workspace(problem)
     extra = {"global_scratch": tensors.get(DESCRIPTOR_REGION)} if pp.has_work(problem) else {}
@@ -173,7 +173,7 @@ def plan_bwd(problem, tensors) -> list:
 
 
 def plan_fwd(problem, tensors) -> list:
-    """The launch of a forward the v3 family serves; tensors as portable_plan.plan_fwd's, plus the
+    """The launch of a forward the v3 family serves; tensors as portable.plan_fwd's, plus the
     DESCRIPTOR_REGION of fwd_scratch."""
     if not pp.has_work(problem):
         return []

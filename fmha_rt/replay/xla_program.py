@@ -27,12 +27,12 @@ import math
 
 import numpy as np
 
-from . import dispatch, portable_plan
-from .api import _kv_shape, _lse_shape, _out_shape
-from .errors import FmhaValueError
-from .executor import check_alignment, pointer_alignment
-from .packing import NULL, Pointer, pointer_value
-from .registry import SCRATCH_POINTERS, registry
+from ..plan import dispatch, portable
+from ..api import _kv_shape, _lse_shape, _out_shape
+from ..errors import FmhaValueError
+from ..runtime.executor import check_alignment, pointer_alignment
+from ..runtime.packing import NULL, Pointer, pointer_value
+from ..runtime.registry import SCRATCH_POINTERS, registry
 
 MAGIC = int.from_bytes(b"FMHAPRG1", "little")
 FORMAT = 2
@@ -199,7 +199,7 @@ class _Reader:
 
 
 def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()) -> LaunchProgram:
-    """The program of `launches` (portable_plan.Launch, planned with `placeholder` pointers into
+    """The program of `launches` (portable.Launch, planned with `placeholder` pointers into
     `buffers`). Launches with an empty grid are left out (the drivers refuse them); every other one is
     checked and packed exactly as the Python executor would."""
     if len(buffers) > MAX_BUFFERS:
@@ -233,7 +233,7 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
 @dataclasses.dataclass(frozen=True)
 class Planned(_CallBuffers):
     """A call planned with placeholder pointers, before `build` packs it: launches are
-    portable_plan.Launch (every argument by name)."""
+    portable.Launch (every argument by name)."""
 
     def build(self, arch: str) -> LaunchProgram:
         return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)
@@ -264,7 +264,7 @@ def bias_shape(problem) -> tuple:
     pads the bias's rows and cuts the padding off dbias, whose padding columns are never written."""
     p = problem
     return (p.batch if p.bias_shape[0] == "B" else 1, p.heads_q if p.bias_shape[1] == "H" else 1, p.seqlen_q,
-            portable_plan.ceil8(p.seqlen_k))
+            portable.ceil8(p.seqlen_k))
 
 
 PHILOX_WORDS = 4  # the int64 pair [seed, offset] as four little-endian uint32 words: no int64 in JAX needed

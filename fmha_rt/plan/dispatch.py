@@ -1,0 +1,28 @@
+"""Which kernel family runs a call: the v3 family where it serves the problem (v3.serves_fwd and
+serves_bwd), the portable family everywhere else. The forward's scratch buffer and the backward's
+workspace follow the same choice."""
+from . import portable, v3
+
+
+def fwd_scratch(problem, arch) -> portable.Scratch:
+    if v3.serves_fwd(problem, arch):
+        return v3.fwd_scratch(problem)
+    return portable.fwd_scratch(problem)
+
+
+def plan_fwd(problem, arch, tensors) -> list:
+    if v3.serves_fwd(problem, arch):
+        return v3.plan_fwd(problem, tensors)
+    return portable.plan_fwd(problem, arch, tensors)
+
+
+def bwd_workspace(problem, arch, dq_strategy_request=None) -> portable.Workspace:
+    if v3.serves_bwd(problem, arch, dq_strategy_request):
+        return v3.bwd_workspace(problem)
+    return portable.bwd_workspace(problem, arch, dq_strategy_request)
+
+
+def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
+    if v3.serves_bwd(problem, arch, dq_strategy_request):
+        return v3.plan_bwd(problem, tensors)
+    return portable.plan_bwd(problem, arch, tensors, dq_strategy_request)
