@@ -5,7 +5,7 @@ GPU time of mha_bwd with it and with the default multi-launch strategy, side by 
 
 Each point times `--calls` back-to-back cached calls between two CUDA events (so launch gaps count, as
 they do in a model) after a warm-up, median of `--repeats`; bf16, causal off, B*Hq*Sq*Sk from 2^14 to
-2^27. fmha_rt.portable.SINGLE_MAX_SCORES is the largest score count that takes SINGLE by default.
+2^27. fmha_rt.plan.portable.SINGLE_MAX_SCORES is the largest score count that takes SINGLE by default.
 """
 import argparse
 import json

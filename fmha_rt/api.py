@@ -348,7 +348,7 @@ def _outputs(call: _Call, specs, inputs):
 
 
 def carve(scratch, buf, tensors: dict) -> None:
-    """Put the regions of `scratch` (portable.Scratch: a forward's padding scratch or a backward's
+    """Put the regions of `scratch` (layout.Scratch: a forward's padding scratch or a backward's
     workspace) into the call's tensors, as addresses inside `buf` (None when there are no bytes)."""
     base = buf.pointer.address if buf is not None else 0
     for region in scratch.regions:
@@ -397,7 +397,7 @@ def _forward(call: _Call, out, lse, record):
     scratch = dispatch.fwd_scratch(p, call.arch)
     keep_alive, scratch_arg = acquire_workspace(call.device, call.stream, scratch.total_bytes, False, None)
     carve(scratch, scratch_arg, call.tensors)
-    padding = head_padding.for_pass(p, call.arch, call.tensors, "fwd")
+    padding = head_padding.for_pass(p, call.tensors, "fwd")
     attention = dispatch.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
     plan, launches = _recorded(record, call, _with_work(padding.before + attention + padding.after),
                                call.inputs, outputs, scratch_arg, scratch)
@@ -614,7 +614,7 @@ class BwdLauncher:
     def plan(self, tensors: dict) -> list:
         """The launches of this backward on `tensors` (arrays and workspace regions), with the copies
         into and out of zero-padded workspace buffers for head dims that are not multiples of 8."""
-        padding = head_padding.for_pass(self.problem, self.arch, tensors, "bwd")
+        padding = head_padding.for_pass(self.problem, tensors, "bwd")
         attention = dispatch.plan_bwd(self.problem, self.arch, {**tensors, **padding.substitutes})
         return _with_work(padding.before + attention + padding.after)
 

@@ -39,7 +39,7 @@ the instances one after another (jax.lax.map), each with its own key.
 Semantics follow mha_fwd: masks align top-left unless causal_alignment="bottom_right" (as in
 jax.nn.dot_product_attention); window=(left, right) with -1 for unbounded; softmax_scale defaults to
 1/sqrt(D). The backward is bitwise repeatable unless deterministic=False meets the v3 family's backward
-(FMHA_RT_V3=1, fmha_rt/v3.py), whose dQ additions come in varying order. Head dims that
+(FMHA_RT_V3=1, fmha_rt/plan/v3.py), whose dQ additions come in varying order. Head dims that
 are not multiples of 8 are zero-padded around the custom calls (_padded_head_dims), whose programs
 carry no padding copies.
 """

@@ -165,7 +165,7 @@ class FmhaRtAdapter(_Adapter):
 
 
 class FmhaRtV3Adapter(FmhaRtAdapter):
-    """fmha_rt with the v3 family running everything it serves (fmha_rt/v3.py, mode 'all'), beside
+    """fmha_rt with the v3 family running everything it serves (fmha_rt/plan/v3.py, mode 'all'), beside
     the default in one run; no deterministic rows: deterministic calls keep the portable kernels."""
 
     has_deterministic = False

@@ -313,7 +313,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     names: the call's array names in the order the key describes them (their addresses lead every
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
-    layout the backward's workspace layout (portable.Workspace), whose regions the call put into
+    layout the backward's workspace layout (layout.Workspace), whose regions the call put into
     `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}

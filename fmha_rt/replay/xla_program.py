@@ -199,7 +199,7 @@ class _Reader:
 
 
 def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()) -> LaunchProgram:
-    """The program of `launches` (portable.Launch, planned with `placeholder` pointers into
+    """The program of `launches` (args.Launch, planned with `placeholder` pointers into
     `buffers`). Launches with an empty grid are left out (the drivers refuse them); every other one is
     checked and packed exactly as the Python executor would."""
     if len(buffers) > MAX_BUFFERS:
@@ -233,7 +233,7 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
 @dataclasses.dataclass(frozen=True)
 class Planned(_CallBuffers):
     """A call planned with placeholder pointers, before `build` packs it: launches are
-    portable.Launch (every argument by name)."""
+    args.Launch (every argument by name)."""
 
     def build(self, arch: str) -> LaunchProgram:
         return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)

@@ -1,7 +1,7 @@
 """Running a plan's launches on the GPU: look each variant up, check and pack every launch first (so
 that a bad argument raises before anything is written), then launch them in order on one stream.
 
-`run` takes planned launches (portable.Launch: a variant, a grid, arguments by name) or the
+`run` takes planned launches (args.Launch: a variant, a grid, arguments by name) or the
 launches of a cached plan bound to one call (plan_cache.BoundLaunches: packed already, with this call's
 pointers written in and checked for alignment when they were bound). A plan-cache hit that logs nothing
 launches through the C replay directly and notes its kernels here (note_launched)."""

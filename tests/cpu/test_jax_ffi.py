@@ -1098,7 +1098,7 @@ def _run_planned(ie, planned, arch, *operands):
             if isinstance(value, Pointer) and value.address:
                 buffer, offset = xla_program._resolve(value.address, len(buffers), name)
                 args[name] = buffers[buffer][offset:].view(ie._POINTER_DTYPES[signature[name]])
-        launches.append(portable.Launch(launch.variant, launch.grid, args))
+        launches.append(args.Launch(launch.variant, launch.grid, args))
     ie.run([launch for launch in launches if all(launch.grid)], arch)
     return tuple(np.frombuffer(buf.numpy().tobytes(), jnp.dtype(b.dtype)).reshape(b.shape)
                  for b, buf in zip(planned.results, buffers[planned.operands:]))

@@ -10,6 +10,7 @@ import pytest
 import fmha_rt
 from fmha_rt.runtime import backend, executor
 from fmha_rt.plan import dispatch, portable as pp, v3
+from fmha_rt.plan import abi
 from fmha_rt.errors import FmhaValueError
 from fmha_rt.plan.problem import AttentionProblem
 from fmha_rt.runtime.registry import SCRATCH_POINTERS, registry
@@ -40,7 +41,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     assert not set(variants) & {v["key"] for v in pp.variants("sm_90")}
     for key, function in gluon.items():
         v = variants[key]
-        portable = pp.make_variant("k", function, v["traits"]["dtype"], v3.FWD_TILE, {}, {})
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.FWD_TILE, {}, {})
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
         assert v["global_scratch"] == v3.GLOBAL_SCRATCH[function]
@@ -311,8 +312,10 @@ def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
                                                        v3.dkdv_key("bf16", (128, 128)),
                                                        v3.dq_convert_key("bf16", 128)]
-    # the same arguments as the portable plan of the atomic strategy on this workspace
-    portable = pp.plan_bwd(p, "sm_90", tensors, workspace=workspace)
+    # the same arguments as the portable plan of the atomic strategy (built for the interpreter), whose
+    # workspace regions are laid out as the v3 one's before its descriptors
+    portable = pp.plan_bwd(p, pp.INTERPRET_ARCH, tensors, pp.DQ_ATOMIC)
+    assert [r.name for r in pp.bwd_workspace(p, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "lse2", "dq_acc"]
     for launch, twin in zip(launches, portable):
         assert launch.args == {**twin.args, **({"global_scratch": tensors[v3.DESCRIPTOR_REGION]}
                                                if launch.variant.startswith("fmha_bwd_dkdv") else {})}

@@ -1,7 +1,7 @@
 """The v3 family (Hopper, Gluon) through the public API on the GPU, against the float64 reference: its
 forward, and its backward (not deterministic).
 
-The fixture has v3 run everything it serves (fmha_rt/v3.py, mode 'all'); each test checks that
+The fixture has v3 run everything it serves (fmha_rt/plan/v3.py, mode 'all'); each test checks that
 the call really ran in the v3 family. Outputs are poisoned with NaN before a call,
 inputs are fresh random draws, errors are relative (below 1e-2; LSE below 1e-3).
 """
