@@ -51,7 +51,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "cpu")]  # this checkout's fmha_rt, and the stand-in
 
 import fmha_rt
-from fmha_rt import api, arrays
+from fmha_rt import arrays, call_keys
 from fmha_rt.runtime import backend, kernel_launch
 from fmha_rt.replay import plan_cache
 from fmha_rt.runtime import registry as registry_module
@@ -82,7 +82,7 @@ def stand_in():
 
         m.setattr(arrays.TorchView, "__init__", cuda_view)
         m.setattr(kernel_launch, "kernel_handle", lambda device, entry: ffi.NULL)
-        m.setattr(kernel_launch, "_launch", lambda config, stream: 0)
+        m.setattr(kernel_launch, "launch_prepared", lambda config, stream: 0)
         fmha_rt.clear_plan_cache()
         try:
             yield
@@ -218,7 +218,7 @@ class Pieces:
 
     def __init__(self, call):
         self.seen = {}
-        request, replay, launch_plan = api._request, plan_cache.replay, plan_cache.CallPlan.launch
+        request, replay, launch_plan = call_keys.key_request, plan_cache.replay, plan_cache.CallPlan.launch
 
         def catch_request(*args):
             self.seen["request"] = args
@@ -233,20 +233,20 @@ class Pieces:
             return launch_plan(plan, *args)
 
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(api, "_request", catch_request)
+            m.setattr(call_keys, "key_request", catch_request)
             m.setattr(plan_cache, "replay", catch_replay)
             m.setattr(plan_cache.CallPlan, "launch", catch_launch)
             call()
 
     def timings(self, n: int, batch: int = 0, sync=None) -> dict:
         request = self.seen["request"]
-        key = api._request(*request)[0]
+        key = call_keys.key_request(*request)[0]
         runtime = backend.runtime()
         replay = self.seen["replay"]
         plan, launch_args = self.seen["launch"]
         return {
-            "key": host_us_per_call(lambda: api._request(*request), n),
-            "lookup": host_us_per_call(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
+            "key": host_us_per_call(lambda: call_keys.key_request(*request), n),
+            "lookup": host_us_per_call(lambda: call_keys.PLANS.get(key, runtime, registry_module.registry()), n),
             "replay": host_us_per_call(lambda: plan_cache.replay(*replay), n, batch, sync),
             "C replay": host_us_per_call(lambda: plan.launch(*launch_args), n, batch, sync),
         }

@@ -56,15 +56,17 @@ from jax.custom_derivatives import SymbolicZero
 
 from .runtime import backend
 from .replay import xla_program
-from .api import (
+from .validation import (
     INT32_LIMIT,
     MaskSpec,
     alibi_shape_name,
     batch_dims,
     bias_shape_name,
+    check_bool,
     check_dropout_p,
     check_one_score_term,
     check_sizes,
+    check_softmax_scale,
     resolve_mask,
 )
 from .arrays import ATTN_DTYPES
@@ -181,15 +183,9 @@ class _Options:
 def _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate) -> dict:
     """_Options' fields (all but arch and the varlen lengths), validated."""
     mask = resolve_mask(causal, tuple(window) if isinstance(window, list) else window, None, causal_alignment)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise FmhaTypeError(f"softmax_scale must be a Python float or None (it is static under jit), "
-                                f"got {type(softmax_scale).__name__}")
-        if not 0.0 < softmax_scale <= 1e38:  # the kernels take scale * log2(e) as a float32
-            raise FmhaValueError(f"softmax_scale must be in (0, 1e38], got {softmax_scale!r}")
-        softmax_scale = float(softmax_scale)
-    if not isinstance(deterministic, bool):
-        raise FmhaTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_softmax_scale(softmax_scale, "a Python float or None (it is static under jit)")
+    softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    check_bool("deterministic", deterministic)
     if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
         raise FmhaTypeError(f"dropout_rate must be a Python float (it is static under jit), "
                             f"got {type(dropout_rate).__name__}")

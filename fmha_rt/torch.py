@@ -30,9 +30,10 @@ from typing import Optional
 
 import torch
 
-from .api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd, resolve_mask
+from .api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd
 from .errors import FmhaValueError
 from .runtime.packing import Pointer
+from .validation import resolve_mask
 
 __all__ = ["caching_workspace", "flash_attn_func", "flash_attn_varlen_func", "last_dropout_state"]
 

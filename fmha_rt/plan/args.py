@@ -186,3 +186,9 @@ def forward_launch(key, problem, tensors, block_m, extra=None) -> Launch:
     family's kernels take beyond the signature (the v3 kernels' global scratch)."""
     args = ordered(key, "fmha_fwd", forward_args(problem, tensors))
     return Launch(key, launch_grid(cdiv(problem.seqlen_q, block_m), problem), {**args, **(extra or {})})
+
+
+def with_work(launches) -> list:
+    """Launches that have blocks to run: a grid with a zero dimension (no keys, say, so dK and dV are
+    empty) does nothing, and the drivers refuse it."""
+    return [launch for launch in launches if all(launch.grid)]

@@ -39,10 +39,8 @@ from ..runtime.backend import ffi, lib
 from ..errors import FmhaError, FmhaRuntimeError, FmhaValueError
 from ..runtime.kernel_launch import Ready
 from ..runtime.packing import NULL, Pointer
-from ..runtime.registry import SCRATCH_POINTERS
 
 DEFAULT_CAPACITY = 256
-_SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 WORKSPACE = "workspace"  # the value name of the workspace's base address
 # The per-call values that are not a call's array addresses, after those in every call's value array.
 EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
@@ -115,7 +113,7 @@ class LaunchTemplate:
         """`sources`: {slot name: (value name, addend)} for every per-call slot."""
         self.entry, self.variant, self.grid = entry, launch.variant, tuple(int(g) for g in launch.grid)
         self.args = dict(launch.args)
-        args = {**_SCRATCH, **launch.args}
+        args = kernel_launch.with_scratch(launch.args)
         executor.check_alignment(entry, args)  # what stays constant must pass as it would on every call
         self.packed = entry.packer.pack(args)
         self.patches = []
@@ -313,7 +311,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     names: the call's array names in the order the key describes them (their addresses lead every
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
-    layout the backward's workspace layout (layout.Workspace), whose regions the call put into
+    layout the backward's workspace layout (plan.layout.Workspace), whose regions the call put into
     `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}

@@ -27,12 +27,12 @@ import math
 
 import numpy as np
 
-from ..plan import dispatch, portable
-from ..api import _kv_shape, _lse_shape, _out_shape
+from ..plan import dispatch, layout
 from ..errors import FmhaValueError
 from ..runtime.executor import check_alignment, pointer_alignment
 from ..runtime.packing import NULL, Pointer, pointer_value
-from ..runtime.registry import SCRATCH_POINTERS, registry
+from ..runtime.kernel_launch import with_scratch
+from ..runtime.registry import registry
 
 MAGIC = int.from_bytes(b"FMHAPRG1", "little")
 FORMAT = 2
@@ -58,7 +58,7 @@ def placeholder(buffer: int, offset: int = 0) -> Pointer:
     return Pointer((buffer + 1) << _PLACEHOLDER_SHIFT | offset)
 
 
-def _resolve(address: int, buffers: int, where: str) -> tuple[int, int]:
+def resolve_placeholder(address: int, buffers: int, where: str) -> tuple[int, int]:
     buffer, offset = (address >> _PLACEHOLDER_SHIFT) - 1, address & _OFFSET_MASK
     if not 0 <= buffer < buffers:
         raise FmhaValueError(f"{where}: pointer 0x{address:x} is not a placeholder of one of the call's "
@@ -199,7 +199,7 @@ class _Reader:
 
 
 def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()) -> LaunchProgram:
-    """The program of `launches` (args.Launch, planned with `placeholder` pointers into
+    """The program of `launches` (plan.args.Launch, planned with `placeholder` pointers into
     `buffers`). Launches with an empty grid are left out (the drivers refuse them); every other one is
     checked and packed exactly as the Python executor would."""
     if len(buffers) > MAX_BUFFERS:
@@ -210,13 +210,13 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
         if not all(launch.grid):
             continue
         entry = reg.entry(arch, launch.variant)
-        args = {**dict.fromkeys(SCRATCH_POINTERS, NULL), **launch.args}
+        args = with_scratch(launch.args)
         check_alignment(entry, args)
         patches = []
         for slot in entry.params:
             address = pointer_value(slot.name, args[slot.name]) if slot.type == "ptr" else 0
             if address:
-                patches.append(Patch(slot.offset, *_resolve(address, len(buffers), f"{entry.key} {slot.name}"),
+                patches.append(Patch(slot.offset, *resolve_placeholder(address, len(buffers), f"{entry.key} {slot.name}"),
                                      pointer_alignment(entry, slot.name)))
                 args[slot.name] = NULL
         built.append(ProgramLaunch(entry.key, tuple(launch.grid), (entry.threads, 1, 1), entry.shared,
@@ -233,13 +233,13 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
 @dataclasses.dataclass(frozen=True)
 class Planned(_CallBuffers):
     """A call planned with placeholder pointers, before `build` packs it: launches are
-    args.Launch (every argument by name)."""
+    plan.args.Launch (every argument by name)."""
 
     def build(self, arch: str) -> LaunchProgram:
         return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)
 
 
-def _tensors(buffers) -> dict:
+def placeholder_tensors(buffers) -> dict:
     """Plan inputs: each buffer's placeholder and strides, by name."""
     tensors = {}
     for i, b in enumerate(buffers):
@@ -250,9 +250,9 @@ def _tensors(buffers) -> dict:
 
 def _inputs(problem) -> list:
     dtype = ATTENTION_DTYPES[problem.dtype]
-    q_shape = _out_shape(problem, problem.head_dim_qk)
-    buffers = [Buffer("q", q_shape, dtype), Buffer("k", _kv_shape(problem, problem.head_dim_qk), dtype),
-               Buffer("v", _kv_shape(problem, problem.head_dim_v), dtype)]
+    q_shape = problem.query_shape(problem.head_dim_qk)
+    buffers = [Buffer("q", q_shape, dtype), Buffer("k", problem.key_shape(problem.head_dim_qk), dtype),
+               Buffer("v", problem.key_shape(problem.head_dim_v), dtype)]
     if problem.varlen:
         buffers += [Buffer(f"cu_seqlens_{s}", (problem.batch + 1,), "int32") for s in ("q", "k")]
     return buffers
@@ -264,7 +264,7 @@ def bias_shape(problem) -> tuple:
     pads the bias's rows and cuts the padding off dbias, whose padding columns are never written."""
     p = problem
     return (p.batch if p.bias_shape[0] == "B" else 1, p.heads_q if p.bias_shape[1] == "H" else 1, p.seqlen_q,
-            portable.ceil8(p.seqlen_k))
+            layout.ceil8(p.seqlen_k))
 
 
 PHILOX_WORDS = 4  # the int64 pair [seed, offset] as four little-endian uint32 words: no int64 in JAX needed
@@ -316,9 +316,9 @@ def planned_forward(problem, arch: str) -> Planned:
     (uint8)."""
     dtype = ATTENTION_DTYPES[problem.dtype]
     inputs = _inputs(problem) + _score_terms(problem)
-    buffers = inputs + [Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
-                        Buffer("lse", _lse_shape(problem), "float32")]
-    tensors = _tensors(buffers)
+    buffers = inputs + [Buffer("out", problem.query_shape(problem.head_dim_v), dtype),
+                        Buffer("lse", problem.lse_shape(), "float32")]
+    tensors = placeholder_tensors(buffers)
     fills = _workspace_result(buffers, tensors, dispatch.fwd_scratch(problem, arch))
     launches = dispatch.plan_fwd(problem, arch, tensors)
     return Planned(label(problem, "forward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
@@ -331,15 +331,15 @@ def planned_backward(problem, arch: str) -> Planned:
     zeroes."""
     dtype = ATTENTION_DTYPES[problem.dtype]
     q, k, v, *seqlens = _inputs(problem)
-    inputs = [Buffer("dout", _out_shape(problem, problem.head_dim_v), dtype), q, k, v,
-              Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
-              Buffer("lse", _lse_shape(problem), "float32"), *seqlens, *_score_terms(problem)]
-    buffers = inputs + [Buffer("dq", _out_shape(problem, problem.head_dim_qk), dtype),
-                        Buffer("dk", _kv_shape(problem, problem.head_dim_qk), dtype),
-                        Buffer("dv", _kv_shape(problem, problem.head_dim_v), dtype)]
+    inputs = [Buffer("dout", problem.query_shape(problem.head_dim_v), dtype), q, k, v,
+              Buffer("out", problem.query_shape(problem.head_dim_v), dtype),
+              Buffer("lse", problem.lse_shape(), "float32"), *seqlens, *_score_terms(problem)]
+    buffers = inputs + [Buffer("dq", problem.query_shape(problem.head_dim_qk), dtype),
+                        Buffer("dk", problem.key_shape(problem.head_dim_qk), dtype),
+                        Buffer("dv", problem.key_shape(problem.head_dim_v), dtype)]
     if problem.bias_grad:
         buffers.append(Buffer("dbias", bias_shape(problem), dtype))
-    tensors = _tensors(buffers)
+    tensors = placeholder_tensors(buffers)
     fills = _workspace_result(buffers, tensors, dispatch.bwd_workspace(problem, arch))
     launches = dispatch.plan_bwd(problem, arch, tensors)
     return Planned(label(problem, "backward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))

@@ -26,7 +26,7 @@ class Driver:
     def __init__(self, monkeypatch):
         self.kernels, self.launches, self._lock = [], [], threading.Lock()
         monkeypatch.setattr(kernel_launch, "kernel_handle", self.kernel_handle)
-        monkeypatch.setattr(kernel_launch, "_launch", self.launch)
+        monkeypatch.setattr(kernel_launch, "launch_prepared", self.launch)
 
     def kernel_handle(self, device, entry):
         with self._lock:

@@ -158,7 +158,7 @@ class StandInRuntime:
 
     def _replay_ops(self):
         """The cached plans' C replay calls back into Python for its launches, memsets, workspace and
-        capture queries: launches go to kernel_launch._launch (which tests replace to record them), the rest to
+        capture queries: launches go to kernel_launch.launch_prepared (which tests replace to record them), the rest to
         this stand-in."""
         def failed(exc_type, exc, tb):
             self.callback_errors.append(exc)
@@ -166,7 +166,7 @@ class StandInRuntime:
 
         @ffi.callback("int(fmha_launch_config *, uint64_t)", onerror=failed)
         def replay_launch(config, stream):
-            return kernel_launch._launch(config, stream)
+            return kernel_launch.launch_prepared(config, stream)
 
         @ffi.callback("int(int, uint64_t, unsigned char, size_t, uint64_t)", onerror=failed)
         def replay_memset(device, ptr, value, nbytes, stream):
@@ -227,7 +227,7 @@ class StandInRuntime:
                 failed_node[0] = 0
                 return 1
             for i in range(count):  # the nodes, in order, as the launches a test's executor sees
-                status = kernel_launch._launch(launches[i], stream)
+                status = kernel_launch.launch_prepared(launches[i], stream)
                 if status:
                     failed_node[0] = i
                     return status

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api
+from fmha_rt.arrays import Arg
+from fmha_rt.call import HostSeqlens
+from fmha_rt.validation import resolve_mask
 from fmha_rt.runtime import backend, executor
 from fmha_rt.plan import portable
 from fmha_rt.runtime.dlpack import DLPackExporter
@@ -250,7 +252,7 @@ def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     (3, False, (64, 16), "bottom_right", (64, 16, True)),
 ])
 def test_mask_resolution(mask_type, causal, window, alignment, expected):
-    m = api.resolve_mask(causal, window, mask_type, alignment)
+    m = resolve_mask(causal, window, mask_type, alignment)
     assert (m.window_left, m.window_right, m.bottom_right) == expected
 
 
@@ -259,9 +261,9 @@ def test_host_cu_seqlens_are_checked_then_uploaded(monkeypatch):
 
     def upload(self, name, device, stream):
         uploaded[name] = self.arrays[name].copy()
-        return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
+        return Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
 
-    monkeypatch.setattr(api.HostSeqlens, "upload", upload)
+    monkeypatch.setattr(HostSeqlens, "upload", upload)
     monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream, **_: seen.append(launches))
     q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
     fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70], np.int64), np.array([0, 30, 90]), 40, 60,

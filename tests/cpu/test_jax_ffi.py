@@ -21,16 +21,18 @@ from jax.custom_derivatives import SymbolicZero
 import fmha_rt.jax as fj
 from fmha_rt import _shim, reference
 from fmha_rt.replay import xla_program
+from fmha_rt.runtime import kernel_launch
 from fmha_rt.plan import portable, v3
+from fmha_rt.plan.args import Launch
 from fmha_rt.errors import (
     FmhaNotImplementedError,
     FmhaRuntimeError,
     FmhaTypeError,
     FmhaValueError,
 )
-from fmha_rt.runtime.packing import NULL, Pointer, pointer_value
+from fmha_rt.runtime.packing import Pointer, pointer_value
 from fmha_rt.plan.problem import AttentionProblem
-from fmha_rt.runtime.registry import SCRATCH_POINTERS, registry
+from fmha_rt.runtime.registry import registry
 
 ARCH = "sm_90"
 
@@ -123,7 +125,7 @@ def test_program_round_trips(name, build):
 def _plan(build, p):
     """The plan the program was built from, with the same placeholder tensors."""
     program = build(p, ARCH)
-    tensors = xla_program._tensors(program.buffers)
+    tensors = xla_program.placeholder_tensors(program.buffers)
     if build is xla_program.backward:
         ws = portable.bwd_workspace(p, ARCH)
         for region in ws.regions:
@@ -149,7 +151,7 @@ def test_program_matches_the_plan(name, build):
         patched = bytearray(built.template)
         for patch in built.patches:
             patched[patch.arg_offset:patch.arg_offset + 8] = (bases[patch.buffer] + patch.offset).to_bytes(8, "little")
-        assert bytes(patched) == entry.packer.pack({**dict.fromkeys(SCRATCH_POINTERS, NULL), **planned.args})
+        assert bytes(patched) == entry.packer.pack(kernel_launch.with_scratch(planned.args))
         pointers = {s.offset for s in entry.params if s.type == "ptr"
                     and pointer_value(s.name, planned.args.get(s.name))}
         assert {patch.arg_offset for patch in built.patches} == pointers
@@ -201,7 +203,7 @@ def test_without_the_v3_family_the_same_forward_has_no_workspace(monkeypatch):
     program = xla_program.forward(V3_FORWARD, ARCH)
     assert [b.name for b in program.results] == ["out", "lse"]
     assert [launch.key for launch in program.launches] == [portable.plan_fwd(
-        V3_FORWARD, ARCH, xla_program._tensors(program.buffers))[0].variant]
+        V3_FORWARD, ARCH, xla_program.placeholder_tensors(program.buffers))[0].variant]
 
 
 def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
@@ -221,7 +223,7 @@ def _buffer(program, name):
 def _reads(planned, name, buffer):
     """Whether every planned launch with a `name` argument points it at `buffer` (and some launch does)."""
     values = [launch.args[name] for launch in planned.launches if name in launch.args]
-    return bool(values) and all(xla_program._resolve(v.address, len(planned.buffers), name) == (buffer, 0)
+    return bool(values) and all(xla_program.resolve_placeholder(v.address, len(planned.buffers), name) == (buffer, 0)
                                 for v in values)
 
 
@@ -1096,9 +1098,9 @@ def _run_planned(ie, planned, arch, *operands):
         signature, args = variants[launch.variant]["signature"], dict(launch.args)
         for name, value in launch.args.items():
             if isinstance(value, Pointer) and value.address:
-                buffer, offset = xla_program._resolve(value.address, len(buffers), name)
+                buffer, offset = xla_program.resolve_placeholder(value.address, len(buffers), name)
                 args[name] = buffers[buffer][offset:].view(ie._POINTER_DTYPES[signature[name]])
-        launches.append(args.Launch(launch.variant, launch.grid, args))
+        launches.append(Launch(launch.variant, launch.grid, args))
     ie.run([launch for launch in launches if all(launch.grid)], arch)
     return tuple(np.frombuffer(buf.numpy().tobytes(), jnp.dtype(b.dtype)).reshape(b.shape)
                  for b, buf in zip(planned.results, buffers[planned.operands:]))

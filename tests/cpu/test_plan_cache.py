@@ -21,7 +21,10 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, arrays
+from fmha_rt.arrays import Arg
+from fmha_rt.call import HostSeqlens
+from fmha_rt import call_keys
+from fmha_rt import arrays
 from fmha_rt.runtime import executor, kernel_launch
 from fmha_rt.replay import plan_cache
 from fmha_rt.plan import portable
@@ -63,7 +66,7 @@ def unpack(key, packed):
 def uncached(monkeypatch, driver, call):
     """What `call` launches planned from scratch: the cache is never asked, the executor packs."""
     with monkeypatch.context() as m:
-        m.setattr(api, "_request", lambda *_: None)
+        m.setattr(call_keys, "key_request", lambda *_: None)
         call()
     return driver.take()
 
@@ -365,9 +368,9 @@ def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, 
 
     def upload(self, name, device, stream):
         uploaded.append(name)
-        return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
+        return Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
 
-    monkeypatch.setattr(api.HostSeqlens, "upload", upload)
+    monkeypatch.setattr(HostSeqlens, "upload", upload)
     q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
     for _ in range(2):
         fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70]), np.array([0, 30, 90]), 40, 60)
@@ -380,13 +383,13 @@ def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, 
 
 def test_a_pointer_the_cache_cannot_trace_leaves_the_call_uncached(monkeypatch, rt, driver):
     stray = FakeGpuArray((S,), "float32")  # memory that is none of the call's arrays
-    planner = api.portable.plan_fwd
+    planner = portable.plan_fwd
 
     def plan_with_a_stray_pointer(problem, arch, tensors):
         launches = planner(problem, arch, tensors)
         return [dataclasses.replace(launch_, args={**launch_.args, "Alibi": Pointer(stray.ptr)}) for launch_ in launches]
 
-    monkeypatch.setattr(api.portable, "plan_fwd", plan_with_a_stray_pointer)
+    monkeypatch.setattr(portable, "plan_fwd", plan_with_a_stray_pointer)
     x = Inputs(rt)
     fwd(x)()
     fwd(x)()
@@ -422,7 +425,7 @@ def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothin
     with pytest.raises(FmhaValueError, match="bytes, .* are needed"):
         fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
                         workspace_alloc=lambda n, z: rt.workspace(8))
-    assert hits() == 6 and all(type(description) is bytes for _, description in api.PLANS._plans), \
+    assert hits() == 6 and all(type(description) is bytes for _, description in call_keys.PLANS._plans), \
         "the arrays were described by their CUDA Array Interface"
     assert driver.take() == [] and rt.memsets == []
     for array in (x.out, x.lse, x.dq, x.dk, x.dv, aliased):
@@ -458,7 +461,7 @@ def test_a_logged_hit_goes_through_the_executor_seam_with_launches_that_read_lik
     assert isinstance(bound, plan_cache.BoundLaunch) and bound.variant == "fmha_fwd_fp16_d64_nobias_nodrop"
     assert bound.args["window_right"] == 0 and bound.args["Q"].address == x.q.ptr
     entry = registry_module.registry().entry("sm_90", bound.variant)
-    assert entry.packer.pack({**executor._SCRATCH, **bound.args}) == bytes(bound.packed)
+    assert entry.packer.pack(kernel_launch.with_scratch(bound.args)) == bytes(bound.packed)
 
 
 @pytest.fixture
@@ -475,7 +478,7 @@ def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog, 
     x = Inputs(rt)
     with caplog.at_level(logging.INFO, logger="fmha_rt"):
         with monkeypatch.context() as m:
-            m.setattr(api, "_request", lambda *_: None)
+            m.setattr(call_keys, "key_request", lambda *_: None)
             fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True,
                             stream=0x1234, workspace_alloc=lambda n, z: x.workspace)
         planned = [r.getMessage() for r in caplog.records]
@@ -545,7 +548,7 @@ def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver)
 
 
 def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
-    monkeypatch.setattr(api, "PLANS", plan_cache.PlanCache(capacity=4))
+    monkeypatch.setattr(call_keys, "PLANS", plan_cache.PlanCache(capacity=4))
     x = Inputs(rt)
     scales = [0.1, 0.2, 0.3, 0.4, 0.5]
     for scale in scales[:4]:
@@ -562,7 +565,7 @@ def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
 
 
 def test_signatures_seen_once_are_not_recorded_and_evict_nothing(monkeypatch, rt, driver):
-    monkeypatch.setattr(api, "PLANS", plan_cache.PlanCache(capacity=2))
+    monkeypatch.setattr(call_keys, "PLANS", plan_cache.PlanCache(capacity=2))
     x = Inputs(rt)
     warm(fwd(x, causal=True))
     warm(fwd(x))
@@ -572,7 +575,7 @@ def test_signatures_seen_once_are_not_recorded_and_evict_nothing(monkeypatch, rt
     fwd(x)()
     info = fmha_rt.plan_cache_info()
     assert info["hits"] == 2 and info["entries"] == 2
-    assert len(api.PLANS._seen) <= 4 * 2
+    assert len(call_keys.PLANS._seen) <= 4 * 2
 
 
 def test_clear_plan_cache(rt, driver):
@@ -616,7 +619,7 @@ def call_inside_first_launch(monkeypatch, driver, call):
             call()
         return 0
 
-    monkeypatch.setattr(kernel_launch, "_launch", reentering)
+    monkeypatch.setattr(kernel_launch, "launch_prepared", reentering)
 
 
 def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeypatch, rt, driver):
@@ -629,7 +632,7 @@ def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeyp
     warm(fwd(inner))
     driver.take()
     call_inside_first_launch(monkeypatch, driver, fwd(inner))
-    templates = [entry[0].replay_program.templates for entry in api.PLANS._plans.values()]
+    templates = [entry[0].replay_program.templates for entry in call_keys.PLANS._plans.values()]
     before = [bytes(ffi.buffer(t)) for program in templates for t in program]
     bwd(outer, deterministic=True)()
     (dq_kernel, inside, dkdv) = [unpack(key, packed) for key, _, packed, _ in driver.take()]
@@ -650,7 +653,7 @@ def test_a_failed_launch_on_a_hit_names_the_call_kernel_and_device(monkeypatch, 
         calls.append(config)
         return lib.FMHA_ERR_DRIVER if len(calls) == 2 else 0
 
-    monkeypatch.setattr(kernel_launch, "_launch", fail_second)
+    monkeypatch.setattr(kernel_launch, "launch_prepared", fail_second)
     with pytest.raises(DriverError) as raised:
         bwd(x, deterministic=True)()
     assert raised.value.call == "fmha_launch" and raised.value.kernel == keys[1] and raised.value.device == 0
@@ -740,7 +743,7 @@ def test_a_hit_takes_its_workspace_from_torchs_caching_allocator_by_address(monk
     assert held.data_ptr() <= dkdv["Delta"] < held.data_ptr() + held.numel(), "the regions are in torch's memory"
     pinned = workspaces[-1]
     with monkeypatch.context() as m:
-        m.setattr(api, "_request", lambda *_: None)
+        m.setattr(call_keys, "key_request", lambda *_: None)
         fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
                         workspace_alloc=lambda n, z: fmha_rt.Pointer(pinned.held.data_ptr()))
     assert driver.take() == launched
@@ -937,7 +940,7 @@ def test_a_release_while_a_call_holds_the_workspace_frees_it_when_the_call_hands
             during.append((list(rt.frees), kept()))
         return record(config, stream)
 
-    monkeypatch.setattr(kernel_launch, "_launch", release_inside)
+    monkeypatch.setattr(kernel_launch, "launch_prepared", release_inside)
     driver.take()
     rt.reset()
     own_bwd(x, 0x10)()
@@ -1035,7 +1038,7 @@ from fake_gpu import FakeGpuArray, StandInRuntime
 patches = pytest.MonkeyPatch()
 StandInRuntime(patches)
 patches.setattr(kernel_launch, "kernel_handle", lambda device, entry: ffi.NULL)
-patches.setattr(kernel_launch, "_launch", lambda config, stream: 0)
+patches.setattr(kernel_launch, "launch_prepared", lambda config, stream: 0)
 # past SINGLE_MAX_SCORES: the one-launch backward of smaller problems needs no workspace
 q, k, v, out, dout, dq, dk, dv = (FakeGpuArray((1, 1024, 2, 64)) for _ in range(8))
 lse = FakeGpuArray((1, 2, 1024), "float32")

@@ -22,7 +22,7 @@ def test_selftest_kernels_are_exact():
 
 def test_32_threads_each_with_its_own_stream_race_on_a_cold_map():
     torch = pytest.importorskip("torch")
-    kernel_launch._handles.clear()  # Python-side cache cold; the C map may already hold the entries
+    kernel_launch.loaded_handles.clear()  # Python-side cache cold; the C map may already hold the entries
     barrier = threading.Barrier(32)
 
     def worker(i):

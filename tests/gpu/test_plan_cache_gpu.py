@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fmha_rt  # noqa: E402
-from fmha_rt import api, reference  # noqa: E402
+from fmha_rt import call_keys, reference  # noqa: E402
 from gpu_tensors import f64, nan_like, rand  # noqa: E402
 
 B, S, H, D = 2, 320, 4, 64
@@ -22,7 +22,7 @@ def inputs(seed, dtype=torch.bfloat16, d=D):
 
 def uncached(monkeypatch, call):
     with monkeypatch.context() as m:
-        m.setattr(api, "_request", lambda *_: None)
+        m.setattr(call_keys, "key_request", lambda *_: None)
         return call()
 
 
