@@ -36,15 +36,15 @@ from ..runtime import backend, executor
 from ..runtime import kernel_launch
 from ..arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
 from ..runtime.backend import ffi, lib
-from ..errors import FmhaError, FmhaRuntimeError, FmhaValueError
+from ..errors import FmhaError, FmhaRuntimeError
 from ..runtime.kernel_launch import Ready
 from ..runtime.packing import NULL, Pointer
+from .program import ZeroFill, pack_launch
 
 DEFAULT_CAPACITY = 256
 WORKSPACE = "workspace"  # the value name of the workspace's base address
 # The per-call values that are not a call's array addresses, after those in every call's value array.
 EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
-PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
 
 
 def philox_values(seed: int, offset: int) -> dict:
@@ -103,28 +103,35 @@ class CallValues:
 
 
 class LaunchTemplate:
-    """One launch of a cached plan: its packed bytes as the first call packed them, and the per-call
-    argument slots, each as (byte offset, value name, addend, alignment): the slot gets the value plus
-    the addend (a workspace region is the workspace's address plus the region's offset)."""
+    """One launch of a cached plan: its program launch (program.ProgramLaunch: the bytes the first call
+    packed, and the per-call slots, each a value array position plus an addend: a workspace region is
+    the workspace's address plus the region's offset), the kernel it runs and the planned arguments by
+    name, which BoundLaunch reads back."""
 
-    __slots__ = ("args", "entry", "grid", "packed", "patches", "variant")
+    __slots__ = ("args", "entry", "launch", "slot_names")
 
     def __init__(self, entry, launch, sources: dict):
-        """`sources`: {slot name: (value name, addend)} for every per-call slot."""
-        self.entry, self.variant, self.grid = entry, launch.variant, tuple(int(g) for g in launch.grid)
-        self.args = dict(launch.args)
-        args = kernel_launch.with_scratch(launch.args)
-        executor.check_alignment(entry, args)  # what stays constant must pass as it would on every call
-        self.packed = entry.packer.pack(args)
-        self.patches = []
-        for slot in entry.packer.slots:
-            if slot.name not in sources:
-                continue
-            if slot.size != PATCH_BYTES:
-                raise FmhaValueError(f"{entry.key}: per-call argument {slot.name} is {slot.size} bytes wide")
-            value, addend = sources[slot.name]
-            align = executor.pointer_alignment(entry, slot.name) if slot.type == "ptr" else 1
-            self.patches.append((slot.offset, slot.name, value, addend, align))
+        """`sources`: {slot name: (value position, addend)} for every per-call slot."""
+        self.entry, self.args = entry, dict(launch.args)
+        self.launch = pack_launch(entry, launch, sources)
+        names = {slot.offset: slot.name for slot in entry.packer.slots}
+        self.slot_names = tuple(names[p.arg_offset] for p in self.launch.patches)
+
+    @property
+    def variant(self) -> str:
+        return self.launch.key
+
+    @property
+    def grid(self) -> tuple:
+        return self.launch.grid
+
+    @property
+    def packed(self) -> bytes:
+        return self.launch.template
+
+    @property
+    def patches(self) -> tuple:
+        return self.launch.patches
 
 
 class BoundLaunch:
@@ -152,18 +159,18 @@ class BoundLaunch:
     def packed(self) -> bytes:
         """The argument bytes it launches."""
         packed = bytearray(self.template.packed)
-        values = self.bound.values
-        for offset, _, value, addend, _ in self.template.patches:
-            struct.pack_into("<Q", packed, offset, (values[value] + addend) % 2**64)
+        values = self.bound.array
+        for p in self.template.patches:
+            struct.pack_into("<Q", packed, p.arg_offset, (values[p.value] + p.addend) % 2**64)
         return bytes(packed)
 
     @property
     def args(self) -> dict:
         """Arguments by name, as the planner would give them for this call."""
         args = dict(self.template.args)
-        values = self.bound.values
-        for _, slot, value, addend, _ in self.template.patches:
-            address = values[value] + addend
+        values = self.bound.array
+        for slot, p in zip(self.template.slot_names, self.template.patches):
+            address = values[p.value] + p.addend
             args[slot] = Pointer(address) if isinstance(args[slot], Pointer) else address
         return args
 
@@ -212,13 +219,13 @@ class ReplayProgram:
             "dynamic_shared_bytes": t.entry.shared, "args": args, "args_size": len(t.packed)}
             for t, args in zip(templates, self.templates)] or 1)
         self.patches = ffi.new("fmha_replay_patch[]", [
-            {"launch": i, "arg_offset": offset, "value": index[value], "align": align, "addend": addend}
-            for i, t in enumerate(templates) for offset, _, value, addend, align in t.patches] or 1)
+            {"launch": i, "arg_offset": p.arg_offset, "value": p.value, "align": p.align, "addend": p.addend}
+            for i, t in enumerate(templates) for p in t.patches] or 1)
         self.overlaps = ffi.new("fmha_replay_overlap[]", [
             {"output": index[output], "other": index[other], "low": low, "high": high}
             for output, other, low, high in overlaps] or 1)
         self.fills = ffi.new("fmha_replay_fill[]", [
-            {"value": index[WORKSPACE], "offset": offset, "nbytes": nbytes} for offset, nbytes in fills] or 1)
+            {"value": f.value, "offset": f.offset, "nbytes": f.nbytes} for f in fills] or 1)
         self.plan = ffi.new("fmha_replay_plan *", {
             "device": device, "launch_count": len(templates), "launches": self.launches,
             "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
@@ -261,7 +268,7 @@ class CallPlan:
     # to their addresses
     workspace_bytes: int
     workspace_zero_init: bool
-    zeroed: tuple  # (offset, nbytes) of the workspace regions that must start at zero
+    zeroed: tuple  # program.ZeroFill of the workspace regions that must start at zero
     philox_by_value: bool
     replay_program: ReplayProgram
     program: object  # replay_program's fmha_replay_plan *
@@ -279,8 +286,8 @@ class CallPlan:
             output, other, _, _ = self.overlaps[failed]
             raise overlap_error(output, other)
         if status == lib.FMHA_ERR_MISALIGNED:  # patches are numbered in launch order, as the C program has them
-            entry, (_, slot, value, addend, align) = [(t.entry, p) for t in self.launches for p in t.patches][failed]
-            executor.check_pointer(entry, slot, values[value] + addend, align)
+            entry, slot, p = [(t.entry, *sp) for t in self.launches for sp in zip(t.slot_names, t.patches)][failed]
+            executor.check_pointer(entry, slot, values.array[p.value] + p.addend, p.align)
         if failed == lib.FMHA_REPLAY_FAILED_ALLOC:
             backend.check(status, "fmha_mem_alloc", device=self.device)
         if failed < len(self.zeroed):
@@ -339,12 +346,12 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
                 if name in philox:
                     if value != philox[name]:
                         return None
-                    sources[name] = (name, 0)
+                    sources[name] = (index[name], 0)
                 continue
             source = traced.get(id(value))  # anything else is an address
             if source is None:
                 return None  # an address this call cannot trace to its arrays: plan every time
-            sources[name] = source
+            sources[name] = (index[source[0]], source[1])
         try:
             templates.append(LaunchTemplate(entry, launch, sources))
         except FmhaError:
@@ -358,7 +365,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     overlaps = _overlap_bounds(overlap_pairs(given_spans, input_spans))
     if any(not -2**63 <= bound < 2**63 for *_, low, high in overlaps for bound in (low, high)):
         return None
-    zeroed = tuple((r.offset, r.nbytes) for r in regions if r.zero_init)
+    zeroed = tuple(ZeroFill(index[WORKSPACE], r.offset, r.nbytes) for r in regions if r.zero_init)
     workspace_bytes = layout.total_bytes if layout is not None else 0
     spans = (*input_spans, *((o.name, *o.span) for o in specs))
     output_names = tuple(o.name for o in specs)

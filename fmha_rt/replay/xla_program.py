@@ -1,8 +1,10 @@
-"""Launch programs: a call's planned launches, serialised so that C can run them without Python.
+"""Launch programs for XLA: a call's program (program.py, the model the plan cache keeps too),
+serialised so that C can run it without Python.
 
 Under jax.jit the shapes of a call are known when it is traced, but its buffers exist only when XLA
 runs it. So at trace time fmha_rt.jax plans the call with placeholder pointers, packs every launch's
-arguments as usual, and records which argument bytes hold which buffer's address; at run time the XLA
+arguments as usual (program.pack_launch), and records which argument bytes hold which buffer's address
+(a patch's value is a buffer, its addend a byte offset into it); at run time the XLA
 FFI handler (fmha_rt/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
 workspace regions that must start at zero, and launches.
 
@@ -12,11 +14,12 @@ word followed by the bytes packed eight to a word, little-endian:
     magic "FMHAPRG1", format version, operand count, result count, zero-fill count, launch count,
     label (bytes: names the call in error messages),
     per buffer, operands first, then results: XLA dtype number, size in bytes,
-    per zero fill: buffer, byte offset, byte count,
+    per zero fill: buffer (its value), byte offset, byte count,
     per launch: kernel key (bytes), grid x y z, block x y z, dynamic shared bytes,
                 argument template (bytes), patch count,
-                per patch: byte offset in the template, buffer, byte offset into the buffer, the
-                alignment in bytes the address must have (the kernel's, executor.pointer_alignment).
+                per patch: byte offset in the template, buffer (its value), byte offset into the buffer
+                (its addend), the alignment in bytes the address must have (the kernel's,
+                executor.pointer_alignment).
 
 Buffers are numbered operands first, then results, as XLA passes them to the handler.
 """
@@ -27,12 +30,11 @@ import math
 
 import numpy as np
 
-from ..plan import dispatch, layout
 from ..errors import FmhaValueError
-from ..runtime.executor import check_alignment, pointer_alignment
+from ..plan import dispatch, layout
 from ..runtime.packing import NULL, Pointer, pointer_value
-from ..runtime.kernel_launch import with_scratch
 from ..runtime.registry import registry
+from .program import Patch, ProgramLaunch, ZeroFill, pack_launch
 
 MAGIC = int.from_bytes(b"FMHAPRG1", "little")
 FORMAT = 2
@@ -85,31 +87,6 @@ class Buffer:
 
 
 @dataclasses.dataclass(frozen=True)
-class Patch:
-    arg_offset: int  # byte offset of a pointer slot in the argument template
-    buffer: int
-    offset: int  # bytes into the buffer
-    align: int  # the address must be a multiple of this
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroFill:
-    buffer: int
-    offset: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramLaunch:
-    key: str
-    grid: tuple
-    block: tuple
-    shared: int
-    template: bytes  # the packed arguments, pointer slots zero
-    patches: tuple
-
-
-@dataclasses.dataclass(frozen=True)
 class _CallBuffers:
     """A call's buffers and launches: a LaunchProgram (launches packed) or a Planned one (not yet)."""
 
@@ -135,14 +112,14 @@ class LaunchProgram(_CallBuffers):
         for b in self.buffers:
             words += [XLA_DTYPES[b.dtype], b.nbytes]
         for f in self.zero_fills:
-            words += [f.buffer, f.offset, f.nbytes]
+            words += [f.value, f.offset, f.nbytes]
         for launch in self.launches:
             _put_bytes(words, launch.key.encode())
             words += [*launch.grid, *launch.block, launch.shared]
             _put_bytes(words, launch.template)
             words.append(len(launch.patches))
             for p in launch.patches:
-                words += [p.arg_offset, p.buffer, p.offset, p.align]
+                words += [p.arg_offset, p.value, p.addend, p.align]
         return np.array(words, dtype=np.int64)
 
     @classmethod
@@ -210,17 +187,10 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
         if not all(launch.grid):
             continue
         entry = reg.entry(arch, launch.variant)
-        args = with_scratch(launch.args)
-        check_alignment(entry, args)
-        patches = []
-        for slot in entry.params:
-            address = pointer_value(slot.name, args[slot.name]) if slot.type == "ptr" else 0
-            if address:
-                patches.append(Patch(slot.offset, *resolve_placeholder(address, len(buffers), f"{entry.key} {slot.name}"),
-                                     pointer_alignment(entry, slot.name)))
-                args[slot.name] = NULL
-        built.append(ProgramLaunch(entry.key, tuple(launch.grid), (entry.threads, 1, 1), entry.shared,
-                                   entry.packer.pack(args), tuple(patches)))
+        sources = {slot.name: resolve_placeholder(address, len(buffers), f"{entry.key} {slot.name}")
+                   for slot in entry.params if slot.type == "ptr"
+                   for address in (pointer_value(slot.name, launch.args.get(slot.name, NULL)),) if address}
+        built.append(pack_launch(entry, launch, sources))
     if len(built) > MAX_LAUNCHES:
         raise FmhaValueError(f"{label}: {len(built)} launches, the handler takes at most {MAX_LAUNCHES}")
     label = label.encode()[:MAX_LABEL_BYTES].decode(errors="ignore")  # it only names the call in messages

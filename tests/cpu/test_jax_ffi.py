@@ -150,7 +150,7 @@ def test_program_matches_the_plan(name, build):
         assert built.shared == entry.shared and len(built.template) == entry.param_bytes
         patched = bytearray(built.template)
         for patch in built.patches:
-            patched[patch.arg_offset:patch.arg_offset + 8] = (bases[patch.buffer] + patch.offset).to_bytes(8, "little")
+            patched[patch.arg_offset:patch.arg_offset + 8] = (bases[patch.value] + patch.addend).to_bytes(8, "little")
         assert bytes(patched) == entry.packer.pack(kernel_launch.with_scratch(planned.args))
         pointers = {s.offset for s in entry.params if s.type == "ptr"
                     and pointer_value(s.name, planned.args.get(s.name))}
@@ -189,7 +189,7 @@ def test_a_forward_the_v3_family_serves_takes_its_descriptors_in_a_workspace_res
     assert launch.key == v3.fwd_key("bf16", (128, 128))
     entry = registry().entry(ARCH, launch.key)
     slots = {s.offset: s.name for s in entry.params}
-    aligns = {slots[p.arg_offset]: (p.buffer, p.offset, p.align) for p in launch.patches}
+    aligns = {slots[p.arg_offset]: (p.value, p.addend, p.align) for p in launch.patches}
     region = scratch.region(v3.DESCRIPTOR_REGION)
     assert aligns["global_scratch"] == (len(program.buffers) - 1, region.offset, v3.GLOBAL_SCRATCH_ALIGN)
     assert entry.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
@@ -1091,7 +1091,7 @@ def _run_planned(ie, planned, arch, *operands):
     buffers = [torch.from_numpy(np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8).copy()) for x in operands]
     buffers += [torch.full((b.nbytes,), 0xFF, dtype=torch.uint8) for b in planned.results]
     for fill in planned.zero_fills:
-        buffers[fill.buffer][fill.offset:fill.offset + fill.nbytes] = 0
+        buffers[fill.value][fill.offset:fill.offset + fill.nbytes] = 0
     variants = portable.variant_map(arch)
     launches = []
     for launch in planned.launches:
