@@ -117,22 +117,6 @@ class LaunchTemplate:
         names = {slot.offset: slot.name for slot in entry.packer.slots}
         self.slot_names = tuple(names[p.arg_offset] for p in self.launch.patches)
 
-    @property
-    def variant(self) -> str:
-        return self.launch.key
-
-    @property
-    def grid(self) -> tuple:
-        return self.launch.grid
-
-    @property
-    def packed(self) -> bytes:
-        return self.launch.template
-
-    @property
-    def patches(self) -> tuple:
-        return self.launch.patches
-
 
 class BoundLaunch:
     """One launch of a BoundLaunches, read like a planned launch (variant, grid, args) by whoever
@@ -149,18 +133,18 @@ class BoundLaunch:
 
     @property
     def variant(self) -> str:
-        return self.template.variant
+        return self.template.launch.key
 
     @property
     def grid(self) -> tuple:
-        return self.template.grid
+        return self.template.launch.grid
 
     @property
     def packed(self) -> bytes:
         """The argument bytes it launches."""
-        packed = bytearray(self.template.packed)
+        packed = bytearray(self.template.launch.template)
         values = self.bound.array
-        for p in self.template.patches:
+        for p in self.template.launch.patches:
             struct.pack_into("<Q", packed, p.arg_offset, (values[p.value] + p.addend) % 2**64)
         return bytes(packed)
 
@@ -169,7 +153,7 @@ class BoundLaunch:
         """Arguments by name, as the planner would give them for this call."""
         args = dict(self.template.args)
         values = self.bound.array
-        for slot, p in zip(self.template.slot_names, self.template.patches):
+        for slot, p in zip(self.template.slot_names, self.template.launch.patches):
             address = values[p.value] + p.addend
             args[slot] = Pointer(address) if isinstance(args[slot], Pointer) else address
         return args
@@ -213,14 +197,14 @@ class ReplayProgram:
     """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
 
     def __init__(self, device: int, templates, index: dict, overlaps, fills, workspace_bytes: int):
-        self.templates = [ffi.new("char[]", t.packed) for t in templates]
+        self.templates = [ffi.new("char[]", t.launch.template) for t in templates]
         self.launches = ffi.new("fmha_launch_config[]", [{
-            "kernel": kernel_launch.kernel_handle(device, t.entry), "grid": t.grid, "block": (t.entry.threads, 1, 1),
-            "dynamic_shared_bytes": t.entry.shared, "args": args, "args_size": len(t.packed)}
+            "kernel": kernel_launch.kernel_handle(device, t.entry), "grid": t.launch.grid, "block": t.launch.block,
+            "dynamic_shared_bytes": t.launch.shared, "args": args, "args_size": len(t.launch.template)}
             for t, args in zip(templates, self.templates)] or 1)
         self.patches = ffi.new("fmha_replay_patch[]", [
             {"launch": i, "arg_offset": p.arg_offset, "value": p.value, "align": p.align, "addend": p.addend}
-            for i, t in enumerate(templates) for p in t.patches] or 1)
+            for i, t in enumerate(templates) for p in t.launch.patches] or 1)
         self.overlaps = ffi.new("fmha_replay_overlap[]", [
             {"output": index[output], "other": index[other], "low": low, "high": high}
             for output, other, low, high in overlaps] or 1)
@@ -228,7 +212,7 @@ class ReplayProgram:
             {"value": f.value, "offset": f.offset, "nbytes": f.nbytes} for f in fills] or 1)
         self.plan = ffi.new("fmha_replay_plan *", {
             "device": device, "launch_count": len(templates), "launches": self.launches,
-            "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
+            "patch_count": sum(len(t.launch.patches) for t in templates), "patches": self.patches,
             "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
             "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes, "value_count": len(index),
             "graph_id": next(_GRAPH_IDS)})
@@ -286,7 +270,7 @@ class CallPlan:
             output, other, _, _ = self.overlaps[failed]
             raise overlap_error(output, other)
         if status == lib.FMHA_ERR_MISALIGNED:  # patches are numbered in launch order, as the C program has them
-            entry, slot, p = [(t.entry, *sp) for t in self.launches for sp in zip(t.slot_names, t.patches)][failed]
+            entry, slot, p = [(t.entry, *sp) for t in self.launches for sp in zip(t.slot_names, t.launch.patches)][failed]
             executor.check_pointer(entry, slot, values.array[p.value] + p.addend, p.align)
         if failed == lib.FMHA_REPLAY_FAILED_ALLOC:
             backend.check(status, "fmha_mem_alloc", device=self.device)
@@ -356,7 +340,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
             templates.append(LaunchTemplate(entry, launch, sources))
         except FmhaError:
             return None
-        if len(templates[-1].packed) > lib.FMHA_REPLAY_MAX_ARGS:
+        if len(templates[-1].launch.template) > lib.FMHA_REPLAY_MAX_ARGS:
             return None
     specs = tuple(OutputSpec(a.name, given, tuple(shape), dtype, pitch, _relative_span(a)[1:])
                   for a, given, shape, dtype, pitch in outputs)
