@@ -25,7 +25,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # fills, so they are the host's own cost; the others are back to back and wait whenever the GPU runs
 # the tiny kernel slower than the host issues it.
 BATCH = 100
-# The floor of a cached call launched as a graph (fmha_rt/launch_graphs.c): set the arguments of a graph's
+# The floor of a cached call launched as a graph (fmha_rt/csrc/launch_graphs.c): set the arguments of a graph's
 # N kernel nodes and launch it, per call; against N times c_floor_batched for N launches one by one.
 GRAPH_NODES = (1, 2)
 

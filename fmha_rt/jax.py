@@ -9,7 +9,7 @@
 How it runs. Shapes are static under jit, so when a call is traced fmha_rt validates it, plans its
 kernels for the GPU's arch and packs their arguments with placeholder pointers into a launch program
 (fmha_rt.replay.xla_program), which becomes an attribute of an XLA custom call. When XLA runs the call, the
-shim's FFI handler (fmha_rt/xla_ffi.c) writes the buffers' addresses into the packed arguments and
+shim's FFI handler (fmha_rt/csrc/xla_ffi.c) writes the buffers' addresses into the packed arguments and
 launches on XLA's stream and device: no Python runs then, and the GIL is never taken. The backward is
 a second custom call, through jax.custom_vjp. A call's workspace is an extra result (XLA allocates it;
 fmha_rt.jax drops it): the backward's, whose regions that must start at zero the handler zeroes, and

@@ -51,7 +51,7 @@ def target(arch: str):
 def divisibility_attrs(signature: dict) -> dict:
     """Alignment promises that let loads vectorise; the runtime checks them before every launch:
     pointers are 16-byte aligned (but `Unaligned*` ones) and `stride_*` arguments are multiples of 8
-    elements (fmha_rt/registry.py states the naming rule)."""
+    elements (fmha_rt/runtime/registry.py states the naming rule)."""
     from fmha_rt.runtime.registry import ALIGNED_STRIDE_PREFIX, UNALIGNED_POINTER_PREFIX
 
     attrs = {}

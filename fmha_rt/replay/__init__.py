@@ -1,2 +1,2 @@
-"""Plans kept for replay by C: the plan cache of repeated calls and the launch programs of the XLA
-handler."""
+"""Calls replayed by C: the launch-program model (program.py), the plan cache of repeated public calls
+(plan_cache.py) and the launch programs of the XLA handler (xla_program.py)."""

@@ -49,7 +49,7 @@ EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
 
 def philox_values(seed: int, offset: int) -> dict:
     """The kernels' philox_seed and philox_offset arguments for a seed and offset given by value, as
-    portable_plan packs them (record checks each cached plan against the planner's own values)."""
+    the planner packs them (record checks each cached plan against the planner's own values)."""
     return {"philox_seed": seed % 2**63, "philox_offset": offset}
 
 

@@ -5,7 +5,7 @@ Under jax.jit the shapes of a call are known when it is traced, but its buffers 
 runs it. So at trace time fmha_rt.jax plans the call with placeholder pointers, packs every launch's
 arguments as usual (program.pack_launch), and records which argument bytes hold which buffer's address
 (a patch's value is a buffer, its addend a byte offset into it); at run time the XLA
-FFI handler (fmha_rt/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
+FFI handler (fmha_rt/csrc/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
 workspace regions that must start at zero, and launches.
 
 The wire format is an int64 array (the custom call's `program` attribute). `bytes` below is a length

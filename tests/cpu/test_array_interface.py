@@ -1,4 +1,4 @@
-"""Arrays described through their CUDA Array Interface (fmha_rt/describe.c, version 3), on the CPU: a call
+"""Arrays described through their CUDA Array Interface (fmha_rt/csrc/describe.c, version 3), on the CPU: a call
 of fake GPU arrays (fake_gpu.py, which export the interface as CuPy does) is keyed in one C call, with
 each pointer's device asked of the stand-in driver; equal signatures give equal keys and every
 difference a different one; what the describer cannot describe exactly goes to the DLPack path, which

@@ -1,4 +1,4 @@
-"""The shim's describer (fmha_rt/describe.c) on torch tensors, which keys the plan cache: one C call
+"""The shim's describer (fmha_rt/csrc/describe.c) on torch tensors, which keys the plan cache: one C call
 reads every tensor of a call through torch's DLPack C exchange API. Equal words must mean equal
 signatures (shape, strides, dtype, device), whatever the data; anything it cannot describe exactly
 (another type, a negated view, a sparse tensor, a rank above its limit) is refused, leaving no Python

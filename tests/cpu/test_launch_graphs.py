@@ -1,4 +1,4 @@
-"""Launch graphs of cached calls (fmha_rt/launch_graphs.c) on the CPU: a hit launches its plan as one
+"""Launch graphs of cached calls (fmha_rt/csrc/launch_graphs.c) on the CPU: a hit launches its plan as one
 graph kept per (plan, stream), made on its first replay there (the recording call's, on its stream);
 it launches one by one while the stream is being captured, while another call holds that graph, and
 after making the graph failed; a failed graph launch raises like a failed launch and the next call
