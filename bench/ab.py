@@ -91,7 +91,7 @@ def resolve_variant(spec: str, workdir: pathlib.Path, checkout_hsa: pathlib.Path
 
 
 def _shim_sources(root: pathlib.Path) -> dict:
-    files = [*(root / "fmha_rt").glob("*.c"), root / "fmha_rt" / "shim_build.py", *(root / "include").glob("*.h")]
+    files = [*(root / "fmha_rt").rglob("*.c"), root / "fmha_rt" / "shim_build.py", *(root / "include").glob("*.h")]
     return {f.relative_to(root).as_posix(): f.read_bytes() for f in files if f.is_file()}
 
 

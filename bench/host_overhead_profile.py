@@ -51,9 +51,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "cpu")]  # this checkout's fmha_rt, and the stand-in
 
 import fmha_rt
-from fmha_rt import api, arrays, backend, launch, plan_cache
-from fmha_rt import registry as registry_module
-from fmha_rt.backend import ffi
+from fmha_rt import arrays, call_keys
+from fmha_rt.runtime import backend, kernel_launch
+from fmha_rt.replay import plan_cache
+from fmha_rt.runtime import registry as registry_module
+from fmha_rt.runtime.backend import ffi
 from fmha_rt.bench import machine
 from fmha_rt.bench.timing import host_us_per_call
 from fmha_rt.torch import caching_workspace
@@ -62,7 +64,7 @@ from fake_gpu import FakeGpuArray, StandInRuntime
 
 B, S, H, D = 1, 128, 1, 64
 SEQLENS = (48, 80)
-S_TWO_LAUNCHES = 1056  # B*H*S*S past portable_plan.SINGLE_MAX_SCORES: the backward is two launches
+S_TWO_LAUNCHES = 1056  # B*H*S*S past portable.SINGLE_MAX_SCORES: the backward is two launches
 
 
 @contextlib.contextmanager
@@ -79,8 +81,8 @@ def stand_in():
             self.device_type = "cuda"
 
         m.setattr(arrays.TorchView, "__init__", cuda_view)
-        m.setattr(launch, "kernel_handle", lambda device, entry: ffi.NULL)
-        m.setattr(launch, "_launch", lambda config, stream: 0)
+        m.setattr(kernel_launch, "kernel_handle", lambda device, entry: ffi.NULL)
+        m.setattr(kernel_launch, "launch_prepared", lambda config, stream: 0)
         fmha_rt.clear_plan_cache()
         try:
             yield
@@ -216,7 +218,7 @@ class Pieces:
 
     def __init__(self, call):
         self.seen = {}
-        request, replay, launch_plan = api._request, plan_cache.replay, plan_cache.CallPlan.launch
+        request, replay, launch_plan = call_keys.key_request, plan_cache.replay, plan_cache.CallPlan.launch
 
         def catch_request(*args):
             self.seen["request"] = args
@@ -231,20 +233,20 @@ class Pieces:
             return launch_plan(plan, *args)
 
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(api, "_request", catch_request)
+            m.setattr(call_keys, "key_request", catch_request)
             m.setattr(plan_cache, "replay", catch_replay)
             m.setattr(plan_cache.CallPlan, "launch", catch_launch)
             call()
 
     def timings(self, n: int, batch: int = 0, sync=None) -> dict:
         request = self.seen["request"]
-        key = api._request(*request)[0]
+        key = call_keys.key_request(*request)[0]
         runtime = backend.runtime()
         replay = self.seen["replay"]
         plan, launch_args = self.seen["launch"]
         return {
-            "key": host_us_per_call(lambda: api._request(*request), n),
-            "lookup": host_us_per_call(lambda: api.PLANS.get(key, runtime, registry_module.registry()), n),
+            "key": host_us_per_call(lambda: call_keys.key_request(*request), n),
+            "lookup": host_us_per_call(lambda: call_keys.PLANS.get(key, runtime, registry_module.registry()), n),
             "replay": host_us_per_call(lambda: plan_cache.replay(*replay), n, batch, sync),
             "C replay": host_us_per_call(lambda: plan.launch(*launch_args), n, batch, sync),
         }
@@ -262,8 +264,8 @@ def array_pieces(n: int) -> dict:
     a, values = five[0], plan_cache.value_array(len(five))
     kind, device, memory = (ffi.new("int *") for _ in range(3))
     ptr, address = a.data.ptr, int(ffi.cast("uintptr_t", values))
-    by_attributes = arrays.make_describer(launch.REPLAY_OPS, (), cupy.ndarray)
-    by_interface = arrays.make_describer(launch.REPLAY_OPS, (), None)
+    by_attributes = arrays.make_describer(kernel_launch.REPLAY_OPS, (), cupy.ndarray)
+    by_interface = arrays.make_describer(kernel_launch.REPLAY_OPS, (), None)
     return {"cupy __cuda_array_interface__": host_us_per_call(lambda: a.__cuda_array_interface__, n),
             "pointer location query": host_us_per_call(
                 lambda: backend.lib.fmha_pointer_location(ptr, kind, device, memory), n),

@@ -25,7 +25,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # fills, so they are the host's own cost; the others are back to back and wait whenever the GPU runs
 # the tiny kernel slower than the host issues it.
 BATCH = 100
-# The floor of a cached call launched as a graph (fmha_rt/launch_graphs.c): set the arguments of a graph's
+# The floor of a cached call launched as a graph (fmha_rt/csrc/launch_graphs.c): set the arguments of a graph's
 # N kernel nodes and launch it, per call; against N times c_floor_batched for N launches one by one.
 GRAPH_NODES = (1, 2)
 
@@ -46,15 +46,15 @@ def main():
     import numpy as np
     import torch
 
-    from fmha_rt import backend, launch
-    from fmha_rt.registry import registry
+    from fmha_rt.runtime import backend, kernel_launch
+    from fmha_rt.runtime.registry import registry
     from fmha_rt.selftest import DeviceArray
 
     dev = backend.device(0)
     entry = registry().entry(dev.arch, "selftest_axpy_f32")
     x, y, out = (DeviceArray(0, np.ones(1024, np.float32)) for _ in range(3))
     kernel_args = dict(x=x, y=y, out=out, alpha=2.0, n=1024)
-    prepared = launch.PreparedLaunch(0, entry, (1, 1, 1), entry.packer.pack(
+    prepared = kernel_launch.PreparedLaunch(0, entry, (1, 1, 1), entry.packer.pack(
         {**dict.fromkeys(("global_scratch", "profile_scratch"), None), **kernel_args}))
 
     results = {"packed": [], "packed_batched": [], "pack_and_launch": [], "c_floor": [], "c_floor_batched": [],
@@ -70,7 +70,7 @@ def main():
             backend.synchronize(0)
             results["packed_batched"].append(per_call_us(prepared, args.launches, BATCH, lambda: backend.synchronize(0)))
             results["pack_and_launch"].append(
-                per_call_us(lambda: launch.launch(0, entry, (1, 1, 1), kernel_args, 0), args.launches))
+                per_call_us(lambda: kernel_launch.launch(0, entry, (1, 1, 1), kernel_args, 0), args.launches))
             backend.synchronize(0)
             floor = subprocess.run([str(exe), str(cubin), entry.symbol, str(args.launches)], check=True,
                                    capture_output=True, text=True)

@@ -21,7 +21,7 @@ import time
 import torch
 
 import fmha_rt
-from fmha_rt import backend
+from fmha_rt.runtime import backend
 from fmha_rt.bench import flops, machine
 from fmha_rt.bench.cli import parse_seqlen
 

@@ -5,7 +5,7 @@ GPU time of mha_bwd with it and with the default multi-launch strategy, side by 
 
 Each point times `--calls` back-to-back cached calls between two CUDA events (so launch gaps count, as
 they do in a model) after a warm-up, median of `--repeats`; bf16, causal off, B*Hq*Sq*Sk from 2^14 to
-2^27. fmha_rt.portable_plan.SINGLE_MAX_SCORES is the largest score count that takes SINGLE by default.
+2^27. fmha_rt.plan.portable.SINGLE_MAX_SCORES is the largest score count that takes SINGLE by default.
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's fmha_rt
 import fmha_rt  # noqa: E402
-from fmha_rt import portable_plan  # noqa: E402
+from fmha_rt.plan import portable  # noqa: E402
 from fmha_rt.bench import machine  # noqa: E402
 
 SHAPES = [(1, 1, 128), (1, 4, 256), (2, 8, 256), (2, 8, 512), (4, 16, 512), (4, 16, 1024), (8, 16, 1024)]
@@ -45,7 +45,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
-    limit = portable_plan.SINGLE_MAX_SCORES
+    limit = portable.SINGLE_MAX_SCORES
     rows = []
     for d in (64, 128):
         for b, h, s in SHAPES:
@@ -55,13 +55,13 @@ def main():
             grads = [torch.empty_like(t) for t in (q, k, v)]
             row = {"B": b, "H": h, "S": s, "D": d, "scores": b * h * s * s}
             for name, cap in (("single", 1 << 62), ("default_without_single", -1)):
-                portable_plan.SINGLE_MAX_SCORES = cap
+                portable.SINGLE_MAX_SCORES = cap
                 fmha_rt.clear_plan_cache()
                 call = lambda: fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2])  # noqa: E731
                 call()
                 row[name + "_kernels"] = fmha_rt.last_launch_info()["kernels"]
                 row[name + "_us"] = gpu_us_per_call(call, args.calls, args.repeats)
-            portable_plan.SINGLE_MAX_SCORES = limit
+            portable.SINGLE_MAX_SCORES = limit
             row["single_over_default"] = row["single_us"] / row["default_without_single_us"]
             rows.append(row)
             print(f"D={d:3d} B={b} H={h:2d} S={s:4d} scores=2^{row['scores'].bit_length() - 1:2d}  single "

@@ -17,7 +17,7 @@ and times pre-pass plus fused grid against the shipped two-kernel backward (dQ, 
 candidate's kernel into the pass it belongs to, checks that the pass's outputs agree with the shipped
 tile's (relative error below 1e-2), and times the pass alone on CUDA events (median of repeats). Inputs
 come from a real forward, so the softmax sees realistic values. The best tile per pass, head dim and
-mask feeds TILES in fmha_rt/portable_plan.py; NOTES.md records the numbers.
+mask feeds TILES in fmha_rt/plan/portable.py; NOTES.md records the numbers.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fmha_rt import portable_plan as pp
-from fmha_rt.packing import Pointer
-from fmha_rt.problem import AttentionProblem
+from fmha_rt.plan import abi, portable as pp
+from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.problem import AttentionProblem
 
 import sass_loops  # bench/sass_loops.py (this script's folder): cuobjdump and its resource report
 
@@ -165,12 +165,12 @@ def candidate_jobs(passes, dims, out_dir, shipped):
             if pass_name == "bwd_atomic":  # its conversion pass, not shipped for ARCH
                 with strategy_for(pass_name):
                     variant = dict(pp.variant_map(ARCH)[pp.dq_convert_key("bf16", d)], family="portable")
-                jobs.append((ARCH, variant, str(out_dir), "dq_convert", d, pp.ROWS_TILE))
+                jobs.append((ARCH, variant, str(out_dir), "dq_convert", d, abi.ROWS_TILE))
             if pass_name == "bwd_fused" and pp.preprocess_key("bf16", d) not in shipped:
                 # its Delta/Lse2 pre-pass, where ARCH does not ship it
                 with tile_override(pass_name, pair, CANDIDATES[pass_name][d][0]):
                     variant = dict(pp.variant_map(ARCH)[pp.preprocess_key("bf16", d)], family="portable")
-                jobs.append((ARCH, variant, str(out_dir), "bwd_pre", d, pp.ROWS_TILE))
+                jobs.append((ARCH, variant, str(out_dir), "bwd_pre", d, abi.ROWS_TILE))
     return jobs
 
 
@@ -247,7 +247,8 @@ def cmd_time(args):
     import torch
 
     os.environ["FMHA_RT_ASM_DIR"] = str(args.dir / "hsa")
-    from fmha_rt import executor, reference, registry
+    from fmha_rt.runtime import executor, registry
+    from fmha_rt import reference
 
     registry.reset()
     records = json.loads((args.dir / "candidates.json").read_text())

@@ -6,12 +6,13 @@
 """
 __version__ = "0.1.0"
 
-from .api import (BwdLauncher, bwd_workspace_bytes, clear_plan_cache, mha_bwd, mha_dropout_mask, mha_fwd,
-                  mha_varlen_bwd, mha_varlen_fwd, plan_cache_info, release_workspaces)
+from .api import (BwdLauncher, bwd_workspace_bytes, mha_bwd, mha_dropout_mask, mha_fwd, mha_varlen_bwd, mha_varlen_fwd,
+                  release_workspaces)
+from .call_keys import clear_plan_cache, plan_cache_info
 from .errors import (DriverError, FmhaError, FmhaNotImplementedError, FmhaRuntimeError, FmhaTypeError,
                      FmhaValueError)
-from .executor import last_launch_info
-from .packing import Pointer
+from .runtime.executor import last_launch_info
+from .runtime.packing import Pointer
 
 __all__ = ["mha_fwd", "mha_bwd", "mha_varlen_fwd", "mha_varlen_bwd", "mha_dropout_mask", "BwdLauncher",
            "bwd_workspace_bytes", "last_launch_info", "clear_plan_cache", "plan_cache_info", "release_workspaces", "Pointer",

@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from . import backend, launch
-from .buffers import DeviceBuffer
+from .runtime import backend, kernel_launch
+from .runtime.buffers import DeviceBuffer
 from .cuda_array_interface import import_interface, offers_only_the_interface
-from .dlpack import StridedSpan, import_array
+from .runtime.dlpack import StridedSpan, import_array
 from .errors import FmhaTypeError, FmhaValueError
-from .packing import Pointer
+from .runtime.packing import Pointer
 
 GPU_DEVICE_TYPES = ("cuda", "rocm")
 ATTN_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -143,7 +143,7 @@ _DESCRIBER: tuple = (None, None, None)
 
 def _describer():
     global _DESCRIBER
-    ops, cupy_type = launch.REPLAY_OPS, _cupy_array_type()
+    ops, cupy_type = kernel_launch.REPLAY_OPS, _cupy_array_type()
     _DESCRIBER = (ops, cupy_type, make_describer(ops, _torch_tensor_types(), cupy_type))
     return _DESCRIBER[2]
 
@@ -161,7 +161,7 @@ def signatures(objects: tuple, names: tuple, stream: int, values, values_address
     before `stream`), and `imported` keeps that Arg by name so that a call which goes on to validate
     need not import it twice. Raises whatever an import raises."""
     ops, cupy_type, describe = _DESCRIBER
-    if ops is not launch.REPLAY_OPS or (cupy_type is None and "cupy" in sys.modules):
+    if ops is not kernel_launch.REPLAY_OPS or (cupy_type is None and "cupy" in sys.modules):
         describe = _describer()
     description = describe(objects, values_address, len(values), stream)
     if description is not None:

@@ -12,9 +12,9 @@ from . import __version__
 
 
 def registry_report():
-    from .abi_check import check_all
+    from .runtime.abi_check import check_all
     from .errors import FmhaError
-    from .registry import registry, search_paths
+    from .runtime.registry import registry, search_paths
 
     try:
         reg = registry()
@@ -34,7 +34,7 @@ def registry_report():
 
 
 def cmd_info(args) -> int:
-    from . import backend
+    from .runtime import backend
     from .errors import FmhaError
 
     print(f"fmha_rt {__version__}")
@@ -52,7 +52,7 @@ def cmd_info(args) -> int:
     lines, ok = registry_report()
     print(*lines, sep="\n")
     if rt is not None and rt.devices:
-        from .registry import registry
+        from .runtime.registry import registry
 
         try:
             reg = registry()
@@ -66,8 +66,8 @@ def cmd_info(args) -> int:
 def cmd_check(args) -> int:
     import pathlib
 
-    from .portable_plan import SIGNATURES
-    from .registry import SCRATCH_POINTERS, registry
+    from .plan.abi import SIGNATURES
+    from .runtime.registry import SCRATCH_POINTERS, registry
     from .source_check import check_sources
 
     lines, ok = registry_report()

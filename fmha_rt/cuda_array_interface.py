@@ -5,8 +5,8 @@ stream is made to wait for (an event, no host synchronization), as the shim's de
 cached path (describe.c)."""
 from __future__ import annotations
 
-from . import backend, launch
-from .dlpack import DEVICE_TYPES, StridedSpan, contiguous_strides
+from .runtime import backend, kernel_launch
+from .runtime.dlpack import DEVICE_TYPES, StridedSpan, contiguous_strides
 from .errors import FmhaTypeError, FmhaValueError
 
 # typestr (byte order, kind, bytes) -> dtype name. An opaque two-byte "V2" (how bfloat16 arrays spell
@@ -79,7 +79,7 @@ def _locate(ptr: int, name: str):
     """(DLPack device type name, ordinal) of the memory at `ptr`, from the driver."""
     ffi = backend.ffi
     device_type, device, memory_type = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
-    if launch.REPLAY_OPS.pointer_location(ptr, device_type, device, memory_type) != backend.lib.FMHA_OK:
+    if kernel_launch.REPLAY_OPS.pointer_location(ptr, device_type, device, memory_type) != backend.lib.FMHA_OK:
         raise FmhaValueError(f"{name}: the driver knows no GPU memory at its __cuda_array_interface__ data pointer "
                              f"0x{ptr:x}")
     return DEVICE_TYPES.get(device_type[0], str(device_type[0])), device[0]
@@ -96,5 +96,5 @@ def _order_after_producer(producer, device_type: str, device: int, stream: int, 
     producer_handle = 0 if rocm and producer == LEGACY_DEFAULT_STREAM else producer
     call_handle = LEGACY_DEFAULT_STREAM if not rocm and stream == 0 else stream  # the shim launches on 0
     if producer_handle != call_handle:
-        backend.check(backend.lib.fmha_stream_order(launch.REPLAY_OPS, device, producer_handle, stream),
+        backend.check(backend.lib.fmha_stream_order(kernel_launch.REPLAY_OPS, device, producer_handle, stream),
                       "fmha_stream_order", device=device)

@@ -17,7 +17,7 @@ def require_gpu(device: int = 0, needed_for: str = "this command"):
     """The Device `device` names, or NoGpu saying which is missing: the C shim, the driver library
     (CUDA's libcuda or HIP's libamdhip64), a GPU device, or that ordinal."""
     try:
-        from . import backend  # raises when the C shim is not built
+        from .runtime import backend  # raises when the C shim is not built
 
         rt = backend.runtime()
     except FmhaError as exc:

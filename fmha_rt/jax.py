@@ -8,8 +8,8 @@
 
 How it runs. Shapes are static under jit, so when a call is traced fmha_rt validates it, plans its
 kernels for the GPU's arch and packs their arguments with placeholder pointers into a launch program
-(fmha_rt.launch_program), which becomes an attribute of an XLA custom call. When XLA runs the call, the
-shim's FFI handler (fmha_rt/xla_ffi.c) writes the buffers' addresses into the packed arguments and
+(fmha_rt.replay.xla_program), which becomes an attribute of an XLA custom call. When XLA runs the call, the
+shim's FFI handler (fmha_rt/csrc/xla_ffi.c) writes the buffers' addresses into the packed arguments and
 launches on XLA's stream and device: no Python runs then, and the GIL is never taken. The backward is
 a second custom call, through jax.custom_vjp. A call's workspace is an extra result (XLA allocates it;
 fmha_rt.jax drops it): the backward's, whose regions that must start at zero the handler zeroes, and
@@ -43,7 +43,7 @@ the instances one after another (jax.lax.map), each with its own key.
 Semantics follow mha_fwd: masks align top-left unless causal_alignment="bottom_right" (as in
 jax.nn.dot_product_attention); window=(left, right) with -1 for unbounded; softmax_scale defaults to
 1/sqrt(D). The backward is bitwise repeatable unless deterministic=False meets the v3 family's backward
-(FMHA_RT_V3=1, fmha_rt/v3_plan.py), whose dQ additions come in varying order. Head dims that
+(FMHA_RT_V3=1, fmha_rt/plan/v3.py), whose dQ additions come in varying order. Head dims that
 are not multiples of 8 are zero-padded around the custom calls (_padded_head_dims), whose programs
 carry no padding copies.
 """
@@ -58,28 +58,32 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import backend, jax_cpu_reference, jax_sharding, launch_program
-from .api import (
+from . import jax_cpu_reference, jax_sharding
+from .runtime import backend
+from .replay import xla_program
+from .validation import (
     INT32_LIMIT,
     MaskSpec,
     alibi_shape_name,
     batch_dims,
     bias_shape_name,
+    check_bool,
     check_dropout_p,
     check_one_score_term,
     check_sizes,
+    check_softmax_scale,
     resolve_mask,
 )
 from .arrays import ATTN_DTYPES
-from .backend import ffi, lib
+from .runtime.backend import ffi, lib
 from .errors import (
     FmhaNotImplementedError,
     FmhaRuntimeError,
     FmhaTypeError,
     FmhaValueError,
 )
-from .problem import AttentionProblem
-from .registry import registry
+from .plan.problem import AttentionProblem
+from .runtime.registry import registry
 
 __all__ = ["flash_attention", "flash_attention_varlen", "handler_built", "philox_seed_offset", "register_targets"]
 
@@ -186,15 +190,9 @@ class _Options:
 def _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate) -> dict:
     """_Options' fields (all but arch and the varlen lengths), validated."""
     mask = resolve_mask(causal, tuple(window) if isinstance(window, list) else window, None, causal_alignment)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise FmhaTypeError(f"softmax_scale must be a Python float or None (it is static under jit), "
-                                f"got {type(softmax_scale).__name__}")
-        if not 0.0 < softmax_scale <= 1e38:  # the kernels take scale * log2(e) as a float32
-            raise FmhaValueError(f"softmax_scale must be in (0, 1e38], got {softmax_scale!r}")
-        softmax_scale = float(softmax_scale)
-    if not isinstance(deterministic, bool):
-        raise FmhaTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_softmax_scale(softmax_scale, "a Python float or None (it is static under jit)")
+    softmax_scale = None if softmax_scale is None else float(softmax_scale)
+    check_bool("deterministic", deterministic)
     if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
         raise FmhaTypeError(f"dropout_rate must be a Python float (it is static under jit), "
                             f"got {type(dropout_rate).__name__}")
@@ -325,7 +323,7 @@ def _philox_words(key):
     """The dropout's Philox [seed, offset] drawn from `key`: two int64 as their four little-endian uint32
     words [seed low, seed high, offset low, offset high], the operand both custom calls take (uint32, so
     that no int64 array, and no jax_enable_x64, is needed)."""
-    bits = jax.random.bits(key, (launch_program.PHILOX_WORDS,), jnp.uint32)
+    bits = jax.random.bits(key, (xla_program.PHILOX_WORDS,), jnp.uint32)
     return bits & jnp.array(_PHILOX_MASKS, jnp.uint32)
 
 
@@ -346,7 +344,7 @@ def philox_seed_offset(dropout_rng) -> tuple[int, int]:
 @functools.lru_cache(maxsize=512)
 def _program(kind: str, problem: AttentionProblem, arch: str):
     """(launch program, its int64 words) of one call, planned once per problem and arch."""
-    build = launch_program.backward if kind.endswith("bwd") else launch_program.forward
+    build = xla_program.backward if kind.endswith("bwd") else xla_program.forward
     program = build(problem, arch)
     _register_images(program, arch)
     words = program.encode()

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from . import reference, xla_cpu_handler
 from .errors import FmhaNotImplementedError
-from .launch_program import ATTENTION_DTYPES
-from .problem import AttentionProblem
+from .replay.xla_program import ATTENTION_DTYPES
+from .plan.problem import AttentionProblem
 
 ARCH = "cpu-reference"  # the `arch` fmha_rt.jax plans for when this implementation serves
 

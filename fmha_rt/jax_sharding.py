@@ -32,7 +32,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .problem import AttentionProblem
+from .plan.problem import AttentionProblem
 
 # The operands and results of each call, in fmha_rt.jax's order (absent ones are dropped, _present).
 OPERANDS = {

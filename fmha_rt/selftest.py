@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backend, launch
-from .registry import registry
+from .runtime import backend, kernel_launch
+from .runtime.registry import registry
 
 
 class DeviceArray:
@@ -35,7 +35,7 @@ def run_strided_copy(device: int, n: int, src_stride: int, dst_stride: int, stre
     src, dst = DeviceArray(device, src_host, stream), DeviceArray(device, dst_host, stream)
     entry = registry().entry(backend.device(device).arch, "selftest_strided_copy_f32")
     block = entry.traits["block"]
-    launch.launch(device, entry, ((n + block - 1) // block, 1, 1),
+    kernel_launch.launch(device, entry, ((n + block - 1) // block, 1, 1),
                   dict(src=src, dst=dst, n=n, src_stride=src_stride, dst_stride=dst_stride), stream)
     backend.synchronize(device, stream)
     got = dst.numpy()
@@ -52,7 +52,7 @@ def run_axpy(device: int, n: int, alpha: float, stream: int = 0, seed: int = 0):
     x, y, out = (DeviceArray(device, a, stream) for a in (x_host, y_host, np.full(n, np.nan, np.float32)))
     entry = registry().entry(backend.device(device).arch, "selftest_axpy_f32")
     block = entry.traits["block"]
-    launch.launch(device, entry, ((n + block - 1) // block, 1, 1),
+    kernel_launch.launch(device, entry, ((n + block - 1) // block, 1, 1),
                   dict(x=x, y=y, out=out, alpha=alpha, n=n), stream)
     backend.synchronize(device, stream)
     got = out.numpy()
@@ -77,7 +77,7 @@ def max_ulp_difference(got: np.ndarray, want: np.ndarray) -> int:
 
 
 def _to_device(device: int, host: np.ndarray):
-    from .buffers import DeviceBuffer
+    from .runtime.buffers import DeviceBuffer
 
     buf = DeviceBuffer(device, host.shape, {np.float16: "float16", np.float32: "float32"}[host.dtype.type])
     backend.copy_to_device(device, buf.ptr, np.ascontiguousarray(host))

@@ -20,7 +20,7 @@ import cffi
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = ROOT / "include" / "fmha_rt.h"
-SOURCE = pathlib.Path(__file__).resolve().parent / "shim.c"
+SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "shim.c"
 XLA_FFI_SOURCE = SOURCE.with_name("xla_ffi.c")
 REPLAY_SOURCE = SOURCE.with_name("replay.c")
 DESCRIBE_SOURCE = SOURCE.with_name("describe.c")

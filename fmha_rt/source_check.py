@@ -4,9 +4,9 @@ the sources and the manifest without a GPU or a compiler.
 - every call into the shim from Python (`lib.fmha_*(...)`) and every `fmha_*` function the XLA handler
   (xla_ffi.c) calls or defines names a function of include/fmha_rt.h with its number of parameters;
 - every portable and v3 code object of the manifest declares the parameters (names, types, order) that
-  the plan packs for its function (portable_plan.SIGNATURES, then the compiler's scratch pointers); the
+  the plan packs for its function (plan/abi.SIGNATURES, then the compiler's scratch pointers); the
   code objects' own kernarg layout is compared with the manifest by abi_check;
-- the launch-program format constants of fmha_rt/launch_program.py equal the handler's.
+- the launch-program format constants of fmha_rt/replay/xla_program.py equal the handler's.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import ast
 import pathlib
 import re
 
-from .packing import SLOT_TYPES
+from .runtime.packing import SLOT_TYPES
 
 HEADER = pathlib.Path("include", "fmha_rt.h")
 PYTHON_SOURCES = "fmha_rt"
-XLA_HANDLER = pathlib.Path("fmha_rt", "xla_ffi.c")
-LAUNCH_PROGRAM = pathlib.Path("fmha_rt", "launch_program.py")
-# launch_program.py's constant -> (the handler's #define, what the handler's value is to it)
+XLA_HANDLER = pathlib.Path("fmha_rt", "csrc", "xla_ffi.c")
+LAUNCH_PROGRAM = pathlib.Path("fmha_rt", "replay", "xla_program.py")
+# xla_program.py's constant -> (the handler's #define, what the handler's value is to it)
 PROGRAM_CONSTANTS = {"MAGIC": ("PROGRAM_MAGIC", 0), "FORMAT": ("PROGRAM_FORMAT", 0), "MAX_BUFFERS": ("MAX_BUFFERS", 0),
                      "MAX_LAUNCHES": ("MAX_LAUNCHES", 0), "MAX_LABEL_BYTES": ("LABEL_CHARS", -1)}  # LABEL_CHARS holds a NUL
 SIGNATURE_SLOT_TYPES = {"i32": "i32", "i64": "i64", "fp32": "f32"}  # SIGNATURES' scalar kinds; pointers are "*..."

@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 
 from . import torch_calls, torch_eager
-from .api import resolve_mask
 from .errors import FmhaValueError
+from .validation import resolve_mask
 from .torch_calls import caching_workspace, lse_shape, out_shape
 
 __all__ = ["caching_workspace", "flash_attn_func", "flash_attn_varlen_func", "last_dropout_state"]

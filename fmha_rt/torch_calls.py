@@ -14,7 +14,7 @@ autograd does not guard.
 import torch
 
 from .api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd
-from .packing import Pointer
+from .runtime.packing import Pointer
 
 
 class caching_workspace:  # noqa: N801 - used like a function: mha_bwd(..., workspace_alloc=caching_workspace(dev))

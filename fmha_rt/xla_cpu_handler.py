@@ -19,8 +19,8 @@ import traceback
 import jax
 import numpy as np
 
-from .backend import ffi, lib
-from .launch_program import XLA_DTYPES
+from .runtime.backend import ffi, lib
+from .replay.xla_program import XLA_DTYPES
 
 _NUMPY_DTYPES = {number: np.dtype(jax.numpy.dtype(name)) for name, number in XLA_DTYPES.items()}
 _METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata

@@ -127,7 +127,7 @@ int fmha_graph_launch(void *graph, const fmha_launch_config *launches, size_t co
 /* Free a graph (launches still queued complete: the driver frees it after them). */
 int fmha_graph_destroy(void *graph);
 
-/* ---- replaying a cached call (fmha_rt/replay.c) ----
+/* ---- replaying a cached call (fmha_rt/csrc/replay.c) ----
    A cached plan's launches with one call's values written in, checked and launched in one call. The
    call's values (array addresses, the workspace base, per-call scalars) come as one uint64 array;
    a patch writes value + addend into an 8-byte argument slot of one launch's template, after
@@ -210,7 +210,7 @@ int fmha_replay(const fmha_replay_plan *plan, const fmha_replay_ops *ops, uint64
    fmha_stream_wait_event, and on CUDA fmha_graph_create, fmha_graph_launch, fmha_graph_destroy). */
 const fmha_replay_ops *fmha_replay_native_ops(void);
 
-/* ---- fmha_rt's own workspace, kept per stream (fmha_rt/workspaces.c) ----
+/* ---- fmha_rt's own workspace, kept per stream (fmha_rt/csrc/workspaces.c) ----
    The workspace a replay allocates itself comes from here: per (ops, device, stream) one buffer of the
    largest size taken so far, reused by the next call on that stream (stream order puts its fills and
    launches behind the previous call's). Sizes above FMHA_WORKSPACE_CACHE_MAX_BYTES, a stream being
@@ -241,7 +241,7 @@ int fmha_workspaces_kept(size_t *count, uint64_t *bytes);
    it, and HIP refuses the query), so it needs no driver call; a failed query counts as a capture. */
 int fmha_stream_capturing(const fmha_replay_ops *ops, int device, uint64_t stream);
 
-/* ---- launch graphs of cached calls (fmha_rt/launch_graphs.c) ----
+/* ---- launch graphs of cached calls (fmha_rt/csrc/launch_graphs.c) ----
    A replay launches its plan's kernels as one graph whose nodes' arguments it sets per call: on an
    H200 host one driver launch costs ~3.7 us, setting two nodes and launching them as a graph ~2.5-3.2
    (NOTES.md, host v10). Per (ops, plan graph_id, device, stream) one graph is kept, made on the plan's
@@ -265,7 +265,7 @@ int fmha_launch_graphs_release(void);
 /* How many graphs are kept (a held one and those whose making failed included). */
 int fmha_launch_graphs_kept(size_t *count);
 
-/* ---- ordering a call's stream after an array's producer (fmha_rt/events.c) ----
+/* ---- ordering a call's stream after an array's producer (fmha_rt/csrc/events.c) ----
    fmha_stream_order makes `consumer` wait for the work queued so far on `producer`, both streams of
    `device`, without a host synchronization: it records an event on the producer and has the consumer
    wait on it. Events (without timing) are created on first need and kept in a pool of
@@ -277,7 +277,7 @@ int fmha_stream_order(const fmha_replay_ops *ops, int device, uint64_t producer,
 /* How many events the pool keeps for `ops` (held ones included). */
 int fmha_events_kept(const fmha_replay_ops *ops, size_t *count);
 
-/* ---- describing a call's arrays for the plan cache (fmha_rt/describe.c) ----
+/* ---- describing a call's arrays for the plan cache (fmha_rt/csrc/describe.c) ----
    One C call describes every array of a call: torch tensors through the framework's DLPack C exchange
    API (`type(tensor).__dlpack_c_exchange_api__`, DLPack >= 1.3), other arrays through their CUDA Array
    Interface (`__cuda_array_interface__`, version 3), instead of Python attribute reads or a DLPack
@@ -342,11 +342,11 @@ int fmha_image_kernel(int device, const char *key, fmha_kernel **kernel);
 int fmha_image_count(size_t *count);
 /* CDEF END */
 
-/* The XLA FFI handler (fmha_rt/xla_ffi.c). It is compiled in only when the build found XLA's C FFI
+/* The XLA FFI handler (fmha_rt/csrc/xla_ffi.c). It is compiled in only when the build found XLA's C FFI
    header (jaxlib's include folder); the cffi cdef takes this block only then, so Python sees these
    names exactly when they exist.
    fmha_xla_run_program runs the launch program in the call's `program` attribute (an int64 array in
-   the format of fmha_rt/launch_program.py) on XLA's stream and device: it checks the call's buffers
+   the format of fmha_rt/replay/xla_program.py) on XLA's stream and device: it checks the call's buffers
    against the program, patches their addresses into each launch's argument template, zeroes the
    regions that must start at zero, and launches through fmha_launch. It never calls into Python. */
 /* CDEF XLA_FFI BEGIN */

@@ -28,8 +28,8 @@ ARCHS = ("sm_90", "gfx942", "gfx950")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAMILIES = {
     "selftest": "kernels.selftest.selftest",
-    "portable": "fmha_rt.portable_plan",
-    "v3": "fmha_rt.v3_plan",
+    "portable": "fmha_rt.plan.portable",
+    "v3": "fmha_rt.plan.v3",
 }
 # Shared memory (LDS) one block may use: Hopper's opt-in maximum, MI300's 64 KiB, MI355's 160 KiB.
 SHARED_LIMIT = {"sm_90": 232448, "gfx942": 65536, "gfx950": 163840}
@@ -51,8 +51,8 @@ def target(arch: str):
 def divisibility_attrs(signature: dict) -> dict:
     """Alignment promises that let loads vectorise; the runtime checks them before every launch:
     pointers are 16-byte aligned (but `Unaligned*` ones) and `stride_*` arguments are multiples of 8
-    elements (fmha_rt/registry.py states the naming rule)."""
-    from fmha_rt.registry import ALIGNED_STRIDE_PREFIX, UNALIGNED_POINTER_PREFIX
+    elements (fmha_rt/runtime/registry.py states the naming rule)."""
+    from fmha_rt.runtime.registry import ALIGNED_STRIDE_PREFIX, UNALIGNED_POINTER_PREFIX
 
     attrs = {}
     for index, (name, kind) in enumerate(signature.items()):
@@ -107,8 +107,8 @@ def compile_variant(arch: str, variant: dict) -> dict:
 
 def typed_layout(arch: str, variant: dict, binary: bytes) -> tuple[list[dict], int]:
     """Names and types from the signature, offsets and sizes from the binary's parameter table."""
-    from fmha_rt import codeobj
-    from fmha_rt.registry import SCRATCH_POINTERS
+    from fmha_rt.runtime import codeobj
+    from fmha_rt.runtime.registry import SCRATCH_POINTERS
 
     obj = codeobj.read_code_object(binary, name=variant["key"])
     (info,) = obj.kernels.values()

@@ -55,22 +55,27 @@ PLANTS = [
           "out.to(Out.dtype.element_ty),\n             mask=(q_ok & (offs_m != 5))[:, None] & dv_ok[None, :])",
           ("tests/cpu/test_portable_kernels.py::test_shapes_and_masks_match_reference",), gpu=False),
     Plant("every launch goes to the default stream, whatever stream= says",
-          "fmha_rt/streams.py",
+          "fmha_rt/runtime/streams.py",
           "    if stream is None:\n        return 0\n",
           "    if True:\n        return 0\n",
           ("tests/gpu/test_determinism.py::-k::portable_fwd",), gpu=True),
     Plant("the forward never writes the last query row (seqlen_q - 1 passed to the kernel)",
-          "fmha_rt/portable_plan.py",
-          "    return [Launch(key, launch_grid(_cdiv(problem.seqlen_q, tile.block_m), problem), args)]",
-          "    args['seqlen_q'] -= 1\n"
-          "    return [Launch(key, launch_grid(_cdiv(problem.seqlen_q, tile.block_m), problem), args)]",
+          "fmha_rt/plan/args.py",
+          "    args = ordered(key, \"fmha_fwd\", forward_args(problem, tensors))\n",
+          "    args = ordered(key, \"fmha_fwd\", forward_args(problem, tensors))\n    args['seqlen_q'] -= 1\n",
           ("tests/gpu/test_attention.py::test_long_sequence_64k",), gpu=True),
     Plant("deterministic backwards run the v3 backward, which adds dQ in any order",
-          "fmha_rt/v3_plan.py",
-          "    return (MODE == \"all\" and arch in ARCHS and dq_strategy_request in (None, pp.DQ_ATOMIC)\n"
-          "            and not problem.deterministic",
-          "    return (MODE != \"off\" and arch in ARCHS\n"
-          "            and dq_strategy_request in (None, pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC)",
+          "fmha_rt/plan/v3.py",
+          "    if (MODE == \"off\" or arch not in ARCHS or dq_strategy_request not in (None, DQ_ATOMIC)\n"
+          "            or problem.deterministic or problem.dtype not in DTYPES or pair not in BWD_PAIRS\n"
+          "            or problem_features(problem) != (BIAS_NONE, False)):\n"
+          "        return False\n"
+          "    if MODE == \"all\":\n",
+          "    if (MODE == \"off\" or arch not in ARCHS\n"
+          "            or problem.dtype not in DTYPES or pair not in BWD_PAIRS\n"
+          "            or problem_features(problem) != (BIAS_NONE, False)):\n"
+          "        return False\n"
+          "    if True:\n",
           ("tests/gpu/test_determinism.py::-k::portable_bwd_two_kernels",), gpu=True),
 ]
 

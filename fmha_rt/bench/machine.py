@@ -48,7 +48,7 @@ def gpu_presence():
     from fmha_rt.errors import FmhaError
 
     try:
-        from fmha_rt import backend
+        from fmha_rt.runtime import backend
 
         runtime = backend.runtime()
     except FmhaError as exc:

@@ -239,23 +239,23 @@ class FmhaRtAdapter(_Adapter):
 
 
 class FmhaRtV3Adapter(FmhaRtAdapter):
-    """fmha_rt with the v3 family running everything it serves (fmha_rt/v3_plan.py, mode 'all'), beside
+    """fmha_rt with the v3 family running everything it serves (fmha_rt/plan/v3.py, mode 'all'), beside
     the default in one run; no deterministic rows: deterministic calls keep the portable kernels."""
 
     deterministic_mode = None
 
     @contextlib.contextmanager
     def context(self):
-        from fmha_rt import v3_plan
+        from fmha_rt.plan import v3
 
         # The plan cache does not key on the mode: plans cached under the other one go.
-        was = v3_plan.MODE
+        was = v3.MODE
         self.rt.clear_plan_cache()
-        v3_plan.MODE = "all"
+        v3.MODE = "all"
         try:
             yield
         finally:
-            v3_plan.MODE = was
+            v3.MODE = was
             self.rt.clear_plan_cache()
 
 

@@ -28,7 +28,7 @@ multiprocessors and of streams, runs under the CPU interpreter (unlike a seriali
 accumulation, it needs no program to wait for another), and needs no dQ workspace at all. Its cost is
 recomputing Q K^T and dO V^T: 7 block products per (query block, key block) pair instead of 5, traded
 against the atomic variant's fp32 read-modify-write of a BLOCK_M x D tile per pair. On an H200 that
-trade came out even or better (see DEFAULT_DQ_STRATEGY in fmha_rt/portable_plan.py). Running it first
+trade came out even or better (see DEFAULT_DQ_STRATEGY in fmha_rt/plan/portable.py). Running it first
 lets it produce Delta on the way (its rows of O and dO are the ones it loads anyway), which saves the
 pre-pass's launch and its pass over O and dO.
 """

@@ -14,7 +14,7 @@ Conventions every kernel of the family follows:
 import triton
 import triton.language as tl
 
-from fmha_rt.portable_plan import BIAS_ALIBI, BIAS_TENSOR
+from fmha_rt.plan.abi import BIAS_ALIBI, BIAS_TENSOR
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)

@@ -1,6 +1,6 @@
 """Hopper attention backward, dK and dV with dQ added into an fp32 accumulator (family v3), written in Gluon.
 
-It takes the portable dK/dV kernel's arguments (fmha_rt/portable_plan.py, SIGNATURES["fmha_bwd_dkdv"])
+It takes the portable dK/dV kernel's arguments (fmha_rt/plan/portable.py, SIGNATURES["fmha_bwd_dkdv"])
 and runs as its atomic strategy: after the portable pre-pass has written Delta = rowsum(dO * O) and the
 LSE in the log2 domain (Lse2), and before the portable conversion of the fp32 dQ accumulator. It serves
 the calls without score terms or dropout (the constexprs say so; the rest of the arguments are never

@@ -1,7 +1,7 @@
 """Hopper attention forward (family v3), written in Gluon: warp specialisation, TMA copies, mbarriers
 and asynchronous warpgroup MMAs (wgmma), the structure of FlashAttention-3's forward.
 
-It takes the portable forward's arguments (fmha_rt/portable_plan.py, SIGNATURES["fmha_fwd"]), so one
+It takes the portable forward's arguments (fmha_rt/plan/portable.py, SIGNATURES["fmha_fwd"]), so one
 plan serves both families, and serves the calls without score terms or dropout: BIAS_KIND 0, DROPOUT
 False (the unused arguments are never read). One program per (BLOCK_M query rows, query head, batch
 entry), in three partitions:

@@ -9,9 +9,10 @@ import threading
 import pytest
 
 import fmha_rt
-from fmha_rt import arrays, launch
-from fmha_rt import registry as registry_module
-from fmha_rt.backend import ffi
+from fmha_rt import arrays
+from fmha_rt.runtime import kernel_launch
+from fmha_rt.runtime import registry as registry_module
+from fmha_rt.runtime.backend import ffi
 
 from fake_gpu import StandInRuntime
 
@@ -56,8 +57,8 @@ class Driver:
 
     def __init__(self, monkeypatch):
         self.kernels, self.launches, self._lock = [], [], threading.Lock()
-        monkeypatch.setattr(launch, "kernel_handle", self.kernel_handle)
-        monkeypatch.setattr(launch, "_launch", self.launch)
+        monkeypatch.setattr(kernel_launch, "kernel_handle", self.kernel_handle)
+        monkeypatch.setattr(kernel_launch, "launch_prepared", self.launch)
 
     def kernel_handle(self, device, entry):
         with self._lock:

@@ -17,9 +17,9 @@ import ctypes
 import itertools
 import math
 
-from fmha_rt import backend, launch
-from fmha_rt.backend import ffi
-from fmha_rt.dlpack import DLPackExporter
+from fmha_rt.runtime import backend, kernel_launch
+from fmha_rt.runtime.backend import ffi
+from fmha_rt.runtime.dlpack import DLPackExporter
 from fmha_rt.errors import DriverError
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "int32": 4, "int64": 8, "uint8": 1}
@@ -154,11 +154,11 @@ class StandInRuntime:
         self.graph_events = []  # ("create", token, device, nodes), ("launch", token, stream), ("destroy", token)
         self.graph_failures = {"create": 0, "launch": 0}  # how many of the next such calls fail
         self._graph_tokens = itertools.count(0x6A0000)
-        monkeypatch.setattr(launch, "REPLAY_OPS", self._replay_ops())
+        monkeypatch.setattr(kernel_launch, "REPLAY_OPS", self._replay_ops())
 
     def _replay_ops(self):
         """The cached plans' C replay calls back into Python for its launches, memsets, workspace and
-        capture queries: launches go to launch._launch (which tests replace to record them), the rest to
+        capture queries: launches go to kernel_launch.launch_prepared (which tests replace to record them), the rest to
         this stand-in."""
         def failed(exc_type, exc, tb):
             self.callback_errors.append(exc)
@@ -166,7 +166,7 @@ class StandInRuntime:
 
         @ffi.callback("int(fmha_launch_config *, uint64_t)", onerror=failed)
         def replay_launch(config, stream):
-            return launch._launch(config, stream)
+            return kernel_launch.launch_prepared(config, stream)
 
         @ffi.callback("int(int, uint64_t, unsigned char, size_t, uint64_t)", onerror=failed)
         def replay_memset(device, ptr, value, nbytes, stream):
@@ -227,7 +227,7 @@ class StandInRuntime:
                 failed_node[0] = 0
                 return 1
             for i in range(count):  # the nodes, in order, as the launches a test's executor sees
-                status = launch._launch(launches[i], stream)
+                status = kernel_launch.launch_prepared(launches[i], stream)
                 if status:
                     failed_node[0] = i
                     return status

@@ -15,7 +15,8 @@ import traceback
 import torch
 import torch.multiprocessing
 
-from fmha_rt import portable_plan as pp
+from fmha_rt.plan import portable as pp
+from fmha_rt.plan import head_padding
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
@@ -126,7 +127,7 @@ def output_shapes(problem):
 def run_padded(plan, problem, tensors, pass_name, arch=pp.INTERPRET_ARCH):
     """Runs plan(tensors with padded buffers in place) between the head-dim padding copies, as the API
     does (tensors hold the '<name>_padded' regions of the pass's scratch)."""
-    before, after, padded = pp.plan_head_padding(problem, arch, tensors, pass_name)
+    before, after, padded = head_padding.for_pass(problem, tensors, pass_name)
     run(before + plan({**tensors, **padded}) + after, arch)
 
 

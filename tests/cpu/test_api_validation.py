@@ -13,8 +13,12 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, backend, executor, portable_plan
-from fmha_rt.dlpack import DLPackExporter
+from fmha_rt.arrays import Arg
+from fmha_rt.call import HostSeqlens
+from fmha_rt.validation import resolve_mask
+from fmha_rt.runtime import backend, executor
+from fmha_rt.plan import portable
+from fmha_rt.runtime.dlpack import DLPackExporter
 from fmha_rt.errors import FmhaNotImplementedError, FmhaTypeError, FmhaValueError
 
 NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
@@ -172,7 +176,7 @@ def _bwd_ws(alloc):
     """A backward with workspace_alloc on a problem past SINGLE_MAX_SCORES: the one-launch backward of
     smaller ones needs no workspace and never calls it."""
     q, k, v = qkv(B=1, Sq=1024, Sk=1024)
-    assert 4 * 1024 * 1024 > portable_plan.SINGLE_MAX_SCORES
+    assert 4 * 1024 * 1024 > portable.SINGLE_MAX_SCORES
     out, lse = FakeGpuArray(q.shape), FakeGpuArray((1, 4, 1024), "float32")
     return fmha_rt.mha_bwd(FakeGpuArray(out.shape), q, k, v, out, lse, dq=FakeGpuArray(q.shape),
                            dk=FakeGpuArray(k.shape), dv=FakeGpuArray(v.shape), workspace_alloc=alloc)
@@ -261,10 +265,10 @@ def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     q, k, v = qkv(B=3, Sq=100, Sk=64, Hq=4, Hk=4)
     bias = FakeGpuArray((1, 1, 100, 64))
     ds_bytes = 3 * 4 * 100 * 64 * 4  # dS, fp32 [B, Hq, Sq, ceil8(Sk)], zeroed
-    assert 3 * 4 * 100 * 64 <= portable_plan.SINGLE_MAX_SCORES
+    assert 3 * 4 * 100 * 64 <= portable.SINGLE_MAX_SCORES
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 0
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 0
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 104 * 4 // 256) * 256 == 10240
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 10240
     # a tensor bias with gradient adds dS (the one-launch backward takes no bias)
@@ -281,7 +285,7 @@ def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     (3, False, (64, 16), "bottom_right", (64, 16, True)),
 ])
 def test_mask_resolution(mask_type, causal, window, alignment, expected):
-    m = api.resolve_mask(causal, window, mask_type, alignment)
+    m = resolve_mask(causal, window, mask_type, alignment)
     assert (m.window_left, m.window_right, m.bottom_right) == expected
 
 
@@ -290,9 +294,9 @@ def test_host_cu_seqlens_are_checked_then_uploaded(monkeypatch):
 
     def upload(self, name, device, stream):
         uploaded[name] = self.arrays[name].copy()
-        return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
+        return Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
 
-    monkeypatch.setattr(api.HostSeqlens, "upload", upload)
+    monkeypatch.setattr(HostSeqlens, "upload", upload)
     monkeypatch.setattr(executor, "run", lambda device, arch, launches, stream, **_: seen.append(launches))
     q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
     fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70], np.int64), np.array([0, 30, 90]), 40, 60,

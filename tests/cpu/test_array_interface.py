@@ -1,4 +1,4 @@
-"""Arrays described through their CUDA Array Interface (fmha_rt/describe.c, version 3), on the CPU: a call
+"""Arrays described through their CUDA Array Interface (fmha_rt/csrc/describe.c, version 3), on the CPU: a call
 of fake GPU arrays (fake_gpu.py, which export the interface as CuPy does) is keyed in one C call, with
 each pointer's device asked of the stand-in driver; equal signatures give equal keys and every
 difference a different one; what the describer cannot describe exactly goes to the DLPack path, which
@@ -14,9 +14,11 @@ import time
 import pytest
 
 import fmha_rt
-from fmha_rt import arrays, launch, plan_cache
-from fmha_rt.backend import ffi, lib
-from fmha_rt.buffers import DeviceBuffer
+from fmha_rt import arrays
+from fmha_rt.runtime import kernel_launch
+from fmha_rt.replay import plan_cache
+from fmha_rt.runtime.backend import ffi, lib
+from fmha_rt.runtime.buffers import DeviceBuffer
 from fmha_rt.errors import FmhaTypeError, FmhaValueError
 
 import fake_gpu
@@ -159,7 +161,7 @@ def test_a_tensor_subclass_is_described_per_array_without_reading_its_interface(
 def test_a_describer_made_before_torch_is_made_again_when_a_tensor_comes(monkeypatch, rt, driver):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(arrays, "_TORCH_TENSOR_TYPES", ())
-    monkeypatch.setattr(arrays, "_DESCRIBER", (launch.REPLAY_OPS, None, arrays.make_describer(launch.REPLAY_OPS)))
+    monkeypatch.setattr(arrays, "_DESCRIBER", (kernel_launch.REPLAY_OPS, None, arrays.make_describer(kernel_launch.REPLAY_OPS)))
     assert type(describe((FakeGpuArray((2, 4)),))[0]) is bytes, "interface arrays need no torch"
     tensor = torch.randn(2, 4, dtype=torch.float16)
     description, _ = describe((tensor,))
@@ -384,7 +386,7 @@ def test_sixteen_threads_each_order_their_own_producer_and_launch_their_own_poin
             q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, 0x10)
     assert sorted(rt.orderings()) == sorted((0, 0x100 + i, 0x10) for i in range(16) for _ in range(20))
     kept = ffi.new("size_t *")
-    assert lib.fmha_events_kept(launch.REPLAY_OPS, kept) == lib.FMHA_OK and 1 <= kept[0] <= 16
+    assert lib.fmha_events_kept(kernel_launch.REPLAY_OPS, kept) == lib.FMHA_OK and 1 <= kept[0] <= 16
 
 
 def test_the_event_pool_hands_an_event_to_one_holder_at_a_time(monkeypatch, rt):
@@ -407,7 +409,7 @@ def test_the_event_pool_hands_an_event_to_one_holder_at_a_time(monkeypatch, rt):
 
     def work():
         for i in range(200):
-            if lib.fmha_stream_order(launch.REPLAY_OPS, i % 2, 0x20, 0x10) != lib.FMHA_OK:
+            if lib.fmha_stream_order(kernel_launch.REPLAY_OPS, i % 2, 0x20, 0x10) != lib.FMHA_OK:
                 errors.append("ordering failed")
 
     threads = [threading.Thread(target=work) for _ in range(8)]
@@ -416,7 +418,7 @@ def test_the_event_pool_hands_an_event_to_one_holder_at_a_time(monkeypatch, rt):
     for t in threads:
         t.join()
     kept = ffi.new("size_t *")
-    lib.fmha_events_kept(launch.REPLAY_OPS, kept)
+    lib.fmha_events_kept(kernel_launch.REPLAY_OPS, kept)
     created = sum(what == "create" for what, *_ in rt.stream_events)
     assert errors == [] and created == kept[0] and 2 <= created <= 16, (errors, created, kept[0])
     assert len(rt.orderings()) == 8 * 200 and not rt.callback_errors
@@ -426,8 +428,8 @@ def test_the_event_pool_frees_a_failed_creation_and_refuses_when_every_event_is_
     kept = ffi.new("size_t *")
     with monkeypatch.context() as m:
         m.setattr(rt, "event_create", lambda ordinal: 1 / 0)
-        assert lib.fmha_stream_order(launch.REPLAY_OPS, 1, 0x20, 0x10) == lib.FMHA_ERR_DRIVER
-    assert lib.fmha_events_kept(launch.REPLAY_OPS, kept) == lib.FMHA_OK and kept[0] == 0
+        assert lib.fmha_stream_order(kernel_launch.REPLAY_OPS, 1, 0x20, 0x10) == lib.FMHA_ERR_DRIVER
+    assert lib.fmha_events_kept(kernel_launch.REPLAY_OPS, kept) == lib.FMHA_OK and kept[0] == 0
     assert [type(e) for e in rt.callback_errors] == [ZeroDivisionError] and rt.stream_events == []
     pool = lib.FMHA_EVENT_POOL
     entered, release = threading.Barrier(pool + 1), threading.Event()
@@ -440,18 +442,18 @@ def test_the_event_pool_frees_a_failed_creation_and_refuses_when_every_event_is_
             release.wait()
 
     monkeypatch.setattr(rt, "note_event", hold_on_record)
-    threads = [threading.Thread(target=lib.fmha_stream_order, args=(launch.REPLAY_OPS, 0, 0x20, 0x10))
+    threads = [threading.Thread(target=lib.fmha_stream_order, args=(kernel_launch.REPLAY_OPS, 0, 0x20, 0x10))
                for _ in range(pool)]
     for t in threads:
         t.start()
     entered.wait()  # every slot is held, the failed creation's too
     try:
-        assert lib.fmha_stream_order(launch.REPLAY_OPS, 0, 0x20, 0x10) == lib.FMHA_ERR_OUT_OF_MEMORY
+        assert lib.fmha_stream_order(kernel_launch.REPLAY_OPS, 0, 0x20, 0x10) == lib.FMHA_ERR_OUT_OF_MEMORY
     finally:
         release.set()
         for t in threads:
             t.join()
-    assert lib.fmha_events_kept(launch.REPLAY_OPS, kept) == lib.FMHA_OK and kept[0] == pool
+    assert lib.fmha_events_kept(kernel_launch.REPLAY_OPS, kept) == lib.FMHA_OK and kept[0] == pool
     monkeypatch.setattr(rt, "note_event", note)
-    assert lib.fmha_stream_order(launch.REPLAY_OPS, 0, 0x20, 0x10) == lib.FMHA_OK, "an idle event serves again"
+    assert lib.fmha_stream_order(kernel_launch.REPLAY_OPS, 0, 0x20, 0x10) == lib.FMHA_OK, "an idle event serves again"
     assert len(rt.orderings()) == pool + 1

@@ -10,7 +10,7 @@ import pytest
 
 PROBE = r"""
 import json, sys
-from fmha_rt import backend
+from fmha_rt.runtime import backend
 from fmha_rt.errors import FmhaError
 try:
     rt = backend.runtime()
@@ -70,8 +70,9 @@ def run_on_hip(script: str) -> dict:
 
 CAPTURE_PROBE = r"""
 import json
-from fmha_rt import backend, release_workspaces
-from fmha_rt.backend import ffi, lib
+from fmha_rt.runtime import backend
+from fmha_rt import release_workspaces
+from fmha_rt.runtime.backend import ffi, lib
 backend.runtime()
 status = ffi.new("int *", 7)
 out = {"null": lib.fmha_stream_capture_status(0, 0x10, ffi.NULL),
@@ -92,8 +93,9 @@ def test_the_capture_query_is_resolved_from_the_hip_runtime():
 
 POINTER_PROBE = r"""
 import ctypes, json
-from fmha_rt import arrays, backend, launch
-from fmha_rt.backend import ffi, lib
+from fmha_rt import arrays
+from fmha_rt.runtime import backend, kernel_launch
+from fmha_rt.runtime.backend import ffi, lib
 backend.runtime()
 host = ctypes.create_string_buffer(64)
 
@@ -107,8 +109,8 @@ values = ffi.new("uint64_t[1]")
 out = {"pointer": lib.fmha_pointer_location(ctypes.addressof(host), where, where + 1, where + 2),
        "message": backend.last_error(), "where": list(where),
        "create": lib.fmha_event_create(0, ffi.new("uint64_t *")), "record": lib.fmha_event_record(0, 1, 0),
-       "wait": lib.fmha_stream_wait_event(0, 0, 1), "order": lib.fmha_stream_order(launch.REPLAY_OPS, 0, 0x20, 0x10),
-       "described": arrays.make_describer(launch.REPLAY_OPS)((Interface(),), int(ffi.cast("uintptr_t", values)), 1, 0),
+       "wait": lib.fmha_stream_wait_event(0, 0, 1), "order": lib.fmha_stream_order(kernel_launch.REPLAY_OPS, 0, 0x20, 0x10),
+       "described": arrays.make_describer(kernel_launch.REPLAY_OPS)((Interface(),), int(ffi.cast("uintptr_t", values)), 1, 0),
        "driver": lib.FMHA_ERR_DRIVER, "bad argument": lib.FMHA_ERR_BAD_ARGUMENT}
 print(json.dumps(out))
 """

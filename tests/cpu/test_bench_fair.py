@@ -310,7 +310,7 @@ def test_list_says_no_gpu_instead_of_found(capsys):
 
 
 def test_list_line_tells_a_missing_driver_from_a_missing_device(monkeypatch):
-    from fmha_rt import backend
+    from fmha_rt.runtime import backend
     from fmha_rt.bench import machine
     from fmha_rt.errors import FmhaRuntimeError
 

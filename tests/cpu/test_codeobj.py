@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fmha_rt.codeobj import CodeObject, KernelInfo, Param, compare_layout, decode_msgpack, read_code_object
+from fmha_rt.runtime.codeobj import CodeObject, KernelInfo, Param, compare_layout, decode_msgpack, read_code_object
 from fmha_rt.errors import FmhaTypeError, FmhaValueError
 
 triton = pytest.importorskip("triton")

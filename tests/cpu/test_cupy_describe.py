@@ -1,4 +1,4 @@
-"""CuPy arrays described from their attributes (fmha_rt/describe.c), on the CPU: an array of the
+"""CuPy arrays described from their attributes (fmha_rt/csrc/describe.c), on the CPU: an array of the
 describer's CuPy type is keyed from shape, strides, dtype.str, data.ptr and data.device_id, with no
 driver query for its pointer, and only the call's first CuPy array makes its interface dict, whose
 stream entry orders the call's stream as the interface path orders it; a hit launches what the same

@@ -1,4 +1,4 @@
-"""The shim's describer (fmha_rt/describe.c) on torch tensors, which keys the plan cache: one C call
+"""The shim's describer (fmha_rt/csrc/describe.c) on torch tensors, which keys the plan cache: one C call
 reads every tensor of a call through torch's DLPack C exchange API. Equal words must mean equal
 signatures (shape, strides, dtype, device), whatever the data; anything it cannot describe exactly
 (another type, a negated view, a sparse tensor, a rank above its limit) is refused, leaving no Python
@@ -10,8 +10,10 @@ import struct
 import numpy as np
 import pytest
 
-from fmha_rt import arrays, launch, plan_cache
-from fmha_rt.backend import ffi, lib
+from fmha_rt import arrays
+from fmha_rt.runtime import kernel_launch
+from fmha_rt.replay import plan_cache
+from fmha_rt.runtime.backend import ffi, lib
 
 torch = pytest.importorskip("torch")
 
@@ -22,7 +24,7 @@ if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
 
 @pytest.fixture
 def describer():
-    return arrays.make_describer(launch.REPLAY_OPS, (torch.Tensor, torch.nn.Parameter))
+    return arrays.make_describer(kernel_launch.REPLAY_OPS, (torch.Tensor, torch.nn.Parameter))
 
 
 def describe(d, *objects, capacity=None):
@@ -94,7 +96,7 @@ def test_the_values_after_the_addresses_are_zeroed(describer):
 
 
 def test_describe_refuses_bad_arguments_with_an_error():
-    describe = arrays.make_describer(launch.REPLAY_OPS, (torch.Tensor,))
+    describe = arrays.make_describer(kernel_launch.REPLAY_OPS, (torch.Tensor,))
     with pytest.raises(TypeError, match="4 arguments"):
         describe((None,), 0, 1)
     with pytest.raises(ValueError, match="NULL"):
@@ -120,7 +122,7 @@ def test_signatures_key_a_negated_view_apart_from_its_plain_tensor():
 def test_a_type_without_the_exchange_api_is_refused_and_the_rest_still_described():
     d = ffi.new("fmha_describer *")
     namespace = {}
-    assert lib.fmha_describer_init(d, launch.REPLAY_OPS, id(np.ndarray), 0, 0, 2, id(namespace)) == lib.FMHA_OK
+    assert lib.fmha_describer_init(d, kernel_launch.REPLAY_OPS, id(np.ndarray), 0, 0, 2, id(namespace)) == lib.FMHA_OK
     assert d.types[0] == id(np.ndarray) and d.export_fn == 0 and d.is_neg == 0
     assert describe(namespace["describe"], np.zeros(3)) is None
     assert describe(namespace["describe"], None, capacity=3) == ([0], [0, 0, 0])
@@ -137,6 +139,6 @@ def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
     monkeypatch.setattr(arrays, "_DESCRIBER", (None, None, None))  # made again, from the torch without it
     slow, imported = _signatures({"q": x, "k": None}, slow_values)
-    assert arrays._DESCRIBER[0] is launch.REPLAY_OPS
+    assert arrays._DESCRIBER[0] is kernel_launch.REPLAY_OPS
     assert slow == ((x.shape, x.stride(), x.dtype, x.device), None) and imported == {}
     assert list(slow_values) == list(fast_values) == [x.data_ptr(), 0, 0, 0, 0] and slow != fast

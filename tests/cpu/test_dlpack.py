@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.lib.array_utils import byte_bounds
 
-from fmha_rt import dlpack
-from fmha_rt.dlpack import DLPACK_VERSION, DTYPES, READ_ONLY, DLPackExporter, export_capsule, import_array
+from fmha_rt.runtime import dlpack
+from fmha_rt.runtime.dlpack import DLPACK_VERSION, DTYPES, READ_ONLY, DLPackExporter, export_capsule, import_array
 from fmha_rt.errors import FmhaTypeError, FmhaValueError
 
 RNG = np.random.default_rng(20240611)

@@ -12,7 +12,7 @@ import torch
 import interpret_exec as ie
 import philox_reference
 from error_bounds import assert_close, assert_lse_close
-from fmha_rt.problem import AttentionProblem
+from fmha_rt.plan.problem import AttentionProblem
 from fmha_rt.reference import mha_bwd_ref, mha_fwd_ref, mha_varlen_bwd_ref, mha_varlen_fwd_ref
 
 TOL = 5e-3  # fp16 inputs, fp32 accumulation (as test_portable_kernels)

@@ -24,9 +24,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fmha_rt import registry as registry_module
+from fmha_rt.runtime import registry as registry_module
 from fmha_rt.errors import FmhaError
-from fmha_rt.packing import ArgPacker
+from fmha_rt.runtime.packing import ArgPacker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "hsa"

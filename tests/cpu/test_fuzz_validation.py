@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import fmha_rt
-from fmha_rt import executor
-from fmha_rt import registry as registry_module
+from fmha_rt.runtime import executor, kernel_launch
+from fmha_rt.runtime import registry as registry_module
 from fmha_rt.errors import FmhaError
-from fmha_rt.packing import NULL, Pointer
-from fmha_rt.portable_plan import MAX_GRID_YZ
+from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.args import MAX_GRID_YZ
 
 from fake_gpu import FakeGpuArray, StandInRuntime
 
@@ -84,7 +84,7 @@ class CheckingExecutor:
                 entry = reg.entry(arch, launch.variant)
             except FmhaError as exc:
                 raise AssertionError(f"a validated call plans a kernel the manifest lacks: {exc}") from None
-            args = {**dict.fromkeys(registry_module.SCRATCH_POINTERS, NULL), **launch.args}
+            args = kernel_launch.with_scratch(launch.args)
             try:
                 entry.packer.pack(args)
             except FmhaError as exc:

@@ -1,6 +1,6 @@
 """Head dims that are not multiples of 8: the padding copies alone under the CPU interpreter, their
 planning (workspace and forward-scratch regions), the alignment rule their arguments follow, and the
-runtime's integration (fmha_rt/head_padding.py).
+runtime's integration (fmha_rt/plan/head_padding.py).
 
 Attention through the padding (pad -> forward/backward -> unpad against the float64 reference) runs in
 test_portable_kernels.py, whose cases include padded head dims. Inputs are fp16 (the interpreter
@@ -12,12 +12,14 @@ import interpret_exec as ie
 import pytest
 import torch
 
-from fmha_rt import executor, head_padding
-from fmha_rt import portable_plan as pp
-from fmha_rt import registry as registry_module
+from fmha_rt.runtime import executor
+from fmha_rt.plan import head_padding
+from fmha_rt.plan import layout
+from fmha_rt.plan import portable as pp
+from fmha_rt.runtime import registry as registry_module
 from fmha_rt.errors import FmhaValueError
-from fmha_rt.packing import Pointer
-from fmha_rt.problem import AttentionProblem
+from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.problem import AttentionProblem
 
 SENTINEL = 777.0  # fp16-exact: memory a copy must not touch
 
@@ -56,12 +58,12 @@ def test_widen_copies_values_and_zero_fills_the_padding_columns(d):
     out = torch.zeros(b, s, hq, d, dtype=torch.float16)
     padded = _padded_regions(problem, "fwd")
     tensors = ie.with_strides(**inputs, out=out, **padded)
-    before, after, substitutes = pp.plan_head_padding(problem, pp.INTERPRET_ARCH, tensors, "fwd")
+    before, after, substitutes = head_padding.for_pass(problem, tensors, "fwd")
     assert [launch.variant for launch in before] == ["fmha_pad_widen_fp16"] * 3
     assert [launch.variant for launch in after] == ["fmha_pad_narrow_fp16"]
     assert before[0].grid == (2, b, 1) and before[0].args["pitch_h"] % 8
     ie.run(before)
-    width = pp.padded_head_dim(d)
+    width = layout.padded_head_dim(d)
     for name, caller in inputs.items():
         buffer = padded[f"{name}_padded"]
         assert substitutes[name] is buffer and substitutes[f"{name}_strides"] == buffer.stride()
@@ -82,7 +84,7 @@ def test_narrow_writes_only_the_real_columns(d):
         padded[f"{name}_padded"].copy_(torch.randn(padded[f"{name}_padded"].shape, generator=gen))
     tensors = ie.with_strides(q=grads["dq"], k=grads["dk"], v=grads["dv"], out=grads["dq"], dout=grads["dq"],
                               **grads, **padded)
-    _, after, _ = pp.plan_head_padding(problem, pp.INTERPRET_ARCH, tensors, "bwd")
+    _, after, _ = head_padding.for_pass(problem, tensors, "bwd")
     assert [launch.args["Padded"] is padded[f"{n}_padded"] for launch, n in zip(after, grads)] == [True] * 3
     ie.run(after)
     for name, w in wide.items():
@@ -107,8 +109,8 @@ def test_varlen_copies_leave_rows_outside_every_sequence_alone():
     padded["out_padded"].copy_(torch.randn(padded["out_padded"].shape, generator=gen))
     tensors = ie.with_strides(q=q, k=q, v=q, out=out_wide[..., :d], cu_seqlens_q=cu, cu_seqlens_k=cu,
                               seqstart_q=seqstart, seqstart_k=seqstart, **padded)
-    before, after, _ = pp.plan_head_padding(problem, pp.INTERPRET_ARCH, tensors, "fwd")
-    assert before[0].grid == (-(-130 * h // pp.PAD_TILE.block_m), len(lens), 1)
+    before, after, _ = head_padding.for_pass(problem, tensors, "fwd")
+    assert before[0].grid == (-(-130 * h // head_padding.PAD_TILE.block_m), len(lens), 1)
     ie.run(before + after)
     rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
     gap = torch.ones(pos, dtype=torch.bool)
@@ -128,9 +130,9 @@ def test_no_padding_for_head_dims_that_are_multiples_of_8():
     x = torch.zeros(2, 40, 4, 40, dtype=torch.float16)
     tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x)
     for pass_name in ("fwd", "bwd"):
-        assert pp.padded_tensors(problem, pass_name) == []
-        assert pp.plan_head_padding(problem, pp.INTERPRET_ARCH, tensors, pass_name) == ([], [], {})
-    assert pp.fwd_scratch(problem).total_bytes == 0 == head_padding.fwd_scratch_bytes(problem)
+        assert layout.padded_tensors(problem, pass_name) == []
+        assert head_padding.for_pass(problem, tensors, pass_name) == ([], [], {})
+    assert pp.fwd_scratch(problem).total_bytes == 0
     assert [r.name for r in pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "lse2", "dq_acc"]
 
 
@@ -150,7 +152,7 @@ def test_padding_regions_follow_each_head_dim():
     padded = ws.regions[4:]
     assert [(r.name, r.nbytes) for r in padded] == [("q_padded", q_bytes), ("k_padded", k_bytes),
                                                      ("dq_padded", q_bytes), ("dk_padded", k_bytes)]
-    assert padded[0].offset == plain.total_bytes and all(r.offset % pp.WORKSPACE_ALIGN == 0 for r in padded)
+    assert padded[0].offset == plain.total_bytes and all(r.offset % layout.WORKSPACE_ALIGN == 0 for r in padded)
     assert ws.total_bytes == plain.total_bytes + 2 * q_bytes + 2 * k_bytes
     # Dv=5 alone: v, out (backward input), dout and dv pad; varlen buffers are [total, H, 8].
     varlen = AttentionProblem(3, 20, 20, 2, 2, 32, 5, "fp16", varlen=True, total_q=41, total_k=37, deterministic=True)
@@ -162,14 +164,14 @@ def test_padding_plan_needs_the_padded_buffers():
     problem = AttentionProblem(1, 16, 16, 1, 1, 5, 5, "fp16")
     x = torch.zeros(1, 16, 1, 5, dtype=torch.float16)
     with pytest.raises(FmhaValueError, match="q_padded"):
-        pp.plan_head_padding(problem, pp.INTERPRET_ARCH, ie.with_strides(q=x, k=x, v=x, out=x), "fwd")
+        head_padding.for_pass(problem, ie.with_strides(q=x, k=x, v=x, out=x), "fwd")
 
 
 # ------------------------------------------------------------------------------------- alignment
 
 
 def _pad_variant(arch="sm_90"):
-    return pp.variant_map(arch)[pp.pad_key("fp16", True)]
+    return pp.variant_map(arch)[head_padding.pad_key("fp16", True)]
 
 
 def test_build_promises_nothing_about_the_callers_side():
@@ -187,7 +189,7 @@ def test_build_promises_nothing_about_the_callers_side():
 
 
 def test_executor_checks_element_alignment_of_unaligned_pointers():
-    entry = registry_module.registry().entry("sm_90", pp.pad_key("fp16", True))
+    entry = registry_module.registry().entry("sm_90", head_padding.pad_key("fp16", True))
     args = {slot.name: 0 for slot in entry.params}
     args.update({name: None for name in ("CuSeqlens", "Seqstart", *registry_module.SCRATCH_POINTERS)})
     args.update(UnalignedArray=Pointer(0x1002), Padded=Pointer(0x1100), pitch_b=5 * 77, pitch_s=15, pitch_h=5,
@@ -206,7 +208,7 @@ def test_shipped_pad_kernels_for_every_arch():
     for arch in pp.BUILD_ARCHS:
         for dtype in pp.DTYPES:
             for widen in (True, False):
-                entry = reg.entry(arch, pp.pad_key(dtype, widen))
+                entry = reg.entry(arch, head_padding.pad_key(dtype, widen))
                 assert [p.name for p in entry.params][:2] == ["UnalignedArray", "Padded"]
                 assert reg.image(entry)
 
@@ -231,10 +233,10 @@ def test_forward_integration_substitutes_the_scratch_regions():
     problem = AttentionProblem(2, 64, 80, 4, 2, 5, 5, "bf16", window_left=-1, window_right=0)
     tensors = _pointers_with_strides(problem)
     scratch = pp.fwd_scratch(problem)
-    assert scratch.total_bytes == head_padding.fwd_scratch_bytes(problem) > 0 and not scratch.needs_zeroing
+    assert scratch.total_bytes > 0 and not scratch.needs_zeroing
     regions = {r.name: r for r in scratch.regions}
     tensors.update({name: Pointer(0xA0000000 + r.offset) for name, r in regions.items()})
-    padding = head_padding.for_pass(problem, "sm_90", tensors, "fwd")
+    padding = head_padding.for_pass(problem, tensors, "fwd")
     assert [launch.variant for launch in padding.before] == ["fmha_pad_widen_bf16"] * 3
     assert [launch.variant for launch in padding.after] == ["fmha_pad_narrow_bf16"]
     assert padding.substitutes["q"] is tensors["q_padded"] and padding.substitutes["out"] is tensors["out_padded"]
@@ -246,7 +248,7 @@ def test_forward_integration_substitutes_the_scratch_regions():
     # Nothing to pad: no scratch, nothing added.
     plain = AttentionProblem(2, 64, 80, 4, 2, 8, 8, "bf16")
     assert pp.fwd_scratch(plain).regions == () and pp.fwd_scratch(plain).total_bytes == 0
-    assert head_padding.for_pass(plain, "sm_90", tensors, "fwd") == head_padding.HeadPadding()
+    assert head_padding.for_pass(plain, tensors, "fwd") == ([], [], {})
 
 
 def test_backward_integration_uses_the_workspace_regions():
@@ -254,7 +256,7 @@ def test_backward_integration_uses_the_workspace_regions():
     tensors = _pointers_with_strides(problem)
     workspace = pp.bwd_workspace(problem, "sm_90")
     tensors.update({r.name: Pointer(0xB0000000 + r.offset) for r in workspace.regions})
-    padding = head_padding.for_pass(problem, "sm_90", tensors, "bwd")
+    padding = head_padding.for_pass(problem, tensors, "bwd")
     assert [launch.args["UnalignedArray"] for launch in padding.before] == [tensors[n] for n in ("q", "k", "v", "out", "dout")]
     assert [launch.args["UnalignedArray"] for launch in padding.after] == [tensors[n] for n in ("dq", "dk", "dv")]
     launches = pp.plan_bwd(problem, "sm_90", {**tensors, **padding.substitutes})

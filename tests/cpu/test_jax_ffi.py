@@ -19,16 +19,20 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 import fmha_rt.jax as fj
-from fmha_rt import _shim, launch_program, portable_plan, reference, v3_plan
+from fmha_rt import _shim, reference
+from fmha_rt.replay import xla_program
+from fmha_rt.runtime import kernel_launch
+from fmha_rt.plan import portable, v3
+from fmha_rt.plan.args import Launch
 from fmha_rt.errors import (
     FmhaNotImplementedError,
     FmhaRuntimeError,
     FmhaTypeError,
     FmhaValueError,
 )
-from fmha_rt.packing import NULL, Pointer, pointer_value
-from fmha_rt.problem import AttentionProblem
-from fmha_rt.registry import SCRATCH_POINTERS, registry
+from fmha_rt.runtime.packing import Pointer, pointer_value
+from fmha_rt.plan.problem import AttentionProblem
+from fmha_rt.runtime.registry import registry
 
 ARCH = "sm_90"
 
@@ -106,12 +110,12 @@ def test_register_targets_for_gpu_platforms():
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
-@pytest.mark.parametrize("build", [launch_program.forward, launch_program.backward], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("build", [xla_program.forward, xla_program.backward], ids=["fwd", "bwd"])
 def test_program_round_trips(name, build):
     program = build(PROBLEMS[name], ARCH)
     words = program.encode()
-    assert words.dtype == np.int64 and words[0] == launch_program.MAGIC
-    decoded = launch_program.LaunchProgram.decode(words)
+    assert words.dtype == np.int64 and words[0] == xla_program.MAGIC
+    decoded = xla_program.LaunchProgram.decode(words)
     assert (decoded.label, decoded.operands, decoded.zero_fills, decoded.launches) == \
         (program.label, program.operands, program.zero_fills, program.launches)
     assert [(b.dtype, b.nbytes) for b in decoded.buffers] == [(b.dtype, b.nbytes) for b in program.buffers]
@@ -121,17 +125,17 @@ def test_program_round_trips(name, build):
 def _plan(build, p):
     """The plan the program was built from, with the same placeholder tensors."""
     program = build(p, ARCH)
-    tensors = launch_program._tensors(program.buffers)
-    if build is launch_program.backward:
-        ws = portable_plan.bwd_workspace(p, ARCH)
+    tensors = xla_program.placeholder_tensors(program.buffers)
+    if build is xla_program.backward:
+        ws = portable.bwd_workspace(p, ARCH)
         for region in ws.regions:
-            tensors[region.name] = launch_program.placeholder(len(program.buffers) - 1, region.offset)
-        return program, portable_plan.plan_bwd(p, ARCH, tensors)
-    return program, portable_plan.plan_fwd(p, ARCH, tensors)
+            tensors[region.name] = xla_program.placeholder(len(program.buffers) - 1, region.offset)
+        return program, portable.plan_bwd(p, ARCH, tensors)
+    return program, portable.plan_fwd(p, ARCH, tensors)
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
-@pytest.mark.parametrize("build", [launch_program.forward, launch_program.backward], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("build", [xla_program.forward, xla_program.backward], ids=["fwd", "bwd"])
 def test_program_matches_the_plan(name, build):
     """Patching each template the way the handler does, with the placeholders as buffer addresses,
     gives exactly the bytes the Python executor packs for the same plan."""
@@ -139,20 +143,20 @@ def test_program_matches_the_plan(name, build):
     program, plan = _plan(build, p)
     plan = [launch for launch in plan if all(launch.grid)]
     assert [launch.key for launch in program.launches] == [launch.variant for launch in plan]
-    bases = [launch_program.placeholder(i).address for i in range(len(program.buffers))]
+    bases = [xla_program.placeholder(i).address for i in range(len(program.buffers))]
     for built, planned in zip(program.launches, plan):
         entry = registry().entry(ARCH, planned.variant)
         assert built.grid == tuple(planned.grid) and built.block == (entry.threads, 1, 1)
         assert built.shared == entry.shared and len(built.template) == entry.param_bytes
         patched = bytearray(built.template)
         for patch in built.patches:
-            patched[patch.arg_offset:patch.arg_offset + 8] = (bases[patch.buffer] + patch.offset).to_bytes(8, "little")
-        assert bytes(patched) == entry.packer.pack({**dict.fromkeys(SCRATCH_POINTERS, NULL), **planned.args})
+            patched[patch.arg_offset:patch.arg_offset + 8] = (bases[patch.value] + patch.addend).to_bytes(8, "little")
+        assert bytes(patched) == entry.packer.pack(kernel_launch.with_scratch(planned.args))
         pointers = {s.offset for s in entry.params if s.type == "ptr"
                     and pointer_value(s.name, planned.args.get(s.name))}
         assert {patch.arg_offset for patch in built.patches} == pointers
-    if build is launch_program.backward:
-        ws = portable_plan.bwd_workspace(p, ARCH)
+    if build is xla_program.backward:
+        ws = portable.bwd_workspace(p, ARCH)
         # a workspace result only where the plan has one (the one-launch backward has none)
         assert [b.nbytes for b in program.buffers if b.name == "workspace"] == ([ws.total_bytes] if ws.total_bytes else [])
         assert [(f.offset, f.nbytes) for f in program.zero_fills] == \
@@ -162,8 +166,8 @@ def test_program_matches_the_plan(name, build):
 @pytest.mark.parametrize("heads_k,workspace", [(4, []), (2, ["workspace"])], ids=["one_launch_mha", "two_kernels_gqa"])
 def test_backward_operands_and_results(heads_k, workspace):
     p = problem(varlen=True, total_q=300, total_k=280, batch=3, heads_k=heads_k)
-    assert (portable_plan.dq_strategy(p, ARCH) == portable_plan.DQ_SINGLE) == (not workspace)
-    program = launch_program.backward(p, ARCH)
+    assert (portable.dq_strategy(p, ARCH) == portable.DQ_SINGLE) == (not workspace)
+    program = xla_program.backward(p, ARCH)
     names = [b.name for b in program.buffers]
     assert names == ["dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "dq", "dk", "dv",
                      *workspace]
@@ -176,30 +180,30 @@ V3_FORWARD = problem(batch=1, seqlen_q=4096, seqlen_k=4096, heads_q=4, heads_k=2
 def test_a_forward_the_v3_family_serves_takes_its_descriptors_in_a_workspace_result():
     """Where the v3 forward runs (by default the 128 tile from 4096 keys), its TMA descriptors live in a
     workspace result that XLA allocates, and the handler checks the compiler's alignment for them."""
-    assert v3_plan.serves_fwd(V3_FORWARD, ARCH)
-    program = launch_program.forward(V3_FORWARD, ARCH)
-    scratch = v3_plan.fwd_scratch(V3_FORWARD)
+    assert v3.serves_fwd(V3_FORWARD, ARCH)
+    program = xla_program.forward(V3_FORWARD, ARCH)
+    scratch = v3.fwd_scratch(V3_FORWARD)
     assert [b.name for b in program.results] == ["out", "lse", "workspace"]
     assert program.results[-1].nbytes == scratch.total_bytes and not program.zero_fills
     (launch,) = program.launches
-    assert launch.key == v3_plan.fwd_key("bf16", (128, 128))
+    assert launch.key == v3.fwd_key("bf16", (128, 128))
     entry = registry().entry(ARCH, launch.key)
     slots = {s.offset: s.name for s in entry.params}
-    aligns = {slots[p.arg_offset]: (p.buffer, p.offset, p.align) for p in launch.patches}
-    region = scratch.region(v3_plan.DESCRIPTOR_REGION)
-    assert aligns["global_scratch"] == (len(program.buffers) - 1, region.offset, v3_plan.GLOBAL_SCRATCH_ALIGN)
-    assert entry.traits["global_scratch_align"] == v3_plan.GLOBAL_SCRATCH_ALIGN
+    aligns = {slots[p.arg_offset]: (p.value, p.addend, p.align) for p in launch.patches}
+    region = scratch.region(v3.DESCRIPTOR_REGION)
+    assert aligns["global_scratch"] == (len(program.buffers) - 1, region.offset, v3.GLOBAL_SCRATCH_ALIGN)
+    assert entry.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
     assert {a for name, (_, _, a) in aligns.items() if name != "global_scratch"} == {16}
-    decoded = launch_program.LaunchProgram.decode(program.encode())
+    decoded = xla_program.LaunchProgram.decode(program.encode())
     assert decoded.launches == program.launches
 
 
 def test_without_the_v3_family_the_same_forward_has_no_workspace(monkeypatch):
-    monkeypatch.setattr(v3_plan, "MODE", "off")
-    program = launch_program.forward(V3_FORWARD, ARCH)
+    monkeypatch.setattr(v3, "MODE", "off")
+    program = xla_program.forward(V3_FORWARD, ARCH)
     assert [b.name for b in program.results] == ["out", "lse"]
-    assert [launch.key for launch in program.launches] == [portable_plan.plan_fwd(
-        V3_FORWARD, ARCH, launch_program._tensors(program.buffers))[0].variant]
+    assert [launch.key for launch in program.launches] == [portable.plan_fwd(
+        V3_FORWARD, ARCH, xla_program.placeholder_tensors(program.buffers))[0].variant]
 
 
 def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
@@ -208,7 +212,7 @@ def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
     text = attention.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["fmha_rt_fwd"]
     p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
-    assert f"tensor<{v3_plan.fwd_scratch(p).total_bytes}xui8>" in text  # the descriptors' workspace
+    assert f"tensor<{v3.fwd_scratch(p).total_bytes}xui8>" in text  # the descriptors' workspace
     assert jax.eval_shape(attention, q, k, v).shape == q.shape
 
 
@@ -219,7 +223,7 @@ def _buffer(program, name):
 def _reads(planned, name, buffer):
     """Whether every planned launch with a `name` argument points it at `buffer` (and some launch does)."""
     values = [launch.args[name] for launch in planned.launches if name in launch.args]
-    return bool(values) and all(launch_program._resolve(v.address, len(planned.buffers), name) == (buffer, 0)
+    return bool(values) and all(xla_program.resolve_placeholder(v.address, len(planned.buffers), name) == (buffer, 0)
                                 for v in values)
 
 
@@ -227,7 +231,7 @@ def test_score_terms_and_seed_follow_the_inputs_and_dbias_follows_dv():
     """Bias (rows padded to 8 keys), then the Philox words; dbias has the bias buffer's shape, its dS
     region is zeroed, and the kernels read the seed and offset from the operand."""
     p = problem(bias_shape="1HSS", bias_grad=True, dropout_p=0.1, seqlen_k=157)
-    fwd, bwd = launch_program.planned_forward(p, ARCH), launch_program.planned_backward(p, ARCH)
+    fwd, bwd = xla_program.planned_forward(p, ARCH), xla_program.planned_backward(p, ARCH)
     assert [b.name for b in fwd.buffers] == ["q", "k", "v", "bias", "philox_seed_offset", "out", "lse"]
     assert fwd.operands == 5
     assert [b.name for b in bwd.buffers] == ["dout", "q", "k", "v", "out", "lse", "bias", "philox_seed_offset",
@@ -240,7 +244,7 @@ def test_score_terms_and_seed_follow_the_inputs_and_dbias_follows_dv():
         assert _reads(planned, "Bias", _buffer(planned, "bias"))
         assert _reads(planned, "PhiloxSeedOffset", _buffer(planned, "philox_seed_offset"))
         assert {launch.args["philox_from_ptr"] for launch in planned.launches if "philox_from_ptr" in launch.args} == {1}
-    ds = portable_plan.bwd_workspace(p, ARCH).region("ds")
+    ds = portable.bwd_workspace(p, ARCH).region("ds")
     assert (bwd.buffers[-1].name, ds.offset, ds.nbytes) in [("workspace", f.offset, f.nbytes) for f in bwd.zero_fills]
     reduce = next(launch for launch in bwd.launches if launch.variant.startswith("fmha_bwd_dbias"))
     assert _reads(bwd, "dBias", _buffer(bwd, "dbias"))
@@ -250,7 +254,7 @@ def test_score_terms_and_seed_follow_the_inputs_and_dbias_follows_dv():
 @pytest.mark.parametrize("alibi,shape", [("H", (4,)), ("BH", (2, 4))])
 def test_alibi_slopes_are_a_float32_operand_without_a_result(alibi, shape):
     p = problem(alibi=alibi)
-    for planned in (launch_program.planned_forward(p, ARCH), launch_program.planned_backward(p, ARCH)):
+    for planned in (xla_program.planned_forward(p, ARCH), xla_program.planned_backward(p, ARCH)):
         slopes = planned.buffers[_buffer(planned, "alibi")]
         assert (slopes.shape, slopes.dtype) == (shape, "float32") and _buffer(planned, "alibi") < planned.operands
         assert _reads(planned, "Alibi", _buffer(planned, "alibi"))
@@ -260,10 +264,10 @@ def test_alibi_slopes_are_a_float32_operand_without_a_result(alibi, shape):
 
 def test_a_bias_without_gradient_has_no_dbias_and_no_ds_workspace():
     p = problem(bias_shape="B1SS")
-    planned = launch_program.planned_backward(p, ARCH)
+    planned = xla_program.planned_backward(p, ARCH)
     assert "bias" in [b.name for b in planned.buffers[:planned.operands]]
     assert [b.name for b in planned.results] == ["dq", "dk", "dv", "workspace"]
-    assert "ds" not in [r.name for r in portable_plan.bwd_workspace(p, ARCH).regions]
+    assert "ds" not in [r.name for r in portable.bwd_workspace(p, ARCH).regions]
     assert not any(launch.variant.startswith("fmha_bwd_dbias") for launch in planned.launches)
 
 
@@ -291,21 +295,21 @@ def cpu_probe():
 @pytest.mark.parametrize("name", ["gqa", "bias_bhss_dropout", "alibi_bh_window_br", "varlen_alibi_dropout"])
 def test_handler_reads_a_valid_program_and_needs_a_gpu_stream(cpu_probe, name):
     """The buffers pass the handler's checks (the uint32 seed's dtype number is XLA's too)."""
-    program = launch_program.backward(PROBLEMS[name], ARCH)
+    program = xla_program.backward(PROBLEMS[name], ARCH)
     message = cpu_probe(program)
     assert program.label in message
     assert "not initialised" in message or "no GPU stream" in message
 
 
 def test_handler_refuses_malformed_programs(cpu_probe):
-    program = launch_program.forward(PROBLEMS["gqa"], ARCH)
+    program = xla_program.forward(PROBLEMS["gqa"], ARCH)
     words = program.encode()
     bad_magic = words.copy()
     bad_magic[0] = 1
     assert "does not start with the launch program magic" in cpu_probe(program, bad_magic)
     assert "truncated" in cpu_probe(program, words[:-1])
     assert "words past its end" in cpu_probe(program, np.append(words, 0))
-    bad_grid = launch_program.LaunchProgram.decode(words)
+    bad_grid = xla_program.LaunchProgram.decode(words)
     launch = bad_grid.launches[0]
     zero_grid = launch.__class__(launch.key, (0, 1, 1), launch.block, launch.shared, launch.template, launch.patches)
     assert "out of range" in cpu_probe(program, bad_grid.__class__(
@@ -317,7 +321,7 @@ def test_handler_refuses_malformed_programs(cpu_probe):
 
 
 def test_handler_checks_the_buffers_against_the_program(cpu_probe):
-    program = launch_program.forward(PROBLEMS["gqa"], ARCH)
+    program = xla_program.forward(PROBLEMS["gqa"], ARCH)
     operands = [jnp.zeros(b.shape, b.dtype) for b in program.buffers[:program.operands]]
     operands[1] = jnp.zeros(operands[1].shape, jnp.float16)
     assert "buffer 1 has dtype 10" in cpu_probe(program, operands=operands)
@@ -446,17 +450,17 @@ def test_lowering_for_cuda_holds_the_program(pretend_gpu):
         lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["fmha_rt_fwd"]
     p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
-    words = launch_program.forward(p, ARCH).encode()
+    words = xla_program.forward(p, ARCH).encode()
     assert _holds(text, words)
 
 
 def test_lowering_of_grad_has_forward_and_backward(pretend_gpu, monkeypatch):
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward, which has a workspace
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward, which has a workspace
     q, k, v = qkv()
     loss = lambda q, k, v: fj.flash_attention(q, k, v).astype(jnp.float32).sum()
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert sorted(_custom_calls(text)) == ["fmha_rt_bwd", "fmha_rt_fwd"]
-    ws = portable_plan.bwd_workspace(fj._batch_problem(q, k, v, fj._Options(
+    ws = portable.bwd_workspace(fj._batch_problem(q, k, v, fj._Options(
         None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH)), ARCH).total_bytes
     assert ws > 0 and f"tensor<{ws}xui8>" in text  # the workspace is a result XLA allocates
 
@@ -1045,9 +1049,9 @@ def test_lowering_of_grad_holds_bias_seed_and_dbias(pretend_gpu):
         assert seeds[0] == seeds[1]  # one value feeds both calls
         options = fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH, dropout_p=0.1)
         p = fj._batch_problem(q, k, v, options, bias, None, bias_grad=len(argnums) == 4)
-        assert _holds(text, launch_program.forward(p, ARCH).encode()) and _holds(text, launch_program.backward(p, ARCH).encode())
-        assert workspaces[-1] == portable_plan.bwd_workspace(p, ARCH).total_bytes
-    ds = portable_plan.bwd_workspace(problem(batch=2, seqlen_q=128, seqlen_k=128, bias_shape="1HSS", bias_grad=True,
+        assert _holds(text, xla_program.forward(p, ARCH).encode()) and _holds(text, xla_program.backward(p, ARCH).encode())
+        assert workspaces[-1] == portable.bwd_workspace(p, ARCH).total_bytes
+    ds = portable.bwd_workspace(problem(batch=2, seqlen_q=128, seqlen_k=128, bias_shape="1HSS", bias_grad=True,
                                              window_right=0, dropout_p=0.1), ARCH).region("ds")
     assert workspaces[0] - workspaces[1] >= ds.nbytes
 
@@ -1087,16 +1091,16 @@ def _run_planned(ie, planned, arch, *operands):
     buffers = [torch.from_numpy(np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8).copy()) for x in operands]
     buffers += [torch.full((b.nbytes,), 0xFF, dtype=torch.uint8) for b in planned.results]
     for fill in planned.zero_fills:
-        buffers[fill.buffer][fill.offset:fill.offset + fill.nbytes] = 0
-    variants = portable_plan.variant_map(arch)
+        buffers[fill.value][fill.offset:fill.offset + fill.nbytes] = 0
+    variants = portable.variant_map(arch)
     launches = []
     for launch in planned.launches:
         signature, args = variants[launch.variant]["signature"], dict(launch.args)
         for name, value in launch.args.items():
             if isinstance(value, Pointer) and value.address:
-                buffer, offset = launch_program._resolve(value.address, len(buffers), name)
+                buffer, offset = xla_program.resolve_placeholder(value.address, len(buffers), name)
                 args[name] = buffers[buffer][offset:].view(ie._POINTER_DTYPES[signature[name]])
-        launches.append(portable_plan.Launch(launch.variant, launch.grid, args))
+        launches.append(Launch(launch.variant, launch.grid, args))
     ie.run([launch for launch in launches if all(launch.grid)], arch)
     return tuple(np.frombuffer(buf.numpy().tobytes(), jnp.dtype(b.dtype)).reshape(b.shape)
                  for b, buf in zip(planned.results, buffers[planned.operands:]))
@@ -1110,7 +1114,7 @@ def interpreted_calls(pretend_gpu, monkeypatch, interpreter):
 
     def custom_call(kind, problem, arch, operands):
         made.append((kind, problem))
-        plan = launch_program.planned_backward if kind.endswith("bwd") else launch_program.planned_forward
+        plan = xla_program.planned_backward if kind.endswith("bwd") else xla_program.planned_forward
         planned = plan(problem, arch)
         results = [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in planned.results]
         return jax.pure_callback(functools.partial(_run_planned, interpreter, planned, arch), results, *operands,

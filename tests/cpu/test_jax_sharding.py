@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import fmha_rt.jax as fj
 from fmha_rt import jax_cpu_reference, jax_sharding
 from fmha_rt.errors import FmhaNotImplementedError
-from fmha_rt.problem import AttentionProblem
+from fmha_rt.plan.problem import AttentionProblem
 
 WORKER = pathlib.Path(__file__).with_name("jax_mesh_worker.py")
 ROOT = WORKER.parents[2]

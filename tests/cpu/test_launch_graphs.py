@@ -1,4 +1,4 @@
-"""Launch graphs of cached calls (fmha_rt/launch_graphs.c) on the CPU: a hit launches its plan as one
+"""Launch graphs of cached calls (fmha_rt/csrc/launch_graphs.c) on the CPU: a hit launches its plan as one
 graph kept per (plan, stream), made on its first replay there (the recording call's, on its stream);
 it launches one by one while the stream is being captured, while another call holds that graph, and
 after making the graph failed; a failed graph launch raises like a failed launch and the next call
@@ -13,8 +13,8 @@ import threading
 import pytest
 
 import fmha_rt
-from fmha_rt import portable_plan
-from fmha_rt.backend import ffi, lib
+from fmha_rt.plan import portable
+from fmha_rt.runtime.backend import ffi, lib
 from fmha_rt.errors import DriverError
 
 from test_plan_cache import Inputs, bwd, call_inside_first_launch, fwd, hits, run_threads, unpack, warm
@@ -23,7 +23,7 @@ from test_plan_cache import Inputs, bwd, call_inside_first_launch, fwd, hits, ru
 @pytest.fixture(autouse=True)
 def two_launch_backward(monkeypatch):
     """The small problems here would take the one-launch backward: these tests want graphs of two nodes."""
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)
 
 
 def graphs_kept() -> int:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fmha_rt import backend
+from fmha_rt.runtime import backend
 from fmha_rt.errors import FmhaRuntimeError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fmha_rt.errors import FmhaTypeError, FmhaValueError
-from fmha_rt.packing import ArgPacker, Pointer, Slot
+from fmha_rt.runtime.packing import ArgPacker, Pointer, Slot
 
 LAYOUT = [Slot("q", "ptr", 0, 8), Slot("n", "i32", 8, 4), Slot("scale", "f32", 12, 4),
           Slot("stride", "i64", 16, 8), Slot("flags", "u32", 24, 4), Slot("out", "ptr", 32, 8)]

@@ -21,11 +21,16 @@ import numpy as np
 import pytest
 
 import fmha_rt
-from fmha_rt import api, executor, launch, plan_cache, portable_plan
-from fmha_rt import registry as registry_module
-from fmha_rt.backend import ffi, lib
+from fmha_rt.arrays import Arg
+from fmha_rt.call import HostSeqlens
+from fmha_rt import call_keys
+from fmha_rt.runtime import executor, kernel_launch
+from fmha_rt.replay import plan_cache
+from fmha_rt.plan import portable
+from fmha_rt.runtime import registry as registry_module
+from fmha_rt.runtime.backend import ffi, lib
 from fmha_rt.errors import DriverError, FmhaTypeError, FmhaValueError
-from fmha_rt.packing import Pointer
+from fmha_rt.runtime.packing import Pointer
 
 from fake_gpu import FakeGpuArray, StandInRuntime
 
@@ -37,7 +42,7 @@ def two_launch_backward(monkeypatch):
     """These problems are small enough for the one-launch backward; the tests here replay the two-kernel
     one (dQ, then dK/dV: patched pointers in two launches, logging, per-stream buffers), except
     test_one_launch_backward_hit_launches_what_an_uncached_call_launches, which sets the limit back."""
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", -1)
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)
 
 
 def unpack(key, packed):
@@ -48,7 +53,7 @@ def unpack(key, packed):
 def uncached(monkeypatch, driver, call):
     """What `call` launches planned from scratch: the cache is never asked, the executor packs."""
     with monkeypatch.context() as m:
-        m.setattr(api, "_request", lambda *_: None)
+        m.setattr(call_keys, "key_request", lambda *_: None)
         call()
     return driver.take()
 
@@ -164,7 +169,7 @@ def test_one_launch_backward_hit_launches_what_an_uncached_call_launches(monkeyp
     """The small MHA problems of CASES with the one-launch backward (this module's fixture turns it off;
     sm_90 builds it for one query head per key head only): one launch of the fused grid, replayed like
     any other plan."""
-    monkeypatch.setattr(portable_plan, "SINGLE_MAX_SCORES", 1 << 20)
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", 1 << 20)
     make, shape, options = CASES[case]
     x = Inputs(rt, **shape)
     driver.take()
@@ -350,9 +355,9 @@ def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, 
 
     def upload(self, name, device, stream):
         uploaded.append(name)
-        return api.Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
+        return Arg(name, FakeGpuArray(self.arrays[name].shape, "int32"), stream)
 
-    monkeypatch.setattr(api.HostSeqlens, "upload", upload)
+    monkeypatch.setattr(HostSeqlens, "upload", upload)
     q, k, v = FakeGpuArray((70, 4, 64)), FakeGpuArray((90, 2, 64)), FakeGpuArray((90, 2, 64))
     for _ in range(2):
         fmha_rt.mha_varlen_fwd(q, k, v, np.array([0, 30, 70]), np.array([0, 30, 90]), 40, 60)
@@ -365,13 +370,13 @@ def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, 
 
 def test_a_pointer_the_cache_cannot_trace_leaves_the_call_uncached(monkeypatch, rt, driver):
     stray = FakeGpuArray((S,), "float32")  # memory that is none of the call's arrays
-    planner = api.portable_plan.plan_fwd
+    planner = portable.plan_fwd
 
     def plan_with_a_stray_pointer(problem, arch, tensors):
         launches = planner(problem, arch, tensors)
         return [dataclasses.replace(launch_, args={**launch_.args, "Alibi": Pointer(stray.ptr)}) for launch_ in launches]
 
-    monkeypatch.setattr(api.portable_plan, "plan_fwd", plan_with_a_stray_pointer)
+    monkeypatch.setattr(portable, "plan_fwd", plan_with_a_stray_pointer)
     x = Inputs(rt)
     fwd(x)()
     fwd(x)()
@@ -407,7 +412,7 @@ def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothin
     with pytest.raises(FmhaValueError, match="bytes, .* are needed"):
         fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
                         workspace_alloc=lambda n, z: rt.workspace(8))
-    assert hits() == 6 and all(type(description) is bytes for _, description in api.PLANS._plans), \
+    assert hits() == 6 and all(type(description) is bytes for _, description in call_keys.PLANS._plans), \
         "the arrays were described by their CUDA Array Interface"
     assert driver.take() == [] and rt.memsets == []
     for array in (x.out, x.lse, x.dq, x.dk, x.dv, aliased):
@@ -443,7 +448,7 @@ def test_a_logged_hit_goes_through_the_executor_seam_with_launches_that_read_lik
     assert isinstance(bound, plan_cache.BoundLaunch) and bound.variant == "fmha_fwd_fp16_d64_nobias_nodrop"
     assert bound.args["window_right"] == 0 and bound.args["Q"].address == x.q.ptr
     entry = registry_module.registry().entry("sm_90", bound.variant)
-    assert entry.packer.pack({**executor._SCRATCH, **bound.args}) == bytes(bound.packed)
+    assert entry.packer.pack(kernel_launch.with_scratch(bound.args)) == bytes(bound.packed)
 
 
 @pytest.fixture
@@ -451,16 +456,16 @@ def log_config(monkeypatch):
     """FMHA_RT_LOG_CONFIG=1 for one test (the runtime reads it once: refresh, and again once unset)."""
     with monkeypatch.context() as m:
         m.setenv("FMHA_RT_LOG_CONFIG", "1")
-        assert launch.refresh_log_config()
+        assert kernel_launch.refresh_log_config()
         yield
-    launch.refresh_log_config()
+    kernel_launch.refresh_log_config()
 
 
 def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog, log_config):
     x = Inputs(rt)
     with caplog.at_level(logging.INFO, logger="fmha_rt"):
         with monkeypatch.context() as m:
-            m.setattr(api, "_request", lambda *_: None)
+            m.setattr(call_keys, "key_request", lambda *_: None)
             fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True,
                             stream=0x1234, workspace_alloc=lambda n, z: x.workspace)
         planned = [r.getMessage() for r in caplog.records]
@@ -530,7 +535,7 @@ def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver)
 
 
 def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
-    monkeypatch.setattr(api, "PLANS", plan_cache.PlanCache(capacity=4))
+    monkeypatch.setattr(call_keys, "PLANS", plan_cache.PlanCache(capacity=4))
     x = Inputs(rt)
     scales = [0.1, 0.2, 0.3, 0.4, 0.5]
     for scale in scales[:4]:
@@ -547,7 +552,7 @@ def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
 
 
 def test_signatures_seen_once_are_not_recorded_and_evict_nothing(monkeypatch, rt, driver):
-    monkeypatch.setattr(api, "PLANS", plan_cache.PlanCache(capacity=2))
+    monkeypatch.setattr(call_keys, "PLANS", plan_cache.PlanCache(capacity=2))
     x = Inputs(rt)
     warm(fwd(x, causal=True))
     warm(fwd(x))
@@ -557,7 +562,7 @@ def test_signatures_seen_once_are_not_recorded_and_evict_nothing(monkeypatch, rt
     fwd(x)()
     info = fmha_rt.plan_cache_info()
     assert info["hits"] == 2 and info["entries"] == 2
-    assert len(api.PLANS._seen) <= 4 * 2
+    assert len(call_keys.PLANS._seen) <= 4 * 2
 
 
 def test_clear_plan_cache(rt, driver):
@@ -601,7 +606,7 @@ def call_inside_first_launch(monkeypatch, driver, call):
             call()
         return 0
 
-    monkeypatch.setattr(launch, "_launch", reentering)
+    monkeypatch.setattr(kernel_launch, "launch_prepared", reentering)
 
 
 def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeypatch, rt, driver):
@@ -614,7 +619,7 @@ def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeyp
     warm(fwd(inner))
     driver.take()
     call_inside_first_launch(monkeypatch, driver, fwd(inner))
-    templates = [entry[0].replay_program.templates for entry in api.PLANS._plans.values()]
+    templates = [entry[0].replay_program.templates for entry in call_keys.PLANS._plans.values()]
     before = [bytes(ffi.buffer(t)) for program in templates for t in program]
     bwd(outer, deterministic=True)()
     (dq_kernel, inside, dkdv) = [unpack(key, packed) for key, _, packed, _ in driver.take()]
@@ -635,7 +640,7 @@ def test_a_failed_launch_on_a_hit_names_the_call_kernel_and_device(monkeypatch, 
         calls.append(config)
         return lib.FMHA_ERR_DRIVER if len(calls) == 2 else 0
 
-    monkeypatch.setattr(launch, "_launch", fail_second)
+    monkeypatch.setattr(kernel_launch, "launch_prepared", fail_second)
     with pytest.raises(DriverError) as raised:
         bwd(x, deterministic=True)()
     assert raised.value.call == "fmha_launch" and raised.value.kernel == keys[1] and raised.value.device == 0
@@ -656,7 +661,7 @@ def test_a_padded_forward_hits_with_its_scratch_allocated_by_the_replay(monkeypa
         allocated.append((alloc(ordinal, nbytes, stream), nbytes))
         return allocated[-1][0]
 
-    monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch)
+    monkeypatch.setattr(fmha_rt.runtime.backend, "mem_alloc", watch)
     fwd(y, causal=True)()
     assert hits() == 1 and len(allocated) == 1 and allocated[0][0] in rt.allocations, "kept for the stream"
     got = driver.take()
@@ -725,7 +730,7 @@ def test_a_hit_takes_its_workspace_from_torchs_caching_allocator_by_address(monk
     assert held.data_ptr() <= dkdv["Delta"] < held.data_ptr() + held.numel(), "the regions are in torch's memory"
     pinned = workspaces[-1]
     with monkeypatch.context() as m:
-        m.setattr(api, "_request", lambda *_: None)
+        m.setattr(call_keys, "key_request", lambda *_: None)
         fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
                         workspace_alloc=lambda n, z: fmha_rt.Pointer(pinned.held.data_ptr()))
     assert driver.take() == launched
@@ -773,8 +778,8 @@ class Events:
             self.log.append(("free", ptr, stream))
             free(ordinal, ptr, stream)
 
-        monkeypatch.setattr(fmha_rt.backend, "mem_alloc", watch_alloc)
-        monkeypatch.setattr(fmha_rt.backend, "mem_free", watch_free)
+        monkeypatch.setattr(fmha_rt.runtime.backend, "mem_alloc", watch_alloc)
+        monkeypatch.setattr(fmha_rt.runtime.backend, "mem_free", watch_free)
 
     def take(self):
         taken, self.log = self.log, []
@@ -866,9 +871,9 @@ def test_a_workspace_above_the_cap_is_allocated_and_freed_around_each_call(rt):
     rt.limit = cap + 1
     lease = ffi.new("fmha_workspace_lease *")
     for nbytes, kept_after in ((cap + 1, (0, 0)), (cap, (1, cap))):
-        assert lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x10, nbytes, 0, lease) == lib.FMHA_OK
+        assert lib.fmha_workspace_take(kernel_launch.REPLAY_OPS, 0, 0x10, nbytes, 0, lease) == lib.FMHA_OK
         assert lease.ptr in rt.allocations and (lease.slot == ffi.NULL) == (nbytes > cap)
-        lib.fmha_workspace_give(launch.REPLAY_OPS, 0, 0x10, lease)
+        lib.fmha_workspace_give(kernel_launch.REPLAY_OPS, 0, 0x10, lease)
         assert kept() == kept_after
     assert [(ptr, stream) for _, ptr, stream in rt.frees] == [(rt.frees[0][1], 0x10)] and not rt.problems
 
@@ -922,7 +927,7 @@ def test_a_release_while_a_call_holds_the_workspace_frees_it_when_the_call_hands
             during.append((list(rt.frees), kept()))
         return record(config, stream)
 
-    monkeypatch.setattr(launch, "_launch", release_inside)
+    monkeypatch.setattr(kernel_launch, "launch_prepared", release_inside)
     driver.take()
     rt.reset()
     own_bwd(x, 0x10)()
@@ -989,7 +994,7 @@ def test_take_and_give_hand_a_streams_buffer_to_one_holder_at_a_time(rt):
     def work():
         lease = ffi.new("fmha_workspace_lease *")
         for i in range(300):
-            if lib.fmha_workspace_take(launch.REPLAY_OPS, 0, 0x50, 1024 + i % 3, 0, lease) != lib.FMHA_OK:
+            if lib.fmha_workspace_take(kernel_launch.REPLAY_OPS, 0, 0x50, 1024 + i % 3, 0, lease) != lib.FMHA_OK:
                 errors.append("take failed")
                 return
             with lock:
@@ -999,7 +1004,7 @@ def test_take_and_give_hand_a_streams_buffer_to_one_holder_at_a_time(rt):
             time.sleep(0)  # let the other threads run while this one holds the buffer
             with lock:
                 held.discard(lease.ptr)
-            lib.fmha_workspace_give(launch.REPLAY_OPS, 0, 0x50, lease)
+            lib.fmha_workspace_give(kernel_launch.REPLAY_OPS, 0, 0x50, lease)
 
     threads = [threading.Thread(target=work) for _ in range(8)]
     for t in threads:
@@ -1013,14 +1018,14 @@ EXIT_WITH_A_KEPT_WORKSPACE = r"""
 import sys
 import pytest
 import fmha_rt
-from fmha_rt import launch
-from fmha_rt.backend import ffi, lib
+from fmha_rt.runtime import kernel_launch
+from fmha_rt.runtime.backend import ffi, lib
 from fake_gpu import FakeGpuArray, StandInRuntime
 
 patches = pytest.MonkeyPatch()
 StandInRuntime(patches)
-patches.setattr(launch, "kernel_handle", lambda device, entry: ffi.NULL)
-patches.setattr(launch, "_launch", lambda config, stream: 0)
+patches.setattr(kernel_launch, "kernel_handle", lambda device, entry: ffi.NULL)
+patches.setattr(kernel_launch, "launch_prepared", lambda config, stream: 0)
 # past SINGLE_MAX_SCORES: the one-launch backward of smaller problems needs no workspace
 q, k, v, out, dout, dq, dk, dv = (FakeGpuArray((1, 1024, 2, 64)) for _ in range(8))
 lse = FakeGpuArray((1, 2, 1024), "float32")

@@ -19,9 +19,11 @@ import torch
 
 import interpret_exec as ie
 from error_bounds import assert_close, assert_lse_close
-from fmha_rt import portable_plan as pp
+from fmha_rt.plan import portable as pp
+from fmha_rt.plan import abi
+from fmha_rt.plan.args import philox_counters
 from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
-from fmha_rt.problem import BIAS_SHAPES, AttentionProblem
+from fmha_rt.plan.problem import BIAS_SHAPES, AttentionProblem
 from fmha_rt.reference import mha_bwd_ref, mha_fwd_ref, mha_varlen_bwd_ref, mha_varlen_fwd_ref
 
 TOL = 5e-3  # fp16 inputs, fp32 accumulation: observed errors are ~3e-4
@@ -243,7 +245,7 @@ def test_dropout_mask_depends_on_seed_and_offset_only():
     assert abs(kept - (1 - DROP_P)) < 0.02, f"kept fraction {kept:.3f}, expected {1 - DROP_P}"
     assert not torch.equal(first, ie.dropout_mask(problem, {"philox_seed": 6, "philox_offset": 0}))
     # Advancing the offset by the counters a call consumes gives a fresh, non-overlapping stream.
-    shifted = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": pp.philox_counters(problem)})
+    shifted = ie.dropout_mask(problem, {"philox_seed": 5, "philox_offset": philox_counters(problem)})
     assert 0.3 < (shifted == first).float().mean().item() < 0.9
 
 
@@ -395,9 +397,9 @@ def test_workspace_layout_matches_hand_computed_sizes():
 
 
 def test_every_variant_matches_its_kernel_signature():
-    for name, source in pp.KERNEL_SOURCE.items():
-        fn = getattr(importlib.import_module(pp.KERNEL_MODULES[source]), name)
-        assert list(pp.SIGNATURES[name]) == list(fn.arg_names), name
+    for name, source in abi.KERNEL_SOURCE.items():
+        fn = getattr(importlib.import_module(abi.KERNEL_MODULES[source]), name)
+        assert list(abi.SIGNATURES[name]) == list(fn.arg_names), name
     for arch in pp.BUILD_ARCHS:
         variants = pp.variants(arch)
         assert len({v["key"] for v in variants}) == len(variants)
@@ -409,9 +411,9 @@ def test_every_variant_matches_its_kernel_signature():
 
 def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
     problem = AttentionProblem(1, 64, 64, 2, 2, 192, 128, "bf16")
-    assert pp.head_dim_tiles(problem) == (256, 128)
-    assert pp.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 96, 96, "fp16")) == (128, 128)
-    assert pp.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 64, 128, "fp16")) == (128, 128)
+    assert abi.head_dim_tiles(problem) == (256, 128)
+    assert abi.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 96, 96, "fp16")) == (128, 128)
+    assert abi.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 64, 128, "fp16")) == (128, 128)
     q = torch.zeros(1, 64, 2, 192, dtype=torch.float16)
     tensors = ie.with_strides(q=q, k=q, v=q[..., :128], out=q[..., :128], lse=torch.zeros(1, 2, 64))
     (launch,) = pp.plan_fwd(problem, "sm_90", tensors)
@@ -543,7 +545,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
-from fmha_rt import portable_plan as pp
+from error_bounds import assert_close, assert_lse_close
+from fmha_rt.plan import portable as pp
 
 def attrs(sig):
     out = {}

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fmha_rt import registry as reg_mod
+from fmha_rt.runtime import registry as reg_mod
 from fmha_rt.errors import FmhaRuntimeError, FmhaValueError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def first(manifest, arch="sm_90", key="selftest_axpy_f32"):
 
 
 def test_every_committed_code_object_passes_its_checks():
-    from fmha_rt.abi_check import check_all
+    from fmha_rt.runtime.abi_check import check_all
 
     reg = reg_mod.Registry(COMMITTED)
     per_arch, problems = check_all(reg)
@@ -177,7 +177,7 @@ def test_installed_wheel_carries_its_code_objects(tmp_path):
     shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", "*.so", "build", "*.egg-info", "__pycache__"))
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", str(build)],
                    check=True, cwd=tmp_path)
-    probe = ("import fmha_rt, fmha_rt.registry as r; reg = r.registry(); "
+    probe = ("import fmha_rt, fmha_rt.runtime.registry as r; reg = r.registry(); "
              "print(reg.root); print(len(reg.entries)); print(fmha_rt.__file__)")
     done = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin"})

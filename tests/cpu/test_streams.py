@@ -3,7 +3,7 @@
 import pytest
 
 from fmha_rt.errors import FmhaTypeError, FmhaValueError
-from fmha_rt.streams import dlpack_stream_arg, stream_handle
+from fmha_rt.runtime.streams import dlpack_stream_arg, stream_handle
 
 
 class CudaProtocolStream:

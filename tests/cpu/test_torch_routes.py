@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from fmha_rt import registry as registry_module  # noqa: E402
+from fmha_rt.runtime import registry as registry_module  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
 from fmha_rt import torch_calls, torch_eager  # noqa: E402
 

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fmha_rt.arrays import Arg, TorchView, _is_plain_torch_tensor  # noqa: E402
-from fmha_rt.dlpack import import_array  # noqa: E402
+from fmha_rt.runtime.dlpack import import_array  # noqa: E402
 
 
 def tensors():

@@ -8,17 +8,19 @@ import math
 import pytest
 
 import fmha_rt
-from fmha_rt import backend, dispatch, executor, portable_plan as pp, v3_plan
+from fmha_rt.runtime import backend, executor
+from fmha_rt.plan import dispatch, portable as pp, v3
+from fmha_rt.plan import abi
 from fmha_rt.errors import FmhaValueError
-from fmha_rt.problem import AttentionProblem
-from fmha_rt.registry import SCRATCH_POINTERS, registry
+from fmha_rt.plan.problem import AttentionProblem
+from fmha_rt.runtime.registry import SCRATCH_POINTERS, registry
 
 from test_plan_cache import Inputs, fwd, hits, uncached, unpack, varlen_fwd
 
 
 @pytest.fixture
 def v3_on(monkeypatch):
-    monkeypatch.setattr(v3_plan, "MODE", "all")
+    monkeypatch.setattr(v3, "MODE", "all")
 
 
 def problem(**changes):
@@ -29,20 +31,20 @@ def problem(**changes):
 
 def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     for arch in ("gfx942", "gfx950", pp.INTERPRET_ARCH):
-        assert v3_plan.variants(arch) == []
-    variants = {v["key"]: v for v in v3_plan.variants("sm_90")}
-    gluon = {v3_plan.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3_plan.FWD_PAIRS}
-    gluon.update({v3_plan.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3_plan.BWD_PAIRS})
-    rows = {v3_plan.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128)}
-    rows.update({v3_plan.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128)})
+        assert v3.variants(arch) == []
+    variants = {v["key"]: v for v in v3.variants("sm_90")}
+    gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
+    gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
+    rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128)}
+    rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128)})
     assert set(variants) == set(gluon) | set(rows)
     assert not set(variants) & {v["key"] for v in pp.variants("sm_90")}
     for key, function in gluon.items():
         v = variants[key]
-        portable = pp.make_variant("k", function, v["traits"]["dtype"], v3_plan.FWD_TILE, {}, {})
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.FWD_TILE, {}, {})
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
-        assert v["global_scratch"] == v3_plan.GLOBAL_SCRATCH[function]
+        assert v["global_scratch"] == v3.GLOBAL_SCRATCH[function]
         assert v["constexprs"]["BIAS_KIND"] == pp.BIAS_NONE and v["constexprs"]["DROPOUT"] is False
     for key, function in rows.items():  # the portable family's kernels, built under this family's keys
         assert variants[key]["module"] == "kernels.portable.fmha_bwd" and "language" not in variants[key]
@@ -50,15 +52,15 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
 
 def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch):
     monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
-    entries = [e for e in registry().kernels_for("sm_90") if e.family == v3_plan.FAMILY]
-    assert sorted(e.key for e in entries) == sorted(v["key"] for v in v3_plan.variants("sm_90"))
+    entries = [e for e in registry().kernels_for("sm_90") if e.family == v3.FAMILY]
+    assert sorted(e.key for e in entries) == sorted(v["key"] for v in v3.variants("sm_90"))
     for e in entries:
         assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
         if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3")):
             # the build checked the compiler's figure against the plan's; the manifest records it
             function = "fmha_fwd" if e.key.startswith("fmha_fwd") else "fmha_bwd_dkdv"
-            assert e.traits["global_scratch"] == v3_plan.GLOBAL_SCRATCH[function]
-            assert e.traits["global_scratch_align"] == v3_plan.GLOBAL_SCRATCH_ALIGN
+            assert e.traits["global_scratch"] == v3.GLOBAL_SCRATCH[function]
+            assert e.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
             assert e.threads == 12 * 32  # two consumer warpgroups and a loader warp, in whole warpgroups
         else:
             assert "global_scratch" not in e.traits
@@ -69,10 +71,10 @@ def test_the_descriptors_address_must_have_the_compilers_alignment(monkeypatch):
     alignment (before any launch, on every path: executor, plan-cache replay and XLA programs), not the
     16 bytes of other pointers: a caller's workspace that starts off that boundary is refused."""
     monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
-    entry = registry().entry("sm_90", v3_plan.dkdv_key("bf16", (128, 128)))
-    assert executor.pointer_alignment(entry, "global_scratch") == v3_plan.GLOBAL_SCRATCH_ALIGN
+    entry = registry().entry("sm_90", v3.dkdv_key("bf16", (128, 128)))
+    assert executor.pointer_alignment(entry, "global_scratch") == v3.GLOBAL_SCRATCH_ALIGN
     assert executor.pointer_alignment(entry, "Q") == 16
-    executor.check_pointer(entry, "global_scratch", 0x10000 + v3_plan.GLOBAL_SCRATCH_ALIGN)
+    executor.check_pointer(entry, "global_scratch", 0x10000 + v3.GLOBAL_SCRATCH_ALIGN)
     with pytest.raises(FmhaValueError, match=r"global_scratch=0x10010 is not 128-byte aligned"):
         executor.check_pointer(entry, "global_scratch", 0x10010)
 
@@ -100,10 +102,10 @@ NOT_SERVED = {
 @pytest.mark.parametrize("case", SERVED)
 def test_serves_its_calls_on_sm_90_in_the_all_mode(case, v3_on, monkeypatch):
     p = problem(**SERVED[case])
-    assert v3_plan.serves_fwd(p, "sm_90")
-    assert not v3_plan.serves_fwd(p, "gfx942")
-    monkeypatch.setattr(v3_plan, "MODE", "off")
-    assert not v3_plan.serves_fwd(p, "sm_90")
+    assert v3.serves_fwd(p, "sm_90")
+    assert not v3.serves_fwd(p, "gfx942")
+    monkeypatch.setattr(v3, "MODE", "off")
+    assert not v3.serves_fwd(p, "sm_90")
 
 
 @pytest.mark.parametrize("changes, served", [
@@ -114,9 +116,9 @@ def test_serves_its_calls_on_sm_90_in_the_all_mode(case, v3_on, monkeypatch):
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
 ], ids=["D=128 4k", "D=128 4k keys, short queries", "D=128 one key short", "D=64 4k", "dropout"])
 def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served, monkeypatch):
-    monkeypatch.setattr(v3_plan, "MODE", "measured")
+    monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(heads_k=8, **changes)
-    assert v3_plan.serves_fwd(p, "sm_90") is served
+    assert v3.serves_fwd(p, "sm_90") is served
 
 
 @pytest.mark.parametrize("changes, served", [
@@ -133,27 +135,27 @@ def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served,
 ], ids=["D=128 4k", "D=128 4k causal", "D=128 one key short", "deterministic", "GQA 4k", "GQA 4k causal",
         "GQA 16k causal", "D=64 4k", "D=64 16k", "dropout"])
 def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served, monkeypatch):
-    monkeypatch.setattr(v3_plan, "MODE", "measured")
+    monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{"heads_k": 8, **changes})
-    assert v3_plan.serves_bwd(p, "sm_90") is served
-    assert not v3_plan.serves_bwd(p, "gfx942")
+    assert v3.serves_bwd(p, "sm_90") is served
+    assert not v3.serves_bwd(p, "gfx942")
 
 
 @pytest.mark.parametrize("case", NOT_SERVED)
 def test_leaves_the_rest_to_the_portable_family(case, v3_on):
     p = problem(**NOT_SERVED[case])
-    assert not v3_plan.serves_fwd(p, "sm_90")
+    assert not v3.serves_fwd(p, "sm_90")
     assert dispatch.fwd_scratch(p, "sm_90") == pp.fwd_scratch(p)
 
 
 def test_the_environment_sets_the_mode(monkeypatch):
     for value, mode in (("", "measured"), ("1", "all"), ("0", "off")):
         monkeypatch.setenv("FMHA_RT_V3", value)
-        v3_plan.refresh_mode()
-        assert v3_plan.MODE == mode
+        v3.refresh_mode()
+        assert v3.MODE == mode
     monkeypatch.delenv("FMHA_RT_V3")
-    v3_plan.refresh_mode()
-    assert v3_plan.MODE == "measured"
+    v3.refresh_mode()
+    assert v3.MODE == "measured"
 
 
 def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
@@ -163,24 +165,24 @@ def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
     assert padding.regions and scratch.regions[:-1] == padding.regions
     descriptors = scratch.regions[-1]
     programs = math.ceil(300 / 128) * 8 * 2
-    assert descriptors.name == v3_plan.DESCRIPTOR_REGION and not descriptors.zero_init
-    assert descriptors.nbytes == v3_plan.GLOBAL_SCRATCH["fmha_fwd"] * programs
-    assert descriptors.offset % v3_plan.GLOBAL_SCRATCH_ALIGN == 0 and descriptors.offset >= padding.total_bytes
+    assert descriptors.name == v3.DESCRIPTOR_REGION and not descriptors.zero_init
+    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * programs
+    assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0 and descriptors.offset >= padding.total_bytes
     assert scratch.total_bytes >= descriptors.offset + descriptors.nbytes
     assert dispatch.fwd_scratch(problem(seqlen_q=0), "sm_90").total_bytes == 0  # no programs, no descriptors
 
 
 def test_plan_is_the_portable_launch_with_the_v3_kernel_and_the_descriptors(v3_on):
     p = problem(window_right=0)
-    tensors = {name: pp_pointer(i) for i, name in enumerate(("q", "k", "v", "out", "lse", v3_plan.DESCRIPTOR_REGION))}
+    tensors = {name: pp_pointer(i) for i, name in enumerate(("q", "k", "v", "out", "lse", v3.DESCRIPTOR_REGION))}
     tensors.update(q_strides=(300 * 8 * 128, 8 * 128, 128, 1), out_strides=(300 * 8 * 128, 8 * 128, 128, 1),
                    k_strides=(300 * 2 * 128, 2 * 128, 128, 1), v_strides=(300 * 2 * 128, 2 * 128, 128, 1),
                    lse_strides=(8 * 300, 300, 1))
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
     (portable,) = pp.plan_fwd(p, "sm_90", tensors)
-    assert launch.variant == v3_plan.fwd_key("bf16", (128, 128))
+    assert launch.variant == v3.fwd_key("bf16", (128, 128))
     assert launch.grid == (3, 8, 2)
-    assert launch.args == {**portable.args, "global_scratch": tensors[v3_plan.DESCRIPTOR_REGION]}
+    assert launch.args == {**portable.args, "global_scratch": tensors[v3.DESCRIPTOR_REGION]}
     assert dispatch.plan_fwd(problem(seqlen_q=0, window_right=0), "sm_90", tensors) == []
 
 
@@ -220,12 +222,12 @@ def test_a_served_call_launches_the_v3_kernel_and_a_hit_launches_the_same(monkey
     expected = uncached(monkeypatch, driver, make(second, **options))
     (launch,) = [item for item in expected if item[0].startswith("fmha_fwd")]
     assert launch[0] == kernel
-    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
     args = unpack(kernel, launch[2])
     assert args["Q"] == second.q.ptr and args["profile_scratch"] == 0
-    descriptors = v3_plan.GLOBAL_SCRATCH["fmha_fwd"] * math.prod(launch[1])
+    descriptors = v3.GLOBAL_SCRATCH["fmha_fwd"] * math.prod(launch[1])
     start, nbytes = scratch_of(args, made)  # inside a buffer the call allocated, with room for every program
-    assert args["global_scratch"] % v3_plan.GLOBAL_SCRATCH_ALIGN == 0
+    assert args["global_scratch"] % v3.GLOBAL_SCRATCH_ALIGN == 0
     assert args["global_scratch"] + descriptors <= start + nbytes
     for _ in range(2):  # seen twice: recorded; then a hit
         make(first, **options)()
@@ -256,12 +258,12 @@ def test_the_bench_runs_the_v3_family_beside_the_default(monkeypatch):
 
     adapter = peers.PEER_BY_NAME["fmha_rt_v3"].make()
     cleared = []
-    monkeypatch.setattr(fmha_rt, "clear_plan_cache", lambda: cleared.append(v3_plan.MODE))
-    monkeypatch.setattr(v3_plan, "MODE", "measured")
+    monkeypatch.setattr(fmha_rt, "clear_plan_cache", lambda: cleared.append(v3.MODE))
+    monkeypatch.setattr(v3, "MODE", "measured")
     with adapter.context():
-        assert v3_plan.MODE == "all"
+        assert v3.MODE == "all"
     # cleared on entry and on exit: no plan made under the other mode survives the switch
-    assert v3_plan.MODE == "measured" and cleared == ["measured", "measured"]
+    assert v3.MODE == "measured" and cleared == ["measured", "measured"]
     point = dict(kind="dense", dtype="bf16", batch=1, heads_q=2, heads_k=2, seqlen_q=128, seqlen_k=128,
                  head_dim=128, causal=False)
     for pass_name in ("fwd", "bwd"):
@@ -291,16 +293,16 @@ BWD_NOT_SERVED = {
 @pytest.mark.parametrize("case", BWD_SERVED)
 def test_the_backward_serves_the_non_deterministic_calls(case, v3_on, monkeypatch):
     p = problem(**BWD_SERVED[case])
-    assert v3_plan.serves_bwd(p, "sm_90") and v3_plan.serves_bwd(p, "sm_90", pp.DQ_ATOMIC)
-    assert not v3_plan.serves_bwd(p, "sm_90", pp.DQ_FUSED) and not v3_plan.serves_bwd(p, "gfx950")
-    monkeypatch.setattr(v3_plan, "MODE", "off")
-    assert not v3_plan.serves_bwd(p, "sm_90")
+    assert v3.serves_bwd(p, "sm_90") and v3.serves_bwd(p, "sm_90", pp.DQ_ATOMIC)
+    assert not v3.serves_bwd(p, "sm_90", pp.DQ_FUSED) and not v3.serves_bwd(p, "gfx950")
+    monkeypatch.setattr(v3, "MODE", "off")
+    assert not v3.serves_bwd(p, "sm_90")
 
 
 @pytest.mark.parametrize("case", BWD_NOT_SERVED)
 def test_the_backward_leaves_the_rest_to_the_portable_family(case, v3_on):
     p = problem(**BWD_NOT_SERVED[case])
-    assert not v3_plan.serves_bwd(p, "sm_90")
+    assert not v3.serves_bwd(p, "sm_90")
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
 
 
@@ -309,11 +311,11 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     workspace = dispatch.bwd_workspace(p, "sm_90")
     assert workspace.dq_strategy == pp.DQ_ATOMIC and workspace.dq_splits == 1 and workspace.needs_zeroing
     names = [r.name for r in workspace.regions]
-    assert names[:4] == ["delta", "lse2", "dq_acc", v3_plan.DESCRIPTOR_REGION] and names[4:]  # then padding
+    assert names[:4] == ["delta", "lse2", "dq_acc", v3.DESCRIPTOR_REGION] and names[4:]  # then padding
     assert workspace.region("dq_acc").zero_init
-    descriptors = workspace.region(v3_plan.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3_plan.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2  # Hk = 8
-    assert descriptors.offset % v3_plan.GLOBAL_SCRATCH_ALIGN == 0
+    descriptors = workspace.region(v3.DESCRIPTOR_REGION)
+    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2  # Hk = 8
+    assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0
 
 
 def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
@@ -325,13 +327,15 @@ def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     tensors.update({f"{n}_strides": rows for n in ("q", "out", "dout", "dq")}, lse_strides=(8 * 300, 300, 1))
     tensors.update({f"{n}_strides": kv_rows for n in ("k", "v", "dk", "dv")})
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
-    assert [launch.variant for launch in launches] == [v3_plan.preprocess_key("bf16", 128),
-                                                       v3_plan.dkdv_key("bf16", (128, 128)),
-                                                       v3_plan.dq_convert_key("bf16", 128)]
-    # the same arguments as the portable plan of the atomic strategy on this workspace
-    portable = pp.plan_bwd(p, "sm_90", tensors, workspace=workspace)
+    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
+                                                       v3.dkdv_key("bf16", (128, 128)),
+                                                       v3.dq_convert_key("bf16", 128)]
+    # the same arguments as the portable plan of the atomic strategy (built for the interpreter), whose
+    # workspace regions are laid out as the v3 one's before its descriptors
+    portable = pp.plan_bwd(p, pp.INTERPRET_ARCH, tensors, pp.DQ_ATOMIC)
+    assert [r.name for r in pp.bwd_workspace(p, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "lse2", "dq_acc"]
     for launch, twin in zip(launches, portable):
-        assert launch.args == {**twin.args, **({"global_scratch": tensors[v3_plan.DESCRIPTOR_REGION]}
+        assert launch.args == {**twin.args, **({"global_scratch": tensors[v3.DESCRIPTOR_REGION]}
                                                if launch.variant.startswith("fmha_bwd_dkdv") else {})}
     assert launches[1].grid == (3, 2, 2) and launches[1].args["DqAcc"] is tensors["dq_acc"]  # a program per kv head
     assert launches[1].args["kv_group_size"] == 4
@@ -343,9 +347,9 @@ def test_a_served_backward_launches_the_v3_kernels_and_zeroes_the_accumulator(mo
     x = Inputs(rt)
     bwd(x)()
     launched = driver.take()
-    assert [key for key, *_ in launched] == [v3_plan.preprocess_key("fp16", 64), v3_plan.dkdv_key("fp16", (64, 64)),
-                                             v3_plan.dq_convert_key("fp16", 64)]
-    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    assert [key for key, *_ in launched] == [v3.preprocess_key("fp16", 64), v3.dkdv_key("fp16", (64, 64)),
+                                             v3.dq_convert_key("fp16", 64)]
+    assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
     dkdv = unpack(launched[1][0], launched[1][2])
     workspace = (x.workspace.ptr, x.workspace.ptr + (1 << 20))
     assert workspace[0] <= dkdv["DqAcc"] < dkdv["global_scratch"] < workspace[1]

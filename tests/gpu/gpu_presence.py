@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from fmha_rt import backend
+from fmha_rt.runtime import backend
 from fmha_rt.errors import FmhaError
 
 

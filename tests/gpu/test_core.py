@@ -7,9 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from fmha_rt import backend, launch, selftest
+from fmha_rt import selftest
+from fmha_rt.runtime import backend, kernel_launch
+from fmha_rt.runtime.registry import registry
 from gpu_presence import require
-from fmha_rt.registry import registry
 
 
 def test_selftest_kernels_are_exact():
@@ -22,7 +23,7 @@ def test_selftest_kernels_are_exact():
 
 def test_32_threads_each_with_its_own_stream_race_on_a_cold_map():
     torch = require("torch")
-    launch._handles.clear()  # Python-side cache cold; the C map may already hold the entries
+    kernel_launch.loaded_handles.clear()  # Python-side cache cold; the C map may already hold the entries
     barrier = threading.Barrier(32)
 
     def worker(i):
@@ -50,11 +51,11 @@ def test_log_config_prints_every_argument(monkeypatch, caplog):
     try:
         with monkeypatch.context() as m:
             m.setenv("FMHA_RT_LOG_CONFIG", "1")
-            assert launch.refresh_log_config()  # the runtime reads it once
+            assert kernel_launch.refresh_log_config()  # the runtime reads it once
             with caplog.at_level(logging.INFO, logger="fmha_rt"):
                 selftest.run_axpy(0, 4096, 1.5)
     finally:
-        launch.refresh_log_config()  # as the environment is again
+        kernel_launch.refresh_log_config()  # as the environment is again
     text = caplog.text
     for line in ("kernel: selftest_axpy_f32", "device: 0", "grid: (4, 1, 1)", "block: (128, 1, 1)",
                  "alpha: 1.5", "n: 4096", "global_scratch: Pointer(0x0)"):
@@ -65,8 +66,8 @@ def test_driver_error_names_call_kernel_and_device():
     from fmha_rt.errors import DriverError
 
     entry = registry().entry(backend.device(0).arch, "selftest_axpy_f32")
-    handle = launch.kernel_handle(0, entry)
-    from fmha_rt.backend import lib
+    handle = kernel_launch.kernel_handle(0, entry)
+    from fmha_rt.runtime.backend import lib
 
     # a grid dimension of zero is invalid for every driver
     status = lib.fmha_launch(handle, 0, 1, 1, entry.threads, 1, 1, 0, 0, backend.ffi.new("char[64]"), 64)

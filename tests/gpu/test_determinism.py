@@ -16,7 +16,7 @@ torch = require("torch")
 
 import fmha_rt
 from error_bounds import assert_close, assert_lse_close
-from fmha_rt import v3_plan
+from fmha_rt.plan import v3
 from gpu_tensors import attention_f64, generator, rand, seed_of
 from repeat_runs import assert_bitwise, reference_run, repeat, repeat_from_threads
 
@@ -54,7 +54,7 @@ def v3_mode(monkeypatch):
     """Sets the v3 family's mode for a test (as FMHA_RT_V3 would) and clears the plan cache around it."""
     def set_mode(everywhere):
         if everywhere:
-            monkeypatch.setattr(v3_plan, "MODE", "all")
+            monkeypatch.setattr(v3, "MODE", "all")
         fmha_rt.clear_plan_cache()
 
     yield set_mode

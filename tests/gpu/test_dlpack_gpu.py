@@ -3,9 +3,9 @@ and arrays from each come back in with the right pointer, shape and strides."""
 import numpy as np
 import pytest
 
-from fmha_rt import backend
+from fmha_rt.runtime import backend
 from fmha_rt.arrays import Arg
-from fmha_rt.buffers import DeviceBuffer
+from fmha_rt.runtime.buffers import DeviceBuffer
 from gpu_presence import require
 
 NO_JAX_GPU = "a GPU is present but this JAX has no GPU platform"

@@ -1,6 +1,6 @@
 """Head dims that are not multiples of 8 through the public API on the GPU, against the float64 reference.
 
-Such calls run on zero-padded copies (fmha_rt/head_padding.py): the inputs are widened into scratch
+Such calls run on zero-padded copies (fmha_rt/plan/head_padding.py): the inputs are widened into scratch
 buffers, the kernels run at the padded width, and the outputs are narrowed back into the caller's arrays,
 which may have any strides (a contiguous [.., H, 5] array has rows 5H elements apart) and start on any
 element. Outputs are NaN-poisoned, inputs fresh random draws, errors relative (< 1e-2 for bf16/fp16);

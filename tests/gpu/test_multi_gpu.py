@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import fmha_rt  # noqa: E402
-from fmha_rt import backend, portable_plan, reference  # noqa: E402
+from fmha_rt.runtime import backend
+from fmha_rt.plan import portable
+from fmha_rt import reference  # noqa: E402
 from fmha_rt.errors import FmhaError  # noqa: E402
 
 MIN_GPUS = 2
@@ -159,7 +161,7 @@ def reference_problems(what, layout, inputs, got):
 def bitwise_backward(deterministic, arch):
     """Whether a backward must repeat bit for bit: always when deterministic, otherwise when the arch's
     default dQ strategy is the deterministic one (fp32 atomics would add in a varying order)."""
-    return deterministic or portable_plan.DEFAULT_DQ_STRATEGY[arch] == portable_plan.DQ_DETERMINISTIC
+    return deterministic or portable.DEFAULT_DQ_STRATEGY[arch] == portable.DQ_DETERMINISTIC
 
 
 def raw_bits(t):

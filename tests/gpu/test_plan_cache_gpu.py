@@ -11,7 +11,7 @@ from gpu_presence import require
 torch = require("torch")
 
 import fmha_rt
-from fmha_rt import api, reference
+from fmha_rt import call_keys, reference
 from gpu_tensors import differing_bits, f64, generator, nan_like, rand
 
 B, S, H, D = 2, 320, 4, 64
@@ -24,7 +24,7 @@ def inputs(seed, dtype=torch.bfloat16, d=D):
 
 def uncached(monkeypatch, call):
     with monkeypatch.context() as m:
-        m.setattr(api, "_request", lambda *_: None)
+        m.setattr(call_keys, "key_request", lambda *_: None)
         return call()
 
 
@@ -116,7 +116,7 @@ def test_refused_hits_write_nothing():
 def test_two_launch_backward_hits_run_as_one_graph_per_stream_bitwise_the_uncached_calls(monkeypatch):
     """A hit launches its plan as a graph kept per (plan, stream) whose nodes get this call's arguments:
     a backward of two launches (past the one-launch limit) on two streams, fresh inputs every call."""
-    from fmha_rt.backend import ffi, lib
+    from fmha_rt.runtime.backend import ffi, lib
 
     fmha_rt.clear_plan_cache()
     fmha_rt.release_workspaces()
@@ -158,8 +158,9 @@ def test_cupy_hits_are_described_from_their_attributes_and_match_the_reference()
     the call's: fresh inputs on every hit, each against float64, every output element written."""
     import numpy as np
 
-    from fmha_rt import arrays, plan_cache
-    from fmha_rt.backend import ffi
+    from fmha_rt import arrays
+    from fmha_rt.replay import plan_cache
+    from fmha_rt.runtime.backend import ffi
 
     cupy = require("cupy")
     fmha_rt.clear_plan_cache()

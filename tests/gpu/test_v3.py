@@ -1,7 +1,7 @@
 """The v3 family (Hopper, Gluon) through the public API on the GPU, against the float64 reference: its
 forward, and its backward (not deterministic).
 
-The fixture has v3 run everything it serves (fmha_rt/v3_plan.py, mode 'all'); each test checks that
+The fixture has v3 run everything it serves (fmha_rt/plan/v3.py, mode 'all'); each test checks that
 the call really ran in the v3 family. Outputs are poisoned with NaN before a call, inputs are fresh
 random draws from printed seeds, errors are relative (below 1e-2; LSE below 1e-3) for the whole tensor,
 per head and per row (tests/error_bounds.py); repeats are compared on raw bits.
@@ -14,7 +14,8 @@ torch = require("torch")
 
 import fmha_rt
 from error_bounds import assert_close, assert_lse_close
-from fmha_rt import reference, v3_plan
+from fmha_rt import reference
+from fmha_rt.plan import v3
 from gpu_tensors import attention_f64, f64, generator, nan_like, rand, seed_of
 from repeat_runs import assert_bitwise, reference_run, repeat
 from test_attention import DTYPES, mask_kwargs, varlen_round_trip
@@ -22,7 +23,7 @@ from test_attention import DTYPES, mask_kwargs, varlen_round_trip
 
 @pytest.fixture(autouse=True)
 def v3_enabled(monkeypatch):
-    monkeypatch.setattr(v3_plan, "MODE", "all")
+    monkeypatch.setattr(v3, "MODE", "all")
     fmha_rt.clear_plan_cache()
     yield
     fmha_rt.clear_plan_cache()
@@ -32,14 +33,14 @@ def forward(q, k, v, **opts):
     B, Sq, Hq = q.shape[:3]
     out, lse = nan_like((B, Sq, Hq, v.shape[-1]), q.dtype), nan_like((B, Hq, Sq), torch.float32)
     fmha_rt.mha_fwd(q, k, v, out=out, lse=lse, **opts)
-    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, **opts):
     dq, dk, dv = nan_like(q.shape, q.dtype), nan_like(k.shape, k.dtype), nan_like(v.shape, v.dtype)
     fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **opts)
-    assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+    assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
     return dq, dk, dv
 
 
@@ -94,7 +95,7 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
 
 def test_varlen_with_empty_and_single_token_sequences():
     def ran_in_v3():
-        assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+        assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
 
     varlen_round_trip([37, 0, 1, 300, 64], [50, 3, 1, 129, 0], 4, 2, 128, seed=15, after_each_call=ran_in_v3)
 
@@ -122,7 +123,7 @@ def test_forward_bitwise_equal_over_runs_streams_and_plan_cache_hits():
 
     def call(outputs, stream):
         fmha_rt.mha_fwd(q, k, v, out=outputs[0], lse=outputs[1], causal=True, stream=stream)
-        assert fmha_rt.last_launch_info()["family"] == v3_plan.FAMILY
+        assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
 
     specs = [(q.shape, q.dtype), ((2, 8, 1000), torch.float32)]
     first = reference_run(call, specs)

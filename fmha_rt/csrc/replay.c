@@ -1,5 +1,5 @@
 /*
- * Replaying a cached call: the one C call behind a plan-cache hit (fmha_rt/plan_cache.py).
+ * Replaying a cached call: the one C call behind a plan-cache hit (fmha_rt/replay/plan_cache.py).
  *
  * The plan was recorded from a planned call: each launch's argument bytes as packed then, and where
  * in them the values that change per call go. A hit hands over its values; this checks what depends

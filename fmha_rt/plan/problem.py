@@ -124,6 +124,18 @@ class AttentionProblem:
     def rows_k(self) -> int:
         return self.total_k if self.varlen else self.batch * self.seqlen_k
 
+    def query_shape(self, head_dim) -> tuple:
+        """Shape of q, out, dout and dq at `head_dim`: [B, Sq, Hq, D], or [total_q, Hq, D] in varlen mode."""
+        return (self.total_q, self.heads_q, head_dim) if self.varlen else (self.batch, self.seqlen_q, self.heads_q, head_dim)
+
+    def key_shape(self, head_dim) -> tuple:
+        """Shape of k, v, dk and dv at `head_dim`: [B, Sk, Hk, D], or [total_k, Hk, D] in varlen mode."""
+        return (self.total_k, self.heads_k, head_dim) if self.varlen else (self.batch, self.seqlen_k, self.heads_k, head_dim)
+
+    def lse_shape(self) -> tuple:
+        """Shape of the fp32 LSE: [B, Hq, Sq], or [Hq, total_q] in varlen mode."""
+        return (self.heads_q, self.total_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
+
     def fwd_flops(self) -> int:
         """Nominal forward FLOPs (4 B H Sq Sk D, halved for causal), the convention for TFLOP/s."""
         flops = 2 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (self.head_dim_qk + self.head_dim_v)

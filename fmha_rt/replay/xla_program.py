@@ -1,9 +1,11 @@
-"""Launch programs: a call's planned launches, serialised so that C can run them without Python.
+"""Launch programs for XLA: a call's program (program.py, the model the plan cache keeps too),
+serialised so that C can run it without Python.
 
 Under jax.jit the shapes of a call are known when it is traced, but its buffers exist only when XLA
 runs it. So at trace time fmha_rt.jax plans the call with placeholder pointers, packs every launch's
-arguments as usual, and records which argument bytes hold which buffer's address; at run time the XLA
-FFI handler (fmha_rt/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
+arguments as usual (program.pack_launch), and records which argument bytes hold which buffer's address
+(a patch's value is a buffer, its addend a byte offset into it); at run time the XLA
+FFI handler (fmha_rt/csrc/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
 workspace regions that must start at zero, and launches.
 
 The wire format is an int64 array (the custom call's `program` attribute). `bytes` below is a length
@@ -12,11 +14,12 @@ word followed by the bytes packed eight to a word, little-endian:
     magic "FMHAPRG1", format version, operand count, result count, zero-fill count, launch count,
     label (bytes: names the call in error messages),
     per buffer, operands first, then results: XLA dtype number, size in bytes,
-    per zero fill: buffer, byte offset, byte count,
+    per zero fill: buffer (its value), byte offset, byte count,
     per launch: kernel key (bytes), grid x y z, block x y z, dynamic shared bytes,
                 argument template (bytes), patch count,
-                per patch: byte offset in the template, buffer, byte offset into the buffer, the
-                alignment in bytes the address must have (the kernel's, executor.pointer_alignment).
+                per patch: byte offset in the template, buffer (its value), byte offset into the buffer
+                (its addend), the alignment in bytes the address must have (the kernel's,
+                executor.pointer_alignment).
 
 Buffers are numbered operands first, then results, as XLA passes them to the handler.
 """
@@ -27,12 +30,11 @@ import math
 
 import numpy as np
 
-from . import dispatch, portable_plan
-from .api import _kv_shape, _lse_shape, _out_shape
-from .errors import FmhaValueError
-from .executor import check_alignment, pointer_alignment
-from .packing import NULL, Pointer, pointer_value
-from .registry import SCRATCH_POINTERS, registry
+from ..errors import FmhaValueError
+from ..plan import dispatch, layout
+from ..runtime.packing import NULL, Pointer, pointer_value
+from ..runtime.registry import registry
+from .program import Patch, ProgramLaunch, ZeroFill, pack_launch
 
 MAGIC = int.from_bytes(b"FMHAPRG1", "little")
 FORMAT = 2
@@ -58,7 +60,7 @@ def placeholder(buffer: int, offset: int = 0) -> Pointer:
     return Pointer((buffer + 1) << _PLACEHOLDER_SHIFT | offset)
 
 
-def _resolve(address: int, buffers: int, where: str) -> tuple[int, int]:
+def resolve_placeholder(address: int, buffers: int, where: str) -> tuple[int, int]:
     buffer, offset = (address >> _PLACEHOLDER_SHIFT) - 1, address & _OFFSET_MASK
     if not 0 <= buffer < buffers:
         raise FmhaValueError(f"{where}: pointer 0x{address:x} is not a placeholder of one of the call's "
@@ -82,31 +84,6 @@ class Buffer:
     def strides(self) -> tuple:
         """In elements."""
         return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    arg_offset: int  # byte offset of a pointer slot in the argument template
-    buffer: int
-    offset: int  # bytes into the buffer
-    align: int  # the address must be a multiple of this
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroFill:
-    buffer: int
-    offset: int
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramLaunch:
-    key: str
-    grid: tuple
-    block: tuple
-    shared: int
-    template: bytes  # the packed arguments, pointer slots zero
-    patches: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,14 +112,14 @@ class LaunchProgram(_CallBuffers):
         for b in self.buffers:
             words += [XLA_DTYPES[b.dtype], b.nbytes]
         for f in self.zero_fills:
-            words += [f.buffer, f.offset, f.nbytes]
+            words += [f.value, f.offset, f.nbytes]
         for launch in self.launches:
             _put_bytes(words, launch.key.encode())
             words += [*launch.grid, *launch.block, launch.shared]
             _put_bytes(words, launch.template)
             words.append(len(launch.patches))
             for p in launch.patches:
-                words += [p.arg_offset, p.buffer, p.offset, p.align]
+                words += [p.arg_offset, p.value, p.addend, p.align]
         return np.array(words, dtype=np.int64)
 
     @classmethod
@@ -199,7 +176,7 @@ class _Reader:
 
 
 def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()) -> LaunchProgram:
-    """The program of `launches` (portable_plan.Launch, planned with `placeholder` pointers into
+    """The program of `launches` (plan.args.Launch, planned with `placeholder` pointers into
     `buffers`). Launches with an empty grid are left out (the drivers refuse them); every other one is
     checked and packed exactly as the Python executor would."""
     if len(buffers) > MAX_BUFFERS:
@@ -210,17 +187,10 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
         if not all(launch.grid):
             continue
         entry = reg.entry(arch, launch.variant)
-        args = {**dict.fromkeys(SCRATCH_POINTERS, NULL), **launch.args}
-        check_alignment(entry, args)
-        patches = []
-        for slot in entry.params:
-            address = pointer_value(slot.name, args[slot.name]) if slot.type == "ptr" else 0
-            if address:
-                patches.append(Patch(slot.offset, *_resolve(address, len(buffers), f"{entry.key} {slot.name}"),
-                                     pointer_alignment(entry, slot.name)))
-                args[slot.name] = NULL
-        built.append(ProgramLaunch(entry.key, tuple(launch.grid), (entry.threads, 1, 1), entry.shared,
-                                   entry.packer.pack(args), tuple(patches)))
+        sources = {slot.name: resolve_placeholder(address, len(buffers), f"{entry.key} {slot.name}")
+                   for slot in entry.params if slot.type == "ptr"
+                   for address in (pointer_value(slot.name, launch.args.get(slot.name, NULL)),) if address}
+        built.append(pack_launch(entry, launch, sources))
     if len(built) > MAX_LAUNCHES:
         raise FmhaValueError(f"{label}: {len(built)} launches, the handler takes at most {MAX_LAUNCHES}")
     label = label.encode()[:MAX_LABEL_BYTES].decode(errors="ignore")  # it only names the call in messages
@@ -233,13 +203,13 @@ def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()
 @dataclasses.dataclass(frozen=True)
 class Planned(_CallBuffers):
     """A call planned with placeholder pointers, before `build` packs it: launches are
-    portable_plan.Launch (every argument by name)."""
+    plan.args.Launch (every argument by name)."""
 
     def build(self, arch: str) -> LaunchProgram:
         return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)
 
 
-def _tensors(buffers) -> dict:
+def placeholder_tensors(buffers) -> dict:
     """Plan inputs: each buffer's placeholder and strides, by name."""
     tensors = {}
     for i, b in enumerate(buffers):
@@ -250,9 +220,9 @@ def _tensors(buffers) -> dict:
 
 def _inputs(problem) -> list:
     dtype = ATTENTION_DTYPES[problem.dtype]
-    q_shape = _out_shape(problem, problem.head_dim_qk)
-    buffers = [Buffer("q", q_shape, dtype), Buffer("k", _kv_shape(problem, problem.head_dim_qk), dtype),
-               Buffer("v", _kv_shape(problem, problem.head_dim_v), dtype)]
+    q_shape = problem.query_shape(problem.head_dim_qk)
+    buffers = [Buffer("q", q_shape, dtype), Buffer("k", problem.key_shape(problem.head_dim_qk), dtype),
+               Buffer("v", problem.key_shape(problem.head_dim_v), dtype)]
     if problem.varlen:
         buffers += [Buffer(f"cu_seqlens_{s}", (problem.batch + 1,), "int32") for s in ("q", "k")]
     return buffers
@@ -264,7 +234,7 @@ def bias_shape(problem) -> tuple:
     pads the bias's rows and cuts the padding off dbias, whose padding columns are never written."""
     p = problem
     return (p.batch if p.bias_shape[0] == "B" else 1, p.heads_q if p.bias_shape[1] == "H" else 1, p.seqlen_q,
-            portable_plan.ceil8(p.seqlen_k))
+            layout.ceil8(p.seqlen_k))
 
 
 PHILOX_WORDS = 4  # the int64 pair [seed, offset] as four little-endian uint32 words: no int64 in JAX needed
@@ -316,9 +286,9 @@ def planned_forward(problem, arch: str) -> Planned:
     (uint8)."""
     dtype = ATTENTION_DTYPES[problem.dtype]
     inputs = _inputs(problem) + _score_terms(problem)
-    buffers = inputs + [Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
-                        Buffer("lse", _lse_shape(problem), "float32")]
-    tensors = _tensors(buffers)
+    buffers = inputs + [Buffer("out", problem.query_shape(problem.head_dim_v), dtype),
+                        Buffer("lse", problem.lse_shape(), "float32")]
+    tensors = placeholder_tensors(buffers)
     fills = _workspace_result(buffers, tensors, dispatch.fwd_scratch(problem, arch))
     launches = dispatch.plan_fwd(problem, arch, tensors)
     return Planned(label(problem, "forward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
@@ -331,15 +301,15 @@ def planned_backward(problem, arch: str) -> Planned:
     zeroes."""
     dtype = ATTENTION_DTYPES[problem.dtype]
     q, k, v, *seqlens = _inputs(problem)
-    inputs = [Buffer("dout", _out_shape(problem, problem.head_dim_v), dtype), q, k, v,
-              Buffer("out", _out_shape(problem, problem.head_dim_v), dtype),
-              Buffer("lse", _lse_shape(problem), "float32"), *seqlens, *_score_terms(problem)]
-    buffers = inputs + [Buffer("dq", _out_shape(problem, problem.head_dim_qk), dtype),
-                        Buffer("dk", _kv_shape(problem, problem.head_dim_qk), dtype),
-                        Buffer("dv", _kv_shape(problem, problem.head_dim_v), dtype)]
+    inputs = [Buffer("dout", problem.query_shape(problem.head_dim_v), dtype), q, k, v,
+              Buffer("out", problem.query_shape(problem.head_dim_v), dtype),
+              Buffer("lse", problem.lse_shape(), "float32"), *seqlens, *_score_terms(problem)]
+    buffers = inputs + [Buffer("dq", problem.query_shape(problem.head_dim_qk), dtype),
+                        Buffer("dk", problem.key_shape(problem.head_dim_qk), dtype),
+                        Buffer("dv", problem.key_shape(problem.head_dim_v), dtype)]
     if problem.bias_grad:
         buffers.append(Buffer("dbias", bias_shape(problem), dtype))
-    tensors = _tensors(buffers)
+    tensors = placeholder_tensors(buffers)
     fills = _workspace_result(buffers, tensors, dispatch.bwd_workspace(problem, arch))
     launches = dispatch.plan_bwd(problem, arch, tensors)
     return Planned(label(problem, "backward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))

@@ -17,7 +17,8 @@ from .packing import NULL
 from .registry import SCRATCH_POINTERS, KernelEntry, registry
 
 log = logging.getLogger("fmha_rt")
-_handles: dict[tuple[int, str], object] = {}
+# (device, kernel key) -> the C kernel handle fmha_kernel_get returned: a cached launch's one dict lookup
+loaded_handles: dict[tuple[int, str], object] = {}
 
 
 def _log_config_from_environment() -> bool:
@@ -39,14 +40,14 @@ def log_config_enabled() -> bool:
 
 
 def kernel_handle(device: int, entry: KernelEntry):
-    handle = _handles.get((device, entry.key))
+    handle = loaded_handles.get((device, entry.key))
     if handle is None:
         backend.device(device)  # initialises the runtime and checks the ordinal
         image = registry().image(entry)
         out = ffi.new("fmha_kernel **")
         backend.check(lib.fmha_kernel_get(device, entry.key.encode(), image, len(image), entry.symbol.encode(),
                                           entry.shared, out), "fmha_kernel_get", kernel=entry.key, device=device)
-        handle = _handles.setdefault((device, entry.key), out[0])
+        handle = loaded_handles.setdefault((device, entry.key), out[0])
     return handle
 
 
@@ -64,12 +65,13 @@ class PreparedLaunch:
             "dynamic_shared_bytes": entry.shared, "args": self.buffer, "args_size": len(packed)})
 
     def __call__(self, stream: int = 0) -> None:
-        status = _launch(self.config, stream)
+        status = launch_prepared(self.config, stream)
         if status:
             backend.check(status, "fmha_launch", kernel=self.entry.key, device=self.device)
 
 
-_launch = lib.fmha_launch_prepared
+# The C launch of a PreparedLaunch's configuration (a stand-in runtime replaces it to record launches).
+launch_prepared = lib.fmha_launch_prepared
 
 
 class Ready:
@@ -84,10 +86,19 @@ class Ready:
 REPLAY_OPS = lib.fmha_replay_native_ops()
 
 
+def with_scratch(args: dict) -> dict:
+    """`args` with Triton's scratch pointers added where they are left out: they are always NULL (a
+    family whose kernels take global scratch passes its region)."""
+    return {**_NULL_SCRATCH, **args}
+
+
+_NULL_SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
+
+
 def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -> None:
     """Pack `args` by the kernel's typed layout and launch it on `device` and `stream`. Triton's
-    scratch pointers may be left out: they are always NULL."""
-    args = {**dict.fromkeys(SCRATCH_POINTERS, NULL), **args}
+    scratch pointers may be left out (with_scratch)."""
+    args = with_scratch(args)
     packed = entry.packer.pack(args)
     if LOG_CONFIG:
         log_launch(device, entry, grid, args, stream)

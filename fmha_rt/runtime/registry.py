@@ -16,7 +16,7 @@ import threading
 import zlib
 
 from . import codeobj
-from .errors import FmhaRuntimeError, FmhaValueError
+from ..errors import FmhaRuntimeError, FmhaValueError
 from .packing import ArgPacker, Slot
 
 MANIFEST_FORMAT = 1
@@ -32,7 +32,7 @@ SCRATCH_POINTERS = (GLOBAL_SCRATCH, "profile_scratch")
 # integer carries a promise: strides of arrays that may have any layout are named pitch_*).
 UNALIGNED_POINTER_PREFIX = "Unaligned"
 ALIGNED_STRIDE_PREFIX = "stride_"
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent  # fmha_rt/, which holds hsa/ once installed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The v3 kernel family (Hopper, written in Gluon: kernels/v3/): which variants exist and which calls
 they serve.
 
-A v3 kernel takes the portable signature of its function (portable_plan.SIGNATURES), so a v3 launch is
+A v3 kernel takes the signature of its function (abi.SIGNATURES), so a v3 launch is
 the portable plan's launch with another variant key and grid, plus one argument the portable kernels
 never need: Triton's `global_scratch`, the memory in which each program makes its TMA descriptors
 (GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
@@ -19,17 +19,21 @@ after changing it.
 """
 import os
 
-from . import portable_plan as pp
+from . import backward
+from .abi import (BIAS_NONE, DQ_ATOMIC, DTYPES, Tile, dq_convert_variant, head_dim_tiles, make_variant, pair_name,
+                  preprocess_variant, problem_features)
+from .args import Args, forward_launch, has_work
+from .layout import Scratch, Workspace, backward_workspace, fwd_scratch as padding_scratch
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
 KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 # 128 query rows (two consumer warpgroups of 64), 128 keys a block; the default partition's 4 warps
 # (the kernel's 12 in all come from its warp_specialize: a second consumer warpgroup and a loader warp).
-FWD_TILE = pp.Tile(128, 128, 4, 1)
+FWD_TILE = Tile(128, 128, 4, 1)
 FWD_PAIRS = ((64, 64), (128, 128))
 # 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
-BWD_TILE = pp.Tile(64, 128, 4, 1)
+BWD_TILE = Tile(64, 128, 4, 1)
 BWD_PAIRS = FWD_PAIRS
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
@@ -66,11 +70,11 @@ def refresh_mode() -> None:
 
 
 def fwd_key(dtype, pair):
-    return f"fmha_fwd_v3_{dtype}_{pp.pair_name(*pair)}"
+    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}"
 
 
 def dkdv_key(dtype, pair):
-    return f"fmha_bwd_dkdv_v3_{dtype}_{pp.pair_name(*pair)}"
+    return f"fmha_bwd_dkdv_v3_{dtype}_{pair_name(*pair)}"
 
 
 def preprocess_key(dtype, dv_tile):
@@ -87,48 +91,41 @@ def _gluon(variant, function):
 
 
 def variants(arch: str) -> list[dict]:
-    """The v3 variants to build for `arch` (none but on sm_90), in the form of portable_plan.variants,
+    """The v3 variants to build for `arch` (none but on sm_90), in the form of portable.variants,
     with language 'gluon' and the global scratch each program needs."""
     if arch not in ARCHS:
         return []
     out = []
     common = {"bias": "nobias", "dropout": False}
-    for dtype in pp.DTYPES:
+    for dtype in DTYPES:
         for pair in FWD_PAIRS:
             constexprs = {"BLOCK_M": FWD_TILE.block_m, "BLOCK_N": FWD_TILE.block_n, "BLOCK_DQK": pair[0],
-                          "BLOCK_DV": pair[1], "BIAS_KIND": pp.BIAS_NONE, "DROPOUT": False}
+                          "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False}
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=FWD_TILE.block_m,
                           block_n=FWD_TILE.block_n, deterministic=True, **{"pass": "fwd"})
-            out.append(_gluon(pp.make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, FWD_TILE, constexprs, traits,
-                                              module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
+            out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, FWD_TILE, constexprs, traits,
+                                           module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair in BWD_PAIRS:
             constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
-                          "BLOCK_DV": pair[1], "BIAS_KIND": pp.BIAS_NONE, "DROPOUT": False, "DQ_ATOMIC": True,
+                          "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "DQ_ATOMIC": True,
                           "FLAT_LOOP": False, "GROUP_LOOP": True, "DP_FIRST": False}
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
-                          block_n=BWD_TILE.block_n, dq_strategy=pp.DQ_ATOMIC, deterministic=False,
+                          block_n=BWD_TILE.block_n, dq_strategy=DQ_ATOMIC, deterministic=False,
                           single_head=False, **{"pass": "bwd_main"})
-            out.append(_gluon(pp.make_variant(dkdv_key(dtype, pair), "fmha_bwd_dkdv", dtype, BWD_TILE, constexprs,
-                                              traits, module=KERNEL_MODULES["bwd"]), "fmha_bwd_dkdv"))
+            out.append(_gluon(make_variant(dkdv_key(dtype, pair), "fmha_bwd_dkdv", dtype, BWD_TILE, constexprs,
+                                           traits, module=KERNEL_MODULES["bwd"]), "fmha_bwd_dkdv"))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
-        for d in sorted({p[1] for p in BWD_PAIRS}):
-            out.append(pp.make_variant(preprocess_key(dtype, d), "fmha_bwd_preprocess", dtype, pp.ROWS_TILE,
-                                       {"BLOCK_M": pp.ROWS_TILE.block_m, "BLOCK_DV": d},
-                                       {"pass": "bwd_pre", "head_dim_v_tile": d, "block_m": pp.ROWS_TILE.block_m}))
-        for d in sorted({p[0] for p in BWD_PAIRS}):
-            out.append(pp.make_variant(dq_convert_key(dtype, d), "fmha_bwd_dq_convert", dtype, pp.ROWS_TILE,
-                                       {"BLOCK_M": pp.ROWS_TILE.block_m, "BLOCK_DQK": d},
-                                       {"pass": "bwd_post", "head_dim_qk_tile": d, "block_m": pp.ROWS_TILE.block_m,
-                                        "dq_strategy": pp.DQ_ATOMIC}))
+        out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
+        out += [dq_convert_variant(dq_convert_key(dtype, d), dtype, d) for d in sorted({p[0] for p in BWD_PAIRS})]
     return out
 
 
 def serves_fwd(problem, arch) -> bool:
     """Whether the v3 forward runs `problem` on `arch` in the current MODE."""
-    pair = pp.head_dim_tiles(problem)
-    if MODE == "off" or not (arch in ARCHS and problem.dtype in pp.DTYPES and pair in FWD_PAIRS
-                             and pp.problem_features(problem) == (pp.BIAS_NONE, False)):
+    pair = head_dim_tiles(problem)
+    if MODE == "off" or not (arch in ARCHS and problem.dtype in DTYPES and pair in FWD_PAIRS
+                             and problem_features(problem) == (BIAS_NONE, False)):
         return False
     return MODE == "all" or (pair in MEASURED_FWD_PAIRS and problem.seqlen_k >= MEASURED_FWD_MIN_SEQLEN_K)
 
@@ -136,10 +133,10 @@ def serves_fwd(problem, arch) -> bool:
 def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
     """Whether the v3 backward runs `problem` on `arch` in the current MODE (non-deterministic calls alone;
     a request for another dQ strategy keeps the portable family)."""
-    pair = pp.head_dim_tiles(problem)
-    if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, pp.DQ_ATOMIC)
-            or problem.deterministic or problem.dtype not in pp.DTYPES or pair not in BWD_PAIRS
-            or pp.problem_features(problem) != (pp.BIAS_NONE, False)):
+    pair = head_dim_tiles(problem)
+    if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, DQ_ATOMIC)
+            or problem.deterministic or problem.dtype not in DTYPES or pair not in BWD_PAIRS
+            or problem_features(problem) != (BIAS_NONE, False)):
         return False
     if MODE == "all":
         return True
@@ -149,15 +146,15 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
     return min_keys is not None and problem.seqlen_k >= min_keys
 
 
-def fwd_scratch(problem) -> pp.Scratch:
-    """The scratch of a forward the v3 family serves: portable_plan.fwd_scratch's padding regions, then
-    one region for its programs' descriptors."""
-    return pp.fwd_scratch(problem, _descriptor_region(GLOBAL_SCRATCH["fmha_fwd"] * _programs(problem), problem))
+def fwd_scratch(problem) -> Scratch:
+    """The scratch of a forward the v3 family serves: the padding copies' regions (layout.fwd_scratch),
+    then one region for its programs' descriptors."""
+    return padding_scratch(problem, _descriptor_region(GLOBAL_SCRATCH["fmha_fwd"] * _programs(problem), problem))
 
 
 def _descriptor_region(nbytes, problem) -> list:
     """The (name, shape, zero_init, dtype) of DESCRIPTOR_REGION: none for a call without programs."""
-    return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if pp.has_work(problem) else []
+    return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if has_work(problem) else []
 
 
 def _programs(problem) -> int:
@@ -165,31 +162,33 @@ def _programs(problem) -> int:
     return blocks * problem.heads_q * problem.batch
 
 
-def bwd_workspace(problem) -> pp.Workspace:
+def bwd_workspace(problem) -> Workspace:
     """The workspace of a backward the v3 family serves: the portable atomic strategy's regions (Delta,
     Lse2, the zeroed fp32 dQ accumulator), one region for the dK/dV programs' descriptors, then the
     padding buffers."""
     programs = -(-problem.seqlen_k // BWD_TILE.block_n) * problem.heads_k * problem.batch
-    return pp.workspace_for(problem, pp.DQ_ATOMIC, _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs, problem))
+    return backward_workspace(problem, DQ_ATOMIC, _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs, problem))
 
 
 def plan_bwd(problem, tensors) -> list:
-    """The launches of a backward the v3 family serves: the portable plan of the atomic strategy with
-    this family's kernels; tensors as portable_plan.plan_bwd's, with the regions of bwd_workspace."""
-    pair = pp.head_dim_tiles(problem)
-    workspace = bwd_workspace(problem)
-    extra = {"global_scratch": tensors.get(DESCRIPTOR_REGION)} if pp.has_work(problem) else {}
-    kernels = pp.AtomicKernels(preprocess_key(problem.dtype, pair[1]), dkdv_key(problem.dtype, pair),
-                               BWD_TILE.block_n, extra, dq_convert_key(problem.dtype, pair[0]))
-    return pp.plan_bwd(problem, ARCHS[0], tensors, workspace=workspace, atomic=kernels)
+    """The launches of a backward the v3 family serves: the atomic strategy (pre-pass, dK/dV adding into
+    the fp32 dQ accumulator, conversion of dQ) with this family's kernels; tensors as backward.py
+    describes them, with the regions of bwd_workspace."""
+    if not has_work(problem):
+        return []
+    pair = head_dim_tiles(problem)
+    args = backward.BackwardArgs(problem, tensors, bwd_workspace(problem))
+    scratch = {"global_scratch": args.args.required(DESCRIPTOR_REGION)}
+    return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])),
+            backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch),
+            backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
 
 
 def plan_fwd(problem, tensors) -> list:
-    """The launch of a forward the v3 family serves; tensors as portable_plan.plan_fwd's, plus the
+    """The launch of a forward the v3 family serves; tensors as a portable forward's, plus the
     DESCRIPTOR_REGION of fwd_scratch."""
-    if not pp.has_work(problem):
+    if not has_work(problem):
         return []
-    key = fwd_key(problem.dtype, pp.head_dim_tiles(problem))
-    args = dict(pp.ordered(key, "fmha_fwd", pp.fwd_args(problem, tensors)),
-                global_scratch=pp.Args(problem, tensors).required(DESCRIPTOR_REGION))
-    return [pp.Launch(key, pp.launch_grid(-(-problem.seqlen_q // FWD_TILE.block_m), problem), args)]
+    key = fwd_key(problem.dtype, head_dim_tiles(problem))
+    scratch = {"global_scratch": Args(problem, tensors).required(DESCRIPTOR_REGION)}
+    return [forward_launch(key, problem, tensors, FWD_TILE.block_m, scratch)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import NoReturn
 
-from .errors import FmhaTypeError, FmhaValueError
+from ..errors import FmhaTypeError, FmhaValueError
 
 EM_CUDA, EM_AMDGPU = 190, 224
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .errors import FmhaError
+from ..errors import FmhaError
 from .registry import Registry
 
 

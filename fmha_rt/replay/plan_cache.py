@@ -32,26 +32,24 @@ import operator
 import struct
 import threading
 
-from . import backend, executor
-from . import launch as launch_module
-from .arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
-from .backend import ffi, lib
-from .errors import FmhaError, FmhaRuntimeError, FmhaValueError
-from .launch import Ready
-from .packing import NULL, Pointer
-from .registry import SCRATCH_POINTERS
+from ..runtime import backend, executor
+from ..runtime import kernel_launch
+from ..arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
+from ..runtime.backend import ffi, lib
+from ..errors import FmhaError, FmhaRuntimeError
+from ..runtime.kernel_launch import Ready
+from ..runtime.packing import NULL, Pointer
+from .program import ZeroFill, pack_launch
 
 DEFAULT_CAPACITY = 256
-_SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 WORKSPACE = "workspace"  # the value name of the workspace's base address
 # The per-call values that are not a call's array addresses, after those in every call's value array.
 EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
-PATCH_BYTES = 8  # the replay writes 8-byte values: addresses and the philox seed and offset
 
 
 def philox_values(seed: int, offset: int) -> dict:
     """The kernels' philox_seed and philox_offset arguments for a seed and offset given by value, as
-    portable_plan packs them (record checks each cached plan against the planner's own values)."""
+    the planner packs them (record checks each cached plan against the planner's own values)."""
     return {"philox_seed": seed % 2**63, "philox_offset": offset}
 
 
@@ -105,28 +103,19 @@ class CallValues:
 
 
 class LaunchTemplate:
-    """One launch of a cached plan: its packed bytes as the first call packed them, and the per-call
-    argument slots, each as (byte offset, value name, addend, alignment): the slot gets the value plus
-    the addend (a workspace region is the workspace's address plus the region's offset)."""
+    """One launch of a cached plan: its program launch (program.ProgramLaunch: the bytes the first call
+    packed, and the per-call slots, each a value array position plus an addend: a workspace region is
+    the workspace's address plus the region's offset), the kernel it runs and the planned arguments by
+    name, which BoundLaunch reads back."""
 
-    __slots__ = ("args", "entry", "grid", "packed", "patches", "variant")
+    __slots__ = ("args", "entry", "launch", "slot_names")
 
     def __init__(self, entry, launch, sources: dict):
-        """`sources`: {slot name: (value name, addend)} for every per-call slot."""
-        self.entry, self.variant, self.grid = entry, launch.variant, tuple(int(g) for g in launch.grid)
-        self.args = dict(launch.args)
-        args = {**_SCRATCH, **launch.args}
-        executor.check_alignment(entry, args)  # what stays constant must pass as it would on every call
-        self.packed = entry.packer.pack(args)
-        self.patches = []
-        for slot in entry.packer.slots:
-            if slot.name not in sources:
-                continue
-            if slot.size != PATCH_BYTES:
-                raise FmhaValueError(f"{entry.key}: per-call argument {slot.name} is {slot.size} bytes wide")
-            value, addend = sources[slot.name]
-            align = executor.pointer_alignment(entry, slot.name) if slot.type == "ptr" else 1
-            self.patches.append((slot.offset, slot.name, value, addend, align))
+        """`sources`: {slot name: (value position, addend)} for every per-call slot."""
+        self.entry, self.args = entry, dict(launch.args)
+        self.launch = pack_launch(entry, launch, sources)
+        names = {slot.offset: slot.name for slot in entry.packer.slots}
+        self.slot_names = tuple(names[p.arg_offset] for p in self.launch.patches)
 
 
 class BoundLaunch:
@@ -144,28 +133,28 @@ class BoundLaunch:
 
     @property
     def variant(self) -> str:
-        return self.template.variant
+        return self.template.launch.key
 
     @property
     def grid(self) -> tuple:
-        return self.template.grid
+        return self.template.launch.grid
 
     @property
     def packed(self) -> bytes:
         """The argument bytes it launches."""
-        packed = bytearray(self.template.packed)
-        values = self.bound.values
-        for offset, _, value, addend, _ in self.template.patches:
-            struct.pack_into("<Q", packed, offset, (values[value] + addend) % 2**64)
+        packed = bytearray(self.template.launch.template)
+        values = self.bound.array
+        for p in self.template.launch.patches:
+            struct.pack_into("<Q", packed, p.arg_offset, (values[p.value] + p.addend) % 2**64)
         return bytes(packed)
 
     @property
     def args(self) -> dict:
         """Arguments by name, as the planner would give them for this call."""
         args = dict(self.template.args)
-        values = self.bound.values
-        for _, slot, value, addend, _ in self.template.patches:
-            address = values[value] + addend
+        values = self.bound.array
+        for slot, p in zip(self.template.slot_names, self.template.launch.patches):
+            address = values[p.value] + p.addend
             args[slot] = Pointer(address) if isinstance(args[slot], Pointer) else address
         return args
 
@@ -208,22 +197,22 @@ class ReplayProgram:
     """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
 
     def __init__(self, device: int, templates, index: dict, overlaps, fills, workspace_bytes: int):
-        self.templates = [ffi.new("char[]", t.packed) for t in templates]
+        self.templates = [ffi.new("char[]", t.launch.template) for t in templates]
         self.launches = ffi.new("fmha_launch_config[]", [{
-            "kernel": launch_module.kernel_handle(device, t.entry), "grid": t.grid, "block": (t.entry.threads, 1, 1),
-            "dynamic_shared_bytes": t.entry.shared, "args": args, "args_size": len(t.packed)}
+            "kernel": kernel_launch.kernel_handle(device, t.entry), "grid": t.launch.grid, "block": t.launch.block,
+            "dynamic_shared_bytes": t.launch.shared, "args": args, "args_size": len(t.launch.template)}
             for t, args in zip(templates, self.templates)] or 1)
         self.patches = ffi.new("fmha_replay_patch[]", [
-            {"launch": i, "arg_offset": offset, "value": index[value], "align": align, "addend": addend}
-            for i, t in enumerate(templates) for offset, _, value, addend, align in t.patches] or 1)
+            {"launch": i, "arg_offset": p.arg_offset, "value": p.value, "align": p.align, "addend": p.addend}
+            for i, t in enumerate(templates) for p in t.launch.patches] or 1)
         self.overlaps = ffi.new("fmha_replay_overlap[]", [
             {"output": index[output], "other": index[other], "low": low, "high": high}
             for output, other, low, high in overlaps] or 1)
         self.fills = ffi.new("fmha_replay_fill[]", [
-            {"value": index[WORKSPACE], "offset": offset, "nbytes": nbytes} for offset, nbytes in fills] or 1)
+            {"value": f.value, "offset": f.offset, "nbytes": f.nbytes} for f in fills] or 1)
         self.plan = ffi.new("fmha_replay_plan *", {
             "device": device, "launch_count": len(templates), "launches": self.launches,
-            "patch_count": sum(len(t.patches) for t in templates), "patches": self.patches,
+            "patch_count": sum(len(t.launch.patches) for t in templates), "patches": self.patches,
             "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
             "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes, "value_count": len(index),
             "graph_id": next(_GRAPH_IDS)})
@@ -263,7 +252,7 @@ class CallPlan:
     # to their addresses
     workspace_bytes: int
     workspace_zero_init: bool
-    zeroed: tuple  # (offset, nbytes) of the workspace regions that must start at zero
+    zeroed: tuple  # program.ZeroFill of the workspace regions that must start at zero
     philox_by_value: bool
     replay_program: ReplayProgram
     program: object  # replay_program's fmha_replay_plan *
@@ -271,7 +260,7 @@ class CallPlan:
     def launch(self, values, stream: int, allocate: bool, failed) -> None:
         """The C replay of this plan with a call's value array on `stream`; `allocate`: it takes fmha_rt's
         own workspace; `failed`: a size_t * for what a refused replay names."""
-        status = lib.fmha_replay(self.program, launch_module.REPLAY_OPS, values, stream, allocate, failed)
+        status = lib.fmha_replay(self.program, kernel_launch.REPLAY_OPS, values, stream, allocate, failed)
         if status:
             self.raise_for(status, failed[0], CallValues(values, self.index))
 
@@ -281,8 +270,8 @@ class CallPlan:
             output, other, _, _ = self.overlaps[failed]
             raise overlap_error(output, other)
         if status == lib.FMHA_ERR_MISALIGNED:  # patches are numbered in launch order, as the C program has them
-            entry, (_, slot, value, addend, align) = [(t.entry, p) for t in self.launches for p in t.patches][failed]
-            executor.check_pointer(entry, slot, values[value] + addend, align)
+            entry, slot, p = [(t.entry, *sp) for t in self.launches for sp in zip(t.slot_names, t.launch.patches)][failed]
+            executor.check_pointer(entry, slot, values.array[p.value] + p.addend, p.align)
         if failed == lib.FMHA_REPLAY_FAILED_ALLOC:
             backend.check(status, "fmha_mem_alloc", device=self.device)
         if failed < len(self.zeroed):
@@ -313,7 +302,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     names: the call's array names in the order the key describes them (their addresses lead every
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
-    layout the backward's workspace layout (portable_plan.Workspace), whose regions the call put into
+    layout the backward's workspace layout (plan.layout.Workspace), whose regions the call put into
     `tensors`."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
@@ -341,17 +330,17 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
                 if name in philox:
                     if value != philox[name]:
                         return None
-                    sources[name] = (name, 0)
+                    sources[name] = (index[name], 0)
                 continue
             source = traced.get(id(value))  # anything else is an address
             if source is None:
                 return None  # an address this call cannot trace to its arrays: plan every time
-            sources[name] = source
+            sources[name] = (index[source[0]], source[1])
         try:
             templates.append(LaunchTemplate(entry, launch, sources))
         except FmhaError:
             return None
-        if len(templates[-1].packed) > lib.FMHA_REPLAY_MAX_ARGS:
+        if len(templates[-1].launch.template) > lib.FMHA_REPLAY_MAX_ARGS:
             return None
     specs = tuple(OutputSpec(a.name, given, tuple(shape), dtype, pitch, _relative_span(a)[1:])
                   for a, given, shape, dtype, pitch in outputs)
@@ -360,7 +349,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     overlaps = _overlap_bounds(overlap_pairs(given_spans, input_spans))
     if any(not -2**63 <= bound < 2**63 for *_, low, high in overlaps for bound in (low, high)):
         return None
-    zeroed = tuple((r.offset, r.nbytes) for r in regions if r.zero_init)
+    zeroed = tuple(ZeroFill(index[WORKSPACE], r.offset, r.nbytes) for r in regions if r.zero_init)
     workspace_bytes = layout.total_bytes if layout is not None else 0
     spans = (*input_spans, *((o.name, *o.span) for o in specs))
     output_names = tuple(o.name for o in specs)
@@ -387,7 +376,7 @@ def replay(plan: CallPlan, objects: tuple, values, failed, stream: int, workspac
         arrays = _allocate_outputs(plan, objects[plan.template_position], arrays, values, stream)
     # fmha_rt's own workspace is taken by the C replay, unless launches are logged (the log shows every
     # address, so the workspace must have one before the replay starts).
-    logged = launch_module.LOG_CONFIG
+    logged = kernel_launch.LOG_CONFIG
     in_replay = bool(plan.workspace_bytes) and workspace_alloc is None and not logged
     # Without a workspace its value stays the 0 signatures wrote: its regions are empty and point at 0, as planned.
     keep_alive = None

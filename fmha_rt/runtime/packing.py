@@ -12,7 +12,7 @@ import dataclasses
 import math
 import struct
 
-from .errors import FmhaTypeError, FmhaValueError
+from ..errors import FmhaTypeError, FmhaValueError
 
 # type name in the manifest -> (struct code, size, integer range or None)
 SLOT_TYPES = {

@@ -12,10 +12,10 @@ import dataclasses
 import os
 import threading
 
-from .errors import DriverError, FmhaRuntimeError, FmhaValueError
+from ..errors import DriverError, FmhaRuntimeError, FmhaValueError
 
 try:
-    from ._shim import ffi, lib
+    from .._shim import ffi, lib
 except ImportError as exc:  # pragma: no cover - only when the package was not built
     raise FmhaRuntimeError(
         "the fmha_rt C shim is not built: install the package with `pip install -e .` (needs a C "

@@ -1,7 +1,7 @@
 """Running a plan's launches on the GPU: look each variant up, check and pack every launch first (so
 that a bad argument raises before anything is written), then launch them in order on one stream.
 
-`run` takes planned launches (portable_plan.Launch: a variant, a grid, arguments by name) or the
+`run` takes planned launches (plan.args.Launch: a variant, a grid, arguments by name) or the
 launches of a cached plan bound to one call (plan_cache.BoundLaunches: packed already, with this call's
 pointers written in and checked for alignment when they were bound). A plan-cache hit that logs nothing
 launches through the C replay directly and notes its kernels here (note_launched)."""
@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import threading
 
-from .errors import FmhaValueError
-from . import backend, launch as launch_module
-from .launch import PreparedLaunch, Ready, log_config_enabled, log_launch
-from .packing import NULL, pointer_value
-from .registry import ALIGNED_STRIDE_PREFIX, GLOBAL_SCRATCH, SCRATCH_POINTERS, UNALIGNED_POINTER_PREFIX, registry
+from ..errors import FmhaValueError
+from . import backend, kernel_launch
+from .kernel_launch import PreparedLaunch, Ready, log_config_enabled, log_launch, with_scratch
+from .packing import pointer_value
+from .registry import ALIGNED_STRIDE_PREFIX, GLOBAL_SCRATCH, UNALIGNED_POINTER_PREFIX, registry
 
-_SCRATCH = dict.fromkeys(SCRATCH_POINTERS, NULL)
 _local = threading.local()
 _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -69,7 +68,7 @@ def prepare(device: int, arch: str, launches, stream: int = 0) -> Prepared:
     for launch in launches:
         reg = reg or registry()
         entry = reg.entry(arch, launch.variant)
-        args = {**_SCRATCH, **launch.args}
+        args = with_scratch(launch.args)
         check_alignment(entry, args)
         prepared.append(PreparedLaunch(device, entry, launch.grid, entry.packer.pack(args)))
         if logging:
@@ -82,9 +81,9 @@ def run(device: int, arch: str, launches, stream: int, before_launch=None):
     `before_launch` runs once every launch is checked and packed, right before the first (e.g. zeroing
     a workspace)."""
     if isinstance(launches, Ready):  # a cached plan's: checked and packed in C as they launch
-        if launch_module.LOG_CONFIG:
+        if kernel_launch.LOG_CONFIG:
             for launch in launches:
-                log_launch(device, launch.entry, launch.grid, {**_SCRATCH, **launch.args}, stream)
+                log_launch(device, launch.entry, launch.grid, with_scratch(launch.args), stream)
         ready = launches
     else:
         ready = prepare(device, arch, launches, stream)

@@ -12,7 +12,7 @@ Accepted, for either backend unless noted:
 Frameworks are recognised by their attributes, so importing this module never imports torch or cupy.
 """
 
-from .errors import FmhaTypeError, FmhaValueError
+from ..errors import FmhaTypeError, FmhaValueError
 
 BACKENDS = ("cuda", "hip")
 

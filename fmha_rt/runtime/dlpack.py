@@ -10,7 +10,7 @@ import threading
 import weakref
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 
-from .errors import FmhaTypeError, FmhaValueError
+from ..errors import FmhaTypeError, FmhaValueError
 from .streams import dlpack_stream_arg
 
 # Major 1 is the ABI; minor 1 added the float8 type codes listed below.

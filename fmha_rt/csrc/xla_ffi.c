@@ -1,7 +1,7 @@
 /*
  * fmha_rt's XLA FFI handler: runs a launch program on the stream and device that XLA hands over.
  *
- * A launch program (built at trace time by fmha_rt/launch_program.py, which documents the format) is
+ * A launch program (built at trace time by fmha_rt/replay/xla_program.py, which documents the format) is
  * an int64 array attribute of the custom call: the buffers the call must receive, the workspace
  * regions to zero, and per launch the kernel key, grid, block, shared memory, the packed argument
  * template and the pointer slots to fill with buffer addresses. Everything the handler needs is in

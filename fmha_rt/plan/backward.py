@@ -1,0 +1,114 @@
+"""The backward's launches, pass by pass, for whichever family picks the kernels: each builder takes the
+variant key (and tile) a family chose and returns one Launch. A family's plan_bwd composes them in its
+strategy's order: dQ first (which also writes Delta and Lse2), then dK/dV, for the deterministic
+strategy; the pre-pass (Delta), dK/dV adding into the fp32 dQ accumulator, then its conversion, for the
+atomic one; the pre-pass and the fused grid for the fused one; the fused grid alone for the single one;
+then the bias gradient where the problem has one.
+
+The tensors are as a forward's plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per
+region of the backward's workspace (layout.backward_workspace) named after it (delta, lse2, dq_acc, ds):
+the caller carves them out of one workspace buffer and zeroes the regions marked zero_init.
+"""
+import math
+
+from .abi import DQ_ATOMIC, DQ_SINGLE, ROWS_TILE, ordered
+from .args import Args, Launch, cdiv, launch_grid
+from .layout import contiguous_strides
+
+
+class BackwardArgs:
+    """The argument groups a backward's launches share, built once from the call's tensors and its
+    workspace layout."""
+
+    def __init__(self, problem, tensors, workspace):
+        self.problem = p = problem
+        self.args = a = Args(problem, tensors)
+        self.varlen, self.shape, self.mask = a.varlen(), a.shape(), a.mask()
+        self.rows = {arg: a.rows(name, arg) for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"),
+                                                               ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
+        if workspace.dq_strategy == DQ_SINGLE:  # its programs compute Delta and Lse2 and keep them: no workspace
+            self.delta = {"Delta": None, "Lse2": None, "stride_delta_b": 0, "stride_delta_h": 0}
+        else:
+            strides = contiguous_strides(workspace.region("delta").shape)
+            # lse2 has delta's shape, so one pair of strides serves both
+            self.delta = {"Delta": a.required("delta"), "Lse2": a.required("lse2"),
+                          "stride_delta_b": 0 if p.varlen else strides[0], "stride_delta_h": strides[-2]}
+        self.lse = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
+        self.attention = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "dO": a.required("dout"),
+                          **self.lse, **self.delta, **a.score_terms(), **a.dropout(), **self.varlen, **self.shape,
+                          **self.mask, **self.rows["q"], **self.rows["k"], **self.rows["v"], **self.rows["do"],
+                          "softmax_scale": p.softmax_scale, "scale_log2": p.softmax_scale * math.log2(math.e)}
+        self.dq_acc = {"DqAcc": None, "stride_dqacc_b": 0, "stride_dqacc_s": 0, "stride_dqacc_h": 0}
+        if workspace.dq_strategy == DQ_ATOMIC:
+            st = contiguous_strides(workspace.region("dq_acc").shape)
+            b, s, h = (0, st[0], st[1]) if p.varlen else st[:3]
+            self.dq_acc = {"DqAcc": a.required("dq_acc"), "stride_dqacc_b": b, "stride_dqacc_s": s, "stride_dqacc_h": h}
+        self.ds = {"dS": None, "stride_ds_b": 0, "stride_ds_h": 0, "stride_ds_s": 0, "write_dbias": 0}
+        if p.bias_grad:
+            st = contiguous_strides(workspace.region("ds").shape)
+            self.ds = {"dS": a.required("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
+                       "write_dbias": 1}
+        self.outputs = {**self.ds, **self.rows["dk"], **self.rows["dv"], "dK": a.required("dk"), "dV": a.required("dv")}
+
+    def rows_pass(self):
+        """What the row passes (preprocess, dq_convert) share: the query rows' offsets and shape."""
+        v = self.varlen
+        return {"CuSeqlensQ": v["CuSeqlensQ"], "SeqstartQ": v["SeqstartQ"], "seqlen_q": self.problem.seqlen_q,
+                "is_varlen": v["is_varlen"], "has_seqstart": v["has_seqstart"]}
+
+    def rows_grid(self):
+        return launch_grid(cdiv(self.problem.seqlen_q, ROWS_TILE.block_m), self.problem)
+
+
+def preprocess(b: BackwardArgs, key) -> Launch:
+    """Delta = rowsum(dO * O) and Lse2 of every query row, into the workspace."""
+    args = {"Out": b.args.required("out"), "dO": b.args.required("dout"), **b.rows_pass(), **b.rows["o"],
+            **b.rows["do"], **b.lse, **b.delta, "head_dim_v_div8": b.shape["head_dim_v_div8"]}
+    return Launch(key, b.rows_grid(), ordered(key, "fmha_bwd_preprocess", args))
+
+
+def dq(b: BackwardArgs, key, tile) -> Launch:
+    """dQ by query blocks of `tile`, writing the Delta and Lse2 that dK/dV reads."""
+    args = {**b.attention, **b.rows["o"], **b.rows["dq"], "Out": b.args.required("out"), "dQ": b.args.required("dq")}
+    return Launch(key, launch_grid(cdiv(b.problem.seqlen_q, tile.block_m), b.problem), ordered(key, "fmha_bwd_dq", args))
+
+
+def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
+    """dK and dV by key blocks of `block_n` (and dQ into the accumulator under the atomic strategy);
+    `extra` the arguments a family's kernel takes beyond the signature (the v3 kernel's global scratch)."""
+    args = ordered(key, "fmha_bwd_dkdv", {**b.attention, **b.dq_acc, **b.outputs})
+    grid = launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem)
+    return Launch(key, (grid[0], b.problem.heads_k, grid[2]), {**args, **(extra or {})})
+
+
+def fused(b: BackwardArgs, key, kv_tile, q_tile) -> Launch:
+    """The fused grid: dK/dV programs by key blocks of kv_tile, then dQ programs by query blocks of q_tile."""
+    p = b.problem
+    args = {**b.attention, **b.outputs, **b.rows["dq"], **b.rows["o"], "Out": b.args.required("out"),
+            "dQ": b.args.required("dq")}
+    blocks = cdiv(p.seqlen_k, kv_tile.block_n) + cdiv(p.seqlen_q, q_tile.block_m) * p.kv_group_size
+    grid = launch_grid(blocks, p)
+    return Launch(key, (grid[0], p.heads_k, grid[2]), ordered(key, "fmha_bwd_fused", args))
+
+
+def dq_convert(b: BackwardArgs, key) -> Launch:
+    """The fp32 dQ accumulator, scaled, into dQ."""
+    args = {**b.dq_acc, **b.rows["dq"], **b.rows_pass(), "dQ": b.args.required("dq"),
+            "head_dim_qk_div8": b.shape["head_dim_qk_div8"], "softmax_scale": b.problem.softmax_scale}
+    return Launch(key, b.rows_grid(), ordered(key, "fmha_bwd_dq_convert", args))
+
+
+def dbias(b: BackwardArgs, key, block_m) -> Launch:
+    """dS reduced over the bias's broadcast dims into dbias, `block_m` query rows a program."""
+    p = b.problem
+    strides_b, strides_h, strides_s, _ = b.args.given_strides("dbias", 4)
+    batch_bcast, head_bcast = p.bias_shape[0] == "1", p.bias_shape[1] == "1"
+    args = {"dS": b.ds["dS"], "stride_ds_b": b.ds["stride_ds_b"], "stride_ds_h": b.ds["stride_ds_h"],
+            "stride_ds_s": b.ds["stride_ds_s"], "dBias": b.args.required("dbias"),
+            **b.args.checked_strides({"stride_dbias_b": strides_b if not batch_bcast else 0,
+                                      "stride_dbias_h": strides_h if not head_bcast else 0,
+                                      "stride_dbias_s": strides_s}, "dbias"),
+            "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "reduce_batch": p.batch if batch_bcast else 1,
+            "reduce_heads": p.heads_q if head_bcast else 1}
+    grid = (cdiv(p.seqlen_q, block_m), 1 if head_bcast else p.heads_q, 1 if batch_bcast else p.batch)
+    return Launch(key, grid, ordered(key, "fmha_bwd_dbias", args))

@@ -1,0 +1,30 @@
+"""Which kernel family runs a call: the v3 family where it serves the problem (v3.serves_fwd and
+serves_bwd), the portable family everywhere else. The forward's scratch buffer and the backward's
+workspace follow the same choice. Both families take the call's tensors as args.py describes them and
+lay their memory out with layout.py; neither reaches into the other."""
+from . import portable, v3
+from .layout import Scratch, Workspace
+
+
+def fwd_scratch(problem, arch) -> Scratch:
+    if v3.serves_fwd(problem, arch):
+        return v3.fwd_scratch(problem)
+    return portable.fwd_scratch(problem)
+
+
+def plan_fwd(problem, arch, tensors) -> list:
+    if v3.serves_fwd(problem, arch):
+        return v3.plan_fwd(problem, tensors)
+    return portable.plan_fwd(problem, arch, tensors)
+
+
+def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
+    if v3.serves_bwd(problem, arch, dq_strategy_request):
+        return v3.bwd_workspace(problem)
+    return portable.bwd_workspace(problem, arch, dq_strategy_request)
+
+
+def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
+    if v3.serves_bwd(problem, arch, dq_strategy_request):
+        return v3.plan_bwd(problem, tensors)
+    return portable.plan_bwd(problem, arch, tensors, dq_strategy_request)
