@@ -87,6 +87,9 @@ def copy_repository(dest: pathlib.Path) -> None:
         return [n for n in names if n in skip]
 
     shutil.copytree(ROOT, dest, ignore=ignore)
+    if not list((dest / "fmha_rt").glob("_shim*.so")):  # an installed build (not in the tree): bring its shim
+        import fmha_rt._shim
+        shutil.copy2(fmha_rt._shim.__file__, dest / "fmha_rt")
 
 
 def plant(copy: pathlib.Path, p: Plant) -> None:

@@ -160,8 +160,14 @@ class Args:
         if seed is None:
             raise FmhaValueError("dropout needs tensors['philox_seed'] (and 'philox_offset'), or "
                                  "tensors['philox_seed_offset'], a device pointer to two int64")
-        return {"PhiloxSeedOffset": None, "philox_from_ptr": 0, "philox_seed": int(seed) % 2 ** 63,
+        return {"PhiloxSeedOffset": None, "philox_from_ptr": 0, "philox_seed": philox_seed_argument(int(seed)),
                 "philox_offset": int(offset)}
+
+
+def philox_seed_argument(seed: int) -> int:
+    """A seed given by value as the kernels' int64 argument: its low 64 bits, the bits they read from a device
+    array [seed, offset], so one seed draws one mask either way (the sign bit included)."""
+    return (seed + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
 def forward_args(problem, tensors) -> dict:

@@ -39,6 +39,7 @@ from ..runtime.backend import ffi, lib
 from ..errors import FmhaError, FmhaRuntimeError
 from ..runtime.kernel_launch import Ready
 from ..runtime.packing import NULL, Pointer
+from ..plan.args import philox_seed_argument
 from .program import ZeroFill, pack_launch
 
 DEFAULT_CAPACITY = 256
@@ -50,7 +51,7 @@ EXTRA_VALUES = (WORKSPACE, "philox_seed", "philox_offset")
 def philox_values(seed: int, offset: int) -> dict:
     """The kernels' philox_seed and philox_offset arguments for a seed and offset given by value, as
     the planner packs them (record checks each cached plan against the planner's own values)."""
-    return {"philox_seed": seed % 2**63, "philox_offset": offset}
+    return {"philox_seed": philox_seed_argument(seed), "philox_offset": offset}
 
 
 def value_array(count: int):

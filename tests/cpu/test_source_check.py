@@ -48,16 +48,17 @@ def test_the_committed_tree_passes():
 
 def test_every_planted_source_mismatch_is_named(tmp_path):
     root = source_copy(tmp_path)
-    plant(root / "fmha_rt" / "backend.py", "lib.fmha_device_get_info(ordinal, info)", "lib.fmha_device_get_info(ordinal, info, 0)")
-    plant(root / "fmha_rt" / "backend.py", "return ffi.string(lib.fmha_last_error())",
+    plant(root / "fmha_rt" / "runtime" / "backend.py", "lib.fmha_device_get_info(ordinal, info)",
+          "lib.fmha_device_get_info(ordinal, info, 0)")
+    plant(root / "fmha_rt" / "runtime" / "backend.py", "return ffi.string(lib.fmha_last_error())",
           "return ffi.string(lib.fmha_last_errors())")
     plant(root / "fmha_rt" / "csrc" / "xla_ffi.c", "p->label, fmha_last_error());", "p->label, fmha_last_error(0));")
     plant(root / "fmha_rt" / "csrc" / "xla_ffi.c", "#define PROGRAM_FORMAT 2", "#define PROGRAM_FORMAT 3")
     lines, ok = check_sources(root, kernels(), SIGNATURES, SCRATCH_POINTERS)
     assert not ok and lines[0].startswith("source ABI checks: 4 FAIL ("), lines
     assert sorted(lines[1:]) == sorted([
-        "  FAIL fmha_rt/backend.py:54: fmha_last_errors is not declared in include/fmha_rt.h",
-        "  FAIL fmha_rt/backend.py:82: fmha_device_get_info with 3 argument(s); include/fmha_rt.h declares 2",
+        "  FAIL fmha_rt/runtime/backend.py:54: fmha_last_errors is not declared in include/fmha_rt.h",
+        "  FAIL fmha_rt/runtime/backend.py:82: fmha_device_get_info with 3 argument(s); include/fmha_rt.h declares 2",
         "  FAIL fmha_rt/csrc/xla_ffi.c:286: fmha_last_error with 1 argument(s); include/fmha_rt.h declares 0",
         "  FAIL launch program: fmha_rt/replay/xla_program.py FORMAT = 0x2 but fmha_rt/csrc/xla_ffi.c PROGRAM_FORMAT = 0x3",
     ])
@@ -69,7 +70,7 @@ def test_a_header_prototype_changed_under_its_callers_is_caught(tmp_path):
           "int fmha_device_get_info(int ordinal, int flags, fmha_device_info *info);")
     lines, ok = check_sources(root, kernels(), SIGNATURES, SCRATCH_POINTERS)
     assert not ok and lines[1:] == [
-        "  FAIL fmha_rt/backend.py:82: fmha_device_get_info with 2 argument(s); include/fmha_rt.h declares 3"]
+        "  FAIL fmha_rt/runtime/backend.py:82: fmha_device_get_info with 2 argument(s); include/fmha_rt.h declares 3"]
 
 
 def test_a_manifest_parameter_that_the_plan_does_not_pack_is_caught():
