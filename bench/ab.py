@@ -71,7 +71,7 @@ def resolve_variant(spec: str, workdir: pathlib.Path, checkout_hsa: pathlib.Path
             raise AbError(f"--variant {name}: {source} has no hsa/manifest.json")
         package_root = path
         if not list((path / "fmha_rt").glob("_shim*.so")):
-            package_root = _with_this_shim(name, source, path, workdir)
+            package_root = with_this_shim(name, source, path, workdir)
         # the package goes first on the path; what was there stays (e.g. where cffi was installed)
         python_path = os.pathsep.join([str(package_root), *filter(None, [os.environ.get("PYTHONPATH")])])
         return Variant(name, "package", source,
@@ -95,7 +95,7 @@ def _shim_sources(root: pathlib.Path) -> dict:
     return {f.relative_to(root).as_posix(): f.read_bytes() for f in files if f.is_file()}
 
 
-def _with_this_shim(name, source, path, workdir, checkout=REPO) -> pathlib.Path:
+def with_this_shim(name, source, path, workdir, checkout=REPO) -> pathlib.Path:
     """A copy of the other checkout's package with this checkout's built shim, where the C sources they
     are built from are the same; its folder."""
     shims = list((checkout / "fmha_rt").glob("_shim*.so"))
@@ -196,7 +196,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=PATH",
                         help="a build to time; the first is the one the others are compared with")
-    parser.add_argument("--rounds", type=cli._positive_int, default=2, help="runs per variant (default 2)")
+    parser.add_argument("--rounds", type=cli.positive_int, default=2, help="runs per variant (default 2)")
     parser.add_argument("--record", metavar="JSON", help="write the record here")
     parser.add_argument("--what", default="", help="what the variants are, for the record")
     args = parser.parse_args(own)

@@ -40,7 +40,7 @@ def parse_seqlen(text):
         raise argparse.ArgumentTypeError(f"not a sequence length: {text!r} (write e.g. 2048 or 2k)") from None
 
 
-def _positive_int(text):
+def positive_int(text):
     try:
         value = int(text)
     except ValueError:
@@ -82,11 +82,11 @@ def build_parser():
     pick.add_argument("--quick", action="store_true",
                       help="smoke run: bf16, D=128, S=4k unless given, fewer repeats")
     how = parser.add_argument_group("how to measure")
-    how.add_argument("--repeats", type=_positive_int, help=f"timed calls per point (default "
+    how.add_argument("--repeats", type=positive_int, help=f"timed calls per point (default "
                      f"{MEASURE_DEFAULTS['repeats']}, quick {QUICK_MEASURE_DEFAULTS['repeats']})")
     how.add_argument("--warmup-ms", type=_non_negative_float, help="warm-up per point in ms (default "
                      f"{MEASURE_DEFAULTS['warmup_ms']:g}, quick {QUICK_MEASURE_DEFAULTS['warmup_ms']:g})")
-    how.add_argument("--rounds", type=_positive_int, default=1,
+    how.add_argument("--rounds", type=positive_int, default=1,
                      help="times each implementation of a point takes its turn (a warm-up and --repeats calls); "
                           "rounded up at each point to a multiple of its implementations, round r starting with "
                           "implementation r mod n; the ratios are medians of per-round ratios (default 1, i.e. n)")

@@ -34,8 +34,8 @@ def header(device_index, discovered, settings):
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _distribution_version("triton"),
-        "fmha_rt": _fmha_rt_version(),
-        "fmha_rt_commit": _git_commit(),
+        "fmha_rt": fmha_rt_version(),
+        "fmha_rt_commit": git_commit(),
         "fmha_rt_sources_sha256": sources_digest(),
         "impls": {name: found.fields() for name, found in discovered.items()},
         "settings": settings,
@@ -97,7 +97,7 @@ def _distribution_version(name):
         return None
 
 
-def _fmha_rt_version():
+def fmha_rt_version():
     """The installed distribution's version, else the package's own (a source tree on sys.path)."""
     import fmha_rt
 
@@ -131,7 +131,7 @@ def sources_digest(root=None, package=None):
     return digest.hexdigest()
 
 
-def _git_commit():
+def git_commit():
     """The commit of the fmha_rt checkout being measured, with "+dirty" when files differ from it."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:

@@ -199,12 +199,12 @@ def test_ab_runs_another_checkout_with_its_own_shim_or_this_ones_for_the_same_c_
 
     this = _checkout(tmp_path / "this", "int x;\n", shim=b"this shim")
     bare = _checkout(tmp_path / "bare", "int x;\n")
-    package = ab._with_this_shim("prev", "bare", bare, tmp_path / "work", checkout=this)
+    package = ab.with_this_shim("prev", "bare", bare, tmp_path / "work", checkout=this)
     assert (package / "fmha_rt" / "_shim.abi3.so").read_bytes() == b"this shim"
     assert (package / "fmha_rt" / "shim.c").read_text() == "int x;\n" and not list((bare / "fmha_rt").glob("*.so"))
     changed = _checkout(tmp_path / "changed", "int y;\n")
     with pytest.raises(ab.AbError, match="C sources differ"):
-        ab._with_this_shim("prev", "changed", changed, tmp_path / "work2", checkout=this)
+        ab.with_this_shim("prev", "changed", changed, tmp_path / "work2", checkout=this)
 
 
 @pytest.mark.parametrize("spec,message", [("base", "NAME=PATH"), ("=hsa", "NAME=PATH"), ("a-b=hsa", "NAME=PATH"),
