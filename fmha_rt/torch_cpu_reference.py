@@ -43,6 +43,11 @@ def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
+def is_enabled() -> bool:
+    """Whether enable() has registered the CPU kernels (then CPU tensors must go through the ops)."""
+    return _enabled
+
+
 def enable() -> None:
     """Register the CPU kernels of torch.ops.fmha_rt.fwd and bwd (once)."""
     global _enabled

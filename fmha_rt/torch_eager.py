@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from . import torch_calls
+from . import torch_calls, torch_cpu_reference
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _C = torch._C
@@ -37,14 +37,16 @@ def takes_eager_route(q, k, v, cu_seqlens_q, alibi_slopes, rng_state) -> bool:
     user's recording mode, DTensor's) and no functorch transform (vmap, grad) is active, and its
     tensors are plain torch tensors off the meta device (subclasses such as DTensor and FakeTensor
     dispatch through the op; meta tensors take its fake implementation), and no registered_ops_only
-    block is open. is_compiling comes first: under torch.compile it is the constant True, so nothing
-    after it is traced. cu_seqlens_k goes wherever cu_seqlens_q goes."""
+    block is open, and the tensors are not CPU tensors while the CPU reference kernels are registered
+    (torch_cpu_reference: the ops dispatch those to it). is_compiling comes first: under torch.compile
+    it is the constant True, so nothing after it is traced. cu_seqlens_k goes wherever cu_seqlens_q goes."""
     return (not torch.compiler.is_compiling() and _enabled
             and type(q) in _PLAIN_TENSORS and type(k) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS
             and (cu_seqlens_q is None or type(cu_seqlens_q) in _PLAIN_TENSORS)
             and (alibi_slopes is None or type(alibi_slopes) in _PLAIN_TENSORS)
             and (rng_state is None or type(rng_state) in _PLAIN_TENSORS)
             and not q.is_meta
+            and not (torch_cpu_reference.is_enabled() and q.device.type == "cpu")
             and not _C._len_torch_dispatch_stack() and not _C._is_torch_function_mode_enabled()
             and _C._get_tracing_state() is None and _C._functorch.peek_interpreter_stack() is None)
 
