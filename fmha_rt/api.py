@@ -13,6 +13,9 @@ pointers written in.
 """
 from __future__ import annotations
 
+import dataclasses
+
+from . import call_log
 from .arrays import Arg, acquire_workspace, check_overlap, check_shape, finish_outputs, framework
 from .call import Call, dropout_values, place_regions, prepare, put, resolve_outputs
 from . import call_keys
@@ -21,21 +24,21 @@ from .plan import dispatch, head_padding, portable
 from .plan.args import with_work
 from .plan.problem import AttentionProblem
 from .replay import plan_cache
-from .runtime import backend, executor
+from .runtime import backend, executor, kernel_launch
 from .runtime.kernel_launch import Ready
 from .runtime.registry import registry
 from .runtime.streams import stream_handle
 from .validation import same_device
 
 
-def _recorded(record, call: Call, launches, inputs, outputs, workspace=None, layout=None):
+def _recorded(record, call: Call, config, launches, inputs, outputs, workspace=None, layout=None):
     """(CallPlan or None, the launches to run): when `record` (the call's array names in key order, or
     None) asks and the call can be cached, the plan's launches bound to this call's values, so that the
-    recording call runs what later calls will."""
+    recording call runs what later calls will. `config`: the call's call_log.CallConfig, which a hit logs."""
     recorded = plan_cache.record(
         runtime=backend.runtime(), registry=registry(), device=call.device, arch=call.arch,
         kind=framework(call.template), names=record, launches=launches, tensors=call.tensors, inputs=inputs,
-        outputs=outputs, workspace=workspace, layout=layout) if record is not None else None
+        outputs=outputs, workspace=workspace, layout=layout, config=config) if record is not None else None
     if recorded is None:
         return None, launches
     plan, values = recorded
@@ -54,9 +57,10 @@ def _forward(call: Call, out, lse, record):
     place_regions(scratch, scratch_arg, call.tensors)
     padding = head_padding.for_pass(p, call.tensors, "fwd")
     attention = dispatch.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
-    plan, launches = _recorded(record, call, with_work(padding.before + attention + padding.after),
+    config = _config("mha_varlen_fwd" if p.varlen else "mha_fwd", call, scratch.total_bytes)
+    plan, launches = _recorded(record, call, config, with_work(padding.before + attention + padding.after),
                                call.inputs, outputs, scratch_arg, scratch)
-    executor.run(call.device, call.arch, launches, call.stream)
+    _logged(config, executor.run(call.device, call.arch, launches, call.stream))
     del keep_alive  # the scratch is freed stream-ordered, after the launches
     return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
@@ -79,12 +83,35 @@ def _run(site: Site, objects: tuple, opts: dict, scalars: tuple, workspace_alloc
         if plan is not None:
             if plan.philox_by_value:
                 _write_philox(plan, buffers.values, opts, handle)
-            return plan_cache.replay(plan, objects, buffers.values, buffers.failed, handle, workspace_alloc)
+            outputs = plan_cache.replay(plan, objects, buffers.values, buffers.failed, handle, workspace_alloc)
+            if kernel_launch.LOG_CONFIG:
+                _log_hit(plan, opts)
+            return outputs
     record = request is not None and call_keys.PLANS.admit(key)
     outputs, plan = site.planned(objects, scalars, opts, workspace_alloc, handle, imported, names if record else None)
     if plan is not None:
         call_keys.PLANS.put(key, plan)
     return outputs
+
+
+def _config(function: str, call: Call, workspace_bytes: int = 0, dq_splits=None) -> call_log.CallConfig:
+    return call_log.config(function, call.problem, call.device, call.arch, call.tensors, workspace_bytes, dq_splits)
+
+
+def _logged(config: call_log.CallConfig, keys):
+    """`keys` (the kernels a call launched), the call's line logged first when FMHA_RT_LOG_CONFIG asks."""
+    if kernel_launch.LOG_CONFIG:
+        call_log.log_call(config, keys)
+    return keys
+
+
+def _log_hit(plan, opts: dict) -> None:
+    """Log a call the plan cache serves: its recording call's configuration with this call's Philox
+    values when they are given by value (they are not in the key)."""
+    config = plan.config
+    if plan.philox_by_value:
+        config = dataclasses.replace(config, seed=(opts["seed"], opts["offset"]))
+    call_log.log_call(config, plan.keys)
 
 
 def _write_philox(plan, values, opts: dict, handle: int) -> None:
@@ -184,6 +211,14 @@ class BwdLauncher:
         """Plan (unless `launches` are planned already), check and pack every launch; only then zero the
         regions that must start at zero (so a refused call writes no memory at all) and launch. Returns
         the variant keys launched."""
+        keys = self.launch(device, tensors, stream, launches)
+        if kernel_launch.LOG_CONFIG:
+            call_log.log_call(call_log.config("BwdLauncher.run", self.problem, device, self.arch, tensors,
+                                              self.workspace_size, self.dq_acc_splits), keys)
+        return keys
+
+    def launch(self, device: int, tensors: dict, stream: int, launches=None) -> list[str]:
+        """`run` without logging the call (for a caller that logs it as its own)."""
         launches = self.plan(tensors) if launches is None else launches
 
         def zero_regions():
@@ -222,8 +257,11 @@ def _backward(call: Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, re
     if ws_arg is not None:
         check_overlap([ws_arg], inputs + [o[0] for o in outputs])
     launcher.prepare_workspace(ws_arg, call.tensors)
-    plan, launches = _recorded(record, call, launcher.plan(call.tensors), inputs, outputs, ws_arg, launcher.workspace)
-    launcher.run(call.device, call.tensors, call.stream, launches)
+    config = _config("mha_varlen_bwd" if p.varlen else "mha_bwd", call, launcher.workspace_size,
+                     launcher.dq_acc_splits)
+    plan, launches = _recorded(record, call, config, launcher.plan(call.tensors), inputs, outputs, ws_arg,
+                               launcher.workspace)
+    _logged(config, launcher.launch(call.device, call.tensors, call.stream, launches))
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
     return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
@@ -317,5 +355,6 @@ def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
     p = call.problem
     (mask_arr,), _ = resolve_outputs(call, [("mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8")],
                               call.inputs)
-    executor.run(call.device, call.arch, with_work(portable.plan_dropout_mask(p, call.arch, call.tensors)), handle)
+    keys = executor.run(call.device, call.arch, with_work(portable.plan_dropout_mask(p, call.arch, call.tensors)), handle)
+    _logged(_config("mha_dropout_mask", call), keys)
     return finish_outputs(call.template, (mask_arr,), handle)[0]

@@ -58,8 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import jax_cpu_reference, jax_sharding
-from .runtime import backend
+from . import call_log, jax_cpu_reference, jax_sharding
+from .plan import dispatch
+from .runtime import backend, kernel_launch
 from .replay import xla_program
 from .validation import (
     INT32_LIMIT,
@@ -385,10 +386,24 @@ def _custom_call(kind: str, problem: AttentionProblem, arch: str, operands):
     """XLA's custom call of the launch program of `kind` and `problem` on `operands`: every result of
     the program, the workspace included."""
     program, words = _program(kind, problem, arch)
+    if kernel_launch.LOG_CONFIG:
+        _log_program(kind, problem, arch, program)
     results = [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in program.results]
     # 'sequential' serves the varlen calls under vmap (a batch call folds the mapped axis instead):
     # the unbatched call keeps the shapes its program was built for.
     return jax.ffi.ffi_call(TARGETS[kind], results, vmap_method="sequential")(*operands, program=words)
+
+
+def _log_program(kind: str, problem: AttentionProblem, arch: str, program) -> None:
+    """FMHA_RT_LOG_CONFIG's line of a custom call, logged when it is traced (the handler that runs it
+    is C, and a compiled call runs again without tracing): what XLA will launch, on its buffers."""
+    buffers = {}
+    for b in program.buffers:  # as a call's kernel tensors: each array by name, with its strides
+        buffers[b.name], buffers[f"{b.name}_strides"] = b, b.strides
+    workspace = next((b.nbytes for b in program.results if b.name == "workspace"), 0)
+    dq_splits = dispatch.bwd_workspace(problem, arch).dq_splits if kind.endswith("bwd") else None
+    config = call_log.config(f"jax.{kind}", problem, "xla", arch, buffers, workspace, dq_splits)
+    call_log.log_call(config, [launch.key for launch in program.launches])
 
 
 # ------------------------------------------------------------------------------------------- vmap

@@ -70,8 +70,8 @@ int fmha_device_scope_leave(const fmha_device_scope *scope);
 
 /* Find (device, key) in the kernel map, loading `image` on that device on first use. `symbol` is the
    entry point's name inside the image; `dynamic_shared_bytes` above 48 KiB raises the kernel's limit.
-   Safe to call from many threads: the map is guarded by a mutex, loading happens outside it, and a
-   thread that loses a race to insert unloads its copy. */
+   Safe to call from many threads: the map is guarded by a mutex, loading happens outside it, and
+   loads on one device take turns, so that racing threads load a kernel once per device. */
 int fmha_kernel_get(int device, const char *key, const void *image, size_t image_size,
                     const char *symbol, unsigned int dynamic_shared_bytes, fmha_kernel **kernel);
 /* Look up without loading: *kernel is NULL when (device, key) is not in the map. */

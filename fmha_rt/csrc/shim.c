@@ -121,8 +121,9 @@ static struct {
     pthread_mutex_t map_lock;
     fmha_kernel **map;
     size_t map_len, map_cap;
+    pthread_mutex_t load_locks[MAX_DEVICES]; /* one load at a time per device (fmha_kernel_get) */
 } g = {PTHREAD_MUTEX_INITIALIZER, 0, 0, "", "", 0, NULL, {0}, 0, {0},
-       PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0};
+       PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0, {PTHREAD_MUTEX_INITIALIZER}};
 
 static __thread char t_error[1024];
 static __thread int t_driver_code;
@@ -238,6 +239,7 @@ static int open_library(int backend) {
 }
 
 static int do_init(int backend) {
+    for (int i = 0; i < MAX_DEVICES; ++i) pthread_mutex_init(&g.load_locks[i], NULL);
     int status = open_library(backend);
     if (status == FMHA_OK) status = resolve_entry_points();
     if (status != FMHA_OK) return status;
@@ -471,6 +473,8 @@ static int load_kernel(int device, const char *key, const void *image, const cha
     return FMHA_OK;
 }
 
+static int map_insert(fmha_kernel *loaded);
+
 static void unload_kernel(fmha_kernel *k) {
     saved_device saved;
     if (enter_device(k->device, &saved) == FMHA_OK) {
@@ -493,31 +497,37 @@ int fmha_kernel_get(int device, const char *key, const void *image, size_t image
     pthread_mutex_unlock(&g.map_lock);
     if (found) { *kernel = found; return FMHA_OK; }
 
-    /* Load outside the lock so that one slow load does not stall launches of other kernels. */
-    fmha_kernel *loaded = NULL;
-    if ((s = load_kernel(device, key, image, symbol, dynamic_shared_bytes, &loaded)) != FMHA_OK) return s;
-
+    /* A kernel is loaded once per device: loads on one device take turns, and a thread that waited
+       finds what the one before it loaded. The map lock is not held while loading, so lookups,
+       launches and loads on other devices go on. */
+    pthread_mutex_lock(&g.load_locks[device]);
     pthread_mutex_lock(&g.map_lock);
     found = map_find_locked(device, key);
-    if (found == NULL) {
-        if (g.map_len == g.map_cap) {
-            size_t cap = g.map_cap ? 2 * g.map_cap : 64;
-            fmha_kernel **grown = realloc(g.map, cap * sizeof *grown);
-            if (grown == NULL) {
-                pthread_mutex_unlock(&g.map_lock);
-                unload_kernel(loaded);
-                return set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory growing the kernel map");
-            }
-            g.map = grown;
-            g.map_cap = cap;
-        }
-        g.map[g.map_len++] = loaded;
-        found = loaded;
-        loaded = NULL;
-    }
     pthread_mutex_unlock(&g.map_lock);
-    if (loaded) unload_kernel(loaded); /* another thread inserted first: keep one entry */
-    *kernel = found;
+    if (found == NULL && (s = load_kernel(device, key, image, symbol, dynamic_shared_bytes, &found)) == FMHA_OK)
+        s = map_insert(found);
+    pthread_mutex_unlock(&g.load_locks[device]);
+    if (s == FMHA_OK) *kernel = found;
+    return s;
+}
+
+/* Add a loaded kernel to the map (its caller holds its device's load lock); unloads it when the map
+   cannot grow. */
+static int map_insert(fmha_kernel *loaded) {
+    pthread_mutex_lock(&g.map_lock);
+    if (g.map_len == g.map_cap) {
+        size_t cap = g.map_cap ? 2 * g.map_cap : 64;
+        fmha_kernel **grown = realloc(g.map, cap * sizeof *grown);
+        if (grown == NULL) {
+            pthread_mutex_unlock(&g.map_lock);
+            unload_kernel(loaded);
+            return set_error(FMHA_ERR_OUT_OF_MEMORY, "out of host memory growing the kernel map");
+        }
+        g.map = grown;
+        g.map_cap = cap;
+    }
+    g.map[g.map_len++] = loaded;
+    pthread_mutex_unlock(&g.map_lock);
     return FMHA_OK;
 }
 

@@ -257,6 +257,7 @@ class CallPlan:
     philox_by_value: bool
     replay_program: ReplayProgram
     program: object  # replay_program's fmha_replay_plan *
+    config: object  # call_log.CallConfig of the recording call: what a hit logs
 
     def launch(self, values, stream: int, allocate: bool, failed) -> None:
         """The C replay of this plan with a call's value array on `stream`; `allocate`: it takes fmha_rt's
@@ -295,7 +296,7 @@ def _overlap_bounds(pairs) -> tuple:
 
 
 def record(*, runtime, registry, device, arch, kind, names, launches, tensors, inputs, outputs, workspace=None,
-           layout=None) -> tuple[CallPlan, CallValues] | None:
+           layout=None, config=None) -> tuple[CallPlan, CallValues] | None:
     """(CallPlan, this call's values) of a call about to launch `launches`, or None when it cannot be
     cached (a pointer it cannot trace, a value that does not pack or is misaligned: the executor then
     gets the planned launches and reports what is wrong).
@@ -304,7 +305,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
     layout the backward's workspace layout (plan.layout.Workspace), whose regions the call put into
-    `tensors`."""
+    `tensors`; config: the call's call_log.CallConfig, which FMHA_RT_LOG_CONFIG logs on every hit."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
     if any(arg.name not in index for arg in arrays) or len(index) > lib.FMHA_REPLAY_MAX_VALUES:
@@ -364,7 +365,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
         overlaps=overlaps, spans=tuple((name, index[name], lo, hi) for name, lo, hi in spans),
         workspace_bytes=workspace_bytes,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False, zeroed=zeroed,
-        philox_by_value=by_value, replay_program=program, program=program.plan), values
+        philox_by_value=by_value, replay_program=program, program=program.plan, config=config), values
 
 
 def replay(plan: CallPlan, objects: tuple, values, failed, stream: int, workspace_alloc):

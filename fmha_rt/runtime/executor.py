@@ -102,13 +102,18 @@ def note_launched(keys, device: int) -> None:
 
 def last_launch_info() -> dict:
     """Family and kernels of the most recent call on this thread. The family is the attention's: a call
-    that ran a kernel of another family (v3) names it, since the portable family also makes the
-    copies around every family's kernels (head padding, the backward's passes)."""
+    that ran a kernel of another family (v3) names it (family_of)."""
     last = getattr(_local, "last", None)
     if last is None:
         return {}
     keys, device = last
-    arch = backend.device(device).arch
+    return {"family": family_of(backend.device(device).arch, keys), "kernels": list(keys),
+            "kernel": keys[-1] if keys else None, "device": device}
+
+
+def family_of(arch: str, keys) -> str:
+    """The attention's family of a call that launched `keys`: a kernel of another family than the
+    portable one (v3) names it, since the portable family also makes the copies around every family's
+    kernels (head padding, the backward's passes)."""
     families = {registry().entry(arch, key).family for key in keys}
-    family = next((f for f in sorted(families) if f != "portable"), "portable")
-    return {"family": family, "kernels": list(keys), "kernel": keys[-1] if keys else None, "device": device}
+    return next((f for f in sorted(families) if f != "portable"), "portable")

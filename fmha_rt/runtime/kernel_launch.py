@@ -25,11 +25,11 @@ def _log_config_from_environment() -> bool:
     return os.environ.get("FMHA_RT_LOG_CONFIG", "") not in ("", "0")
 
 
-LOG_CONFIG = _log_config_from_environment()  # whether every launch is logged
+LOG_CONFIG = _log_config_from_environment()  # whether every launch and every API call (call_log.py) is logged
 
 
 def refresh_log_config() -> bool:
-    """Read FMHA_RT_LOG_CONFIG again (it is read once at import); returns whether launches are logged."""
+    """Read FMHA_RT_LOG_CONFIG again (it is read once at import); returns whether launches and calls are logged."""
     global LOG_CONFIG
     LOG_CONFIG = _log_config_from_environment()
     return LOG_CONFIG
@@ -105,12 +105,17 @@ def launch(device: int, entry: KernelEntry, grid, args: dict, stream: int = 0) -
     PreparedLaunch(device, entry, grid, packed)(stream)
 
 
-def log_launch(device: int, entry: KernelEntry, grid, args: dict, stream: int) -> None:
-    if not log.hasHandlers():  # asked for by the environment: print even without logging configured
+def logger() -> logging.Logger:
+    """The "fmha_rt" logger, made to print when FMHA_RT_LOG_CONFIG asks for logs and nothing is configured."""
+    if not log.hasHandlers():
         log.addHandler(logging.StreamHandler())
         log.setLevel(logging.INFO)
+    return log
+
+
+def log_launch(device: int, entry: KernelEntry, grid, args: dict, stream: int) -> None:
     lines = [f"kernel: {entry.key}", f"family: {entry.family}", f"device: {device}",
              f"grid: {tuple(grid)}", f"block: ({entry.threads}, 1, 1)", f"shared: {entry.shared}",
              f"stream: 0x{stream:x}"]
     lines += [f"{name}: {args[name]!r}" for name in entry.packer.names]
-    log.info("launch\n%s", "\n".join(lines))
+    logger().info("launch\n%s", "\n".join(lines))

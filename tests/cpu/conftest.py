@@ -95,6 +95,16 @@ def driver(monkeypatch, rt):
 
 
 @pytest.fixture
+def log_config(monkeypatch):
+    """FMHA_RT_LOG_CONFIG=1 for one test (the runtime reads it once: refresh, and again once unset)."""
+    with monkeypatch.context() as m:
+        m.setenv("FMHA_RT_LOG_CONFIG", "1")
+        assert kernel_launch.refresh_log_config()
+        yield
+    kernel_launch.refresh_log_config()
+
+
+@pytest.fixture
 def torch_as_cuda(monkeypatch):
     """torch CPU tensors read as CUDA tensors by the validating path (the stand-in's GPU arrays)."""
     as_cuda = arrays.TorchView.__init__

@@ -6,6 +6,7 @@ programs run by the kernels under the Triton interpreter on the buffers XLA woul
 import ctypes
 import dataclasses
 import functools
+import logging
 import math
 import pathlib
 import random
@@ -33,6 +34,8 @@ from fmha_rt.errors import (
 from fmha_rt.runtime.packing import Pointer, pointer_value
 from fmha_rt.plan.problem import AttentionProblem
 from fmha_rt.runtime.registry import registry
+
+from log_lines import logged_calls
 
 ARCH = "sm_90"
 
@@ -463,6 +466,32 @@ def test_lowering_of_grad_has_forward_and_backward(pretend_gpu, monkeypatch):
     ws = portable.bwd_workspace(fj._batch_problem(q, k, v, fj._Options(
         None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH)), ARCH).total_bytes
     assert ws > 0 and f"tensor<{ws}xui8>" in text  # the workspace is a result XLA allocates
+
+
+def test_log_config_logs_each_custom_call_when_it_is_traced(pretend_gpu, monkeypatch, caplog, log_config):
+    """The handler runs in C: FMHA_RT_LOG_CONFIG's line of a custom call comes from its tracing, once per
+    trace, naming what XLA will launch."""
+    monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward, which has a workspace
+    q, k, v = qkv()
+    loss = lambda q, k, v: fj.flash_attention(q, k, v, window=(32, 8), dropout_rate=0.25, dropout_rng=jax.random.key(3),
+                                              deterministic=True).astype(jnp.float32).sum()
+    with caplog.at_level(logging.INFO, logger="fmha_rt"):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",))
+    fwd, bwd = logged_calls(caplog.records)
+    p = problem(seqlen_q=128, seqlen_k=128, window_left=32, window_right=8, dropout_p=0.25, deterministic=True)
+    forward, backward = xla_program.forward(p, ARCH), xla_program.backward(p, ARCH)
+    assert (fwd["function"], bwd["function"]) == ("jax.fwd", "jax.bwd")
+    assert fwd["kernels"] == ",".join(launch.key for launch in forward.launches)
+    assert bwd["kernels"] == ",".join(launch.key for launch in backward.launches)
+    workspace = next(b.nbytes for b in backward.results if b.name == "workspace")
+    assert (bwd["workspace_bytes"], fwd["workspace_bytes"]) == (str(workspace), "0") and workspace > 0
+    assert (bwd["dq_splits"], fwd["dq_splits"]) == (str(portable.bwd_workspace(p, ARCH).dq_splits), "none")
+    for line in (fwd, bwd):
+        assert (line["device"], line["arch"], line["family"]) == ("xla", ARCH, "portable")
+        assert line["q"] == "bf16[2,128,4,64]:[32768,256,64,1]" and line["k"] == "bf16[2,128,2,64]:[16384,128,64,1]"
+        assert (line["window"], line["mask_type"], line["dropout_p"]) == ("(32,8)", "3", "0.25")
+        assert (line["seed"], line["offset"], line["deterministic"]) == ("device", "device", "True")
+    assert bwd["dq"] == "bf16[2,128,4,64]:[32768,256,64,1]" and bwd["lse"] == "fp32[2,4,128]:[512,128,1]"
 
 
 def test_vmap_folds_into_one_call_over_the_batch(pretend_gpu):

@@ -452,16 +452,6 @@ def test_a_logged_hit_goes_through_the_executor_seam_with_launches_that_read_lik
     assert entry.packer.pack(kernel_launch.with_scratch(bound.args)) == bytes(bound.packed)
 
 
-@pytest.fixture
-def log_config(monkeypatch):
-    """FMHA_RT_LOG_CONFIG=1 for one test (the runtime reads it once: refresh, and again once unset)."""
-    with monkeypatch.context() as m:
-        m.setenv("FMHA_RT_LOG_CONFIG", "1")
-        assert kernel_launch.refresh_log_config()
-        yield
-    kernel_launch.refresh_log_config()
-
-
 def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog, log_config):
     x = Inputs(rt)
     with caplog.at_level(logging.INFO, logger="fmha_rt"):
@@ -477,8 +467,10 @@ def test_last_launch_info_and_logging_on_a_hit(monkeypatch, rt, driver, caplog, 
             assert [r.getMessage() for r in caplog.records] == planned
             caplog.clear()
     assert hits() == 1
-    assert len(planned) == 2 and all("stream: 0x1234" in message for message in planned)
-    assert f"Q: Pointer(0x{x.q.ptr:x})" in planned[1]
+    *launches, call = planned  # a call's line follows its launches', on a hit as on a miss
+    assert call.startswith("call function=mha_bwd family=portable ")
+    assert len(launches) == 2 and all("stream: 0x1234" in message for message in launches)
+    assert f"Q: Pointer(0x{x.q.ptr:x})" in launches[1]
     info, launched = fmha_rt.last_launch_info(), driver.take()
     assert len(launched) == 8 and info["kernels"] == [key for key, *_ in launched[-2:]] and info["device"] == 0
     assert all(stream == 0x1234 for *_, stream in launched)
@@ -696,8 +688,8 @@ def test_a_logged_hit_logs_the_workspace_its_launches_get(monkeypatch, rt, drive
         call()
     assert hits() == 1
     launched = driver.take()
-    logged = [r.getMessage() for r in caplog.records]
-    assert len(logged) == len(launched) == 2
+    *logged, call_line = [r.getMessage() for r in caplog.records]
+    assert len(logged) == len(launched) == 2 and call_line.startswith("call function=mha_bwd ")
     for message, (key, _, packed, _) in zip(logged, launched):
         assert f"kernel: {key}" in message
         for name, value in unpack(key, packed).items():

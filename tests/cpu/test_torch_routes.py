@@ -6,6 +6,9 @@ kernels are deterministic functions of their arguments (the backward with determ
 launches on equal inputs give bitwise-equal results; tests/gpu/test_torch_eager_path.py checks the
 results themselves on a GPU.
 """
+import contextlib
+import logging
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from fmha_rt.runtime import registry as registry_module  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
 from fmha_rt import torch_calls, torch_eager  # noqa: E402
+
+from log_lines import logged_calls  # noqa: E402
 
 ARCH = "sm_90"  # the stand-in's
 WORKSPACE = "workspace"  # what a pointer into no recorded tensor points into
@@ -200,6 +205,26 @@ def test_the_eager_route_launches_what_the_registered_ops_launch(watch, name, ma
         assert [c[0] for c in eager] == ["forward", "backward"]
         assert eager == registered
         assert all(launches for *_, launches in eager)
+
+
+def test_both_routes_log_one_line_per_call(watch, caplog, log_config):
+    """FMHA_RT_LOG_CONFIG: the eager route and the registered ops each log the forward and the backward
+    once, with the same line (the options as the adapter passes them: a bottom-right window)."""
+    name, make, options = CASES[1]
+    seed = sum(map(ord, name)) + 2
+    print(f"seed {seed}")
+    call, inputs, dout = make(torch.Generator().manual_seed(seed), dict(options))
+    lines = []
+    for route in (contextlib.nullcontext, torch_eager.registered_ops_only):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fmha_rt"), route():
+            run(call, inputs, dout, seed)
+        lines.append(logged_calls(caplog.records))
+    eager, registered = lines
+    assert eager == registered and [line["function"] for line in eager] == ["mha_fwd", "mha_bwd"]
+    assert all((line["window"], line["causal_alignment"], line["mask_type"], line["softmax_scale"])
+               == ("(16,8)", "bottom_right", "3", "0.3") for line in eager)
+    assert eager[1]["deterministic"] == "True" and eager[1]["k"] == "bf16[2,80,2,64]:[10240,128,64,1]"
 
 
 @pytest.mark.parametrize("name, make, options", [CASES[2], CASES[3]], ids=[CASES[2][0], CASES[3][0]])
