@@ -38,9 +38,10 @@ wheel=$(ls "$wheelhouse"/fmha_rt-*-"$platform".whl)
 "$work/tools/bin/auditwheel" show "$wheel"
 "$work/tools/bin/python" -c 'import sys, zipfile; print(*zipfile.ZipFile(sys.argv[1]).namelist(), sep="\n")' "$wheel" \
     >"$work/members.txt"
-for member in fmha_rt/_shim fmha_rt/hsa/manifest.json fmha_rt/hsa/sm_90/ fmha_rt/hsa/gfx942/ fmha_rt/hsa/gfx950/; do
-    grep -q "^$member" "$work/members.txt" || fail "$(basename "$wheel") lacks $member"
-done
+grep -q "^fmha_rt/_shim\..*so$" "$work/members.txt" || fail "$(basename "$wheel") lacks the compiled shim"
+# every file of hsa/ (manifest and code objects) as package data fmha_rt/hsa/...
+missing=$(cd "$work/src" && find hsa -type f | sed 's|^|fmha_rt/|' | sort | comm -23 - <(sort "$work/members.txt"))
+[ -z "$missing" ] || fail "$(basename "$wheel") lacks $(printf '%s\n' "$missing" | wc -l) file(s) of hsa/, e.g. $(head -n 1 <<<"$missing")"
 
 # A fresh virtualenv, used with a PATH that holds its own bin/ only: no gcc, cc or any compiler.
 python3 -m venv "$work/venv"
