@@ -545,7 +545,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
-from error_bounds import assert_close, assert_lse_close
 from fmha_rt.plan import portable as pp
 
 def attrs(sig):
