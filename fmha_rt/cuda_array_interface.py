@@ -13,6 +13,9 @@ from .errors import FmhaTypeError, FmhaValueError
 # themselves) cannot be told from any other two-byte type, so it is refused with a pointer to DLPack.
 TYPESTRS = {"f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "i2": "int16", "i4": "int32",
             "i8": "int64", "u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64", "b1": "bool"}
+# hip-python describes a raw allocation (hipMalloc's DeviceArray, not yet configured) as "B", NumPy's
+# character code for uint8, where the interface's own spelling is "|u1".
+CHARACTER_CODES = {"B": "|u1"}
 LEGACY_DEFAULT_STREAM = 1  # the interface's (and CUDA's) name for the legacy default stream
 
 
@@ -46,6 +49,9 @@ def import_interface(obj, *, stream: int, name: str = "array") -> InterfaceView:
                              "only: earlier versions say nothing of the producer's stream)")
     if interface.get("mask") is not None:
         raise FmhaValueError(f"{name}: a masked __cuda_array_interface__ is not supported")
+    if interface.get("offset", 0):  # not in the interface's spec; hip-python's arrays carry it
+        raise FmhaValueError(f"{name}: a __cuda_array_interface__ with offset {interface['offset']!r} is not supported "
+                             "(give the data pointer of the first element)")
     dtype, itemsize = _dtype(interface.get("typestr"), name)
     shape = tuple(int(n) for n in interface["shape"])
     strides = _element_strides(interface.get("strides"), shape, itemsize, name)
@@ -60,6 +66,7 @@ def import_interface(obj, *, stream: int, name: str = "array") -> InterfaceView:
 
 
 def _dtype(typestr, name):
+    typestr = CHARACTER_CODES.get(typestr, typestr)
     if not isinstance(typestr, str) or len(typestr) < 3 or typestr[0] not in "<|=" or typestr[1:] not in TYPESTRS:
         raise FmhaTypeError(f"{name}: __cuda_array_interface__ typestr {typestr!r} is not supported; supported: "
                             f"{', '.join(sorted(TYPESTRS))} little-endian (bfloat16 arrays: pass them through DLPack)")
@@ -80,8 +87,10 @@ def _locate(ptr: int, name: str):
     ffi = backend.ffi
     device_type, device, memory_type = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
     if kernel_launch.REPLAY_OPS.pointer_location(ptr, device_type, device, memory_type) != backend.lib.FMHA_OK:
+        rt = backend.runtime()
+        why = "" if rt.devices else f" (the {rt.backend} driver, {rt.library}, sees no GPU device)"
         raise FmhaValueError(f"{name}: the driver knows no GPU memory at its __cuda_array_interface__ data pointer "
-                             f"0x{ptr:x}")
+                             f"0x{ptr:x}{why}")
     return DEVICE_TYPES.get(device_type[0], str(device_type[0])), device[0]
 
 

@@ -24,15 +24,7 @@ set +e
 python -m pip install -q -e '.[torch]' && python -m fmha_rt quickstart >"$work/quickstart.out" 2>&1
 status=$?
 set -e
-cat "$work/quickstart.out"
-grep -q "Traceback" "$work/quickstart.out" && fail "the quickstart printed a traceback"
-grep -q "^ABI checks: all pass" "$work/quickstart.out" || fail "the quickstart did not pass the code-object checks"
-case "$status" in
-    0) grep -q "FAIL" "$work/quickstart.out" && fail "the quickstart exited 0 with a FAIL line" ;;
-    2) tail -n 1 "$work/quickstart.out" | grep -q "^GPU: .* needs a GPU, and " \
-           || fail "the quickstart exited 2 without its one line saying what needs the GPU" ;;
-    *) fail "the install or the quickstart failed (exit $status)" ;;
-esac
+./tools/quickstart_verdict.sh "$work/quickstart.out" "$status" || fail "the install or the quickstart did not pass (above)"
 
 ./tools/test.sh
 echo "newcomer check: both commands work from a fresh clone in a fresh virtualenv"

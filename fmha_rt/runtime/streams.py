@@ -75,9 +75,14 @@ def _protocol_handle(stream, protocol):
     return _checked_handle(handle, stream)
 
 
+# Where hip-python defines its stream type: ``hip.hip`` in 6.x; in 10.x the bindings live in
+# ``rocm.bindings.hip`` and ``from hip import hip`` re-exports that module.
+HIP_PYTHON_STREAM_MODULES = ("hip.hip", "rocm.bindings.hip")
+
+
 def _is_hip_python_stream(stream):
     cls = type(stream)
-    return cls.__name__ == "ihipStream_t" and cls.__module__.split(".")[0] == "hip"
+    return cls.__name__ == "ihipStream_t" and cls.__module__ in HIP_PYTHON_STREAM_MODULES
 
 
 def _checked_handle(handle, stream):

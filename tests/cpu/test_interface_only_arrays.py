@@ -98,6 +98,8 @@ def test_no_ordering_when_the_data_is_ready_on_the_calls_stream(monkeypatch, rt,
     (dict(data=(0x1000, False)), FmhaValueError, r"^q: the driver knows no GPU memory at its __cuda_array_interface__ "
                                                  r"data pointer 0x1000$"),
     (dict(data=(0, False)), FmhaValueError, r"^q: its __cuda_array_interface__ has a NULL data pointer"),
+    (dict(offset=16), FmhaValueError, r"^q: a __cuda_array_interface__ with offset 16 is not supported \(give the data "
+                                      r"pointer of the first element\)$"),
 ])
 def test_what_cannot_be_used_exactly_is_refused_before_any_launch(monkeypatch, rt, driver, changes, error, message):
     q, k, v, out, lse = forward_arrays()
