@@ -38,25 +38,27 @@ class TorchView(StridedSpan):
         self.read_only = False
 
 
-_TORCH_TENSOR_TYPES: tuple = ()
+TORCH_TENSOR_TYPES: tuple = ()
 
 
 def _torch_tensor_types() -> tuple:
     """torch.Tensor and Parameter once torch is imported (this module never imports it)."""
-    global _TORCH_TENSOR_TYPES
-    if not _TORCH_TENSOR_TYPES and (torch := sys.modules.get("torch")) is not None and hasattr(torch, "nn"):
-        _TORCH_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-    return _TORCH_TENSOR_TYPES
+    global TORCH_TENSOR_TYPES
+    if not TORCH_TENSOR_TYPES and (torch := sys.modules.get("torch")) is not None and hasattr(torch, "nn"):
+        TORCH_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+    return TORCH_TENSOR_TYPES
 
 
-def _cupy_array_type():
+def cupy_array_type():
     """cupy.ndarray once cupy is imported (this module never imports it), else None: the describer reads
     its arrays' attributes instead of their CUDA Array Interface."""
     cupy = sys.modules.get("cupy")
     return getattr(cupy, "ndarray", None) if cupy is not None else None
 
 
-def _is_plain_torch_tensor(obj) -> bool:
+def is_plain_torch_tensor(obj) -> bool:
+    """Whether `obj` is a torch.Tensor or Parameter (no subclass) that is strided and holds its values as
+    stored (not a lazy conjugate or negation): one whose attributes describe it fully."""
     torch = sys.modules.get("torch")
     return (torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
             and not obj.is_conj() and not obj.is_neg())
@@ -70,7 +72,7 @@ class Arg:
 
     def __init__(self, name: str, obj, stream: int):
         self.name, self.source, self._span = name, obj, None
-        if _is_plain_torch_tensor(obj):
+        if is_plain_torch_tensor(obj):
             self.view = TorchView(obj)
         elif offers_only_the_interface(obj):
             self.view = import_interface(obj, stream=stream, name=name)
@@ -138,14 +140,14 @@ def make_describer(ops, tensor_types=(), cupy_type=None):
 # (the driver calls it makes, the CuPy array type it knows, the describer): made again when those calls
 # change (a stand-in driver swaps them), when cupy is imported after it was made, or torch (it knows
 # their types from then on).
-_DESCRIBER: tuple = (None, None, None)
+DESCRIBER: tuple = (None, None, None)
 
 
 def _describer():
-    global _DESCRIBER
-    ops, cupy_type = kernel_launch.REPLAY_OPS, _cupy_array_type()
-    _DESCRIBER = (ops, cupy_type, make_describer(ops, _torch_tensor_types(), cupy_type))
-    return _DESCRIBER[2]
+    global DESCRIBER
+    ops, cupy_type = kernel_launch.REPLAY_OPS, cupy_array_type()
+    DESCRIBER = (ops, cupy_type, make_describer(ops, _torch_tensor_types(), cupy_type))
+    return DESCRIBER[2]
 
 
 def signatures(objects: tuple, names: tuple, stream: int, values, values_address: int):
@@ -160,13 +162,13 @@ def signatures(objects: tuple, names: tuple, stream: int, values, values_address
     else is imported as gpu_array would import it (DLPack, which asks the producer to order its work
     before `stream`), and `imported` keeps that Arg by name so that a call which goes on to validate
     need not import it twice. Raises whatever an import raises."""
-    ops, cupy_type, describe = _DESCRIBER
+    ops, cupy_type, describe = DESCRIBER
     if ops is not kernel_launch.REPLAY_OPS or (cupy_type is None and "cupy" in sys.modules):
         describe = _describer()
     description = describe(objects, values_address, len(values), stream)
     if description is not None:
         return description, _NOTHING_IMPORTED
-    if not _TORCH_TENSOR_TYPES and _torch_tensor_types():  # torch came after the describer was made
+    if not TORCH_TENSOR_TYPES and _torch_tensor_types():  # torch came after the describer was made
         _describer()
         return signatures(objects, names, stream, values, values_address)
     return _per_array(objects, names, stream, values)
@@ -174,7 +176,7 @@ def signatures(objects: tuple, names: tuple, stream: int, values, values_address
 
 def _per_array(objects: tuple, names: tuple, stream: int, values):
     """signatures' tuple: one description per array, from torch's attributes or a DLPack import."""
-    torch_types = _TORCH_TENSOR_TYPES
+    torch_types = TORCH_TENSOR_TYPES
     descriptions, imported = [], {}
     for i, (name, obj) in enumerate(zip(names, objects)):
         if obj is None:
@@ -309,23 +311,23 @@ def _torch_current_stream(torch, index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-_framework_streams: dict = {}
-_MAX_FRAMEWORK_STREAMS = 256  # a process cycling through new streams starts over rather than grow
+framework_streams: dict = {}
+MAX_FRAMEWORK_STREAMS = 256  # a process cycling through new streams starts over rather than grow
 
 
 def _framework_stream(module, kind: str, handle: int, device: int):
     """The framework's stream object for a raw handle (kept, so that each handle is wrapped once)."""
     key = (kind, device, handle)
-    wrapped = _framework_streams.get(key)
+    wrapped = framework_streams.get(key)
     if wrapped is None:
-        if len(_framework_streams) >= _MAX_FRAMEWORK_STREAMS:
-            _framework_streams.clear()
+        if len(framework_streams) >= MAX_FRAMEWORK_STREAMS:
+            framework_streams.clear()
         if kind == "torch":
             wrapped = (module.cuda.default_stream(device) if handle == 0
                        else module.cuda.ExternalStream(handle, device=device))
         else:
             wrapped = module.cuda.ExternalStream(handle, device)
-        wrapped = _framework_streams.setdefault(key, wrapped)
+        wrapped = framework_streams.setdefault(key, wrapped)
     return wrapped
 
 

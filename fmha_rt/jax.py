@@ -96,7 +96,7 @@ TARGETS = {"fwd": "fmha_rt_fwd", "bwd": "fmha_rt_bwd", "varlen_fwd": "fmha_rt_va
 JAX_PLATFORMS = {"cuda": "CUDA", "hip": "ROCM"}
 
 _lock = threading.Lock()
-_registered_platforms: set[str] = set()
+registered_platforms: set[str] = set()
 _registered_images: set[str] = set()
 
 
@@ -108,7 +108,8 @@ def handler_built() -> bool:
     return hasattr(lib, HANDLER)
 
 
-def _handler_api_version() -> str:
+def handler_api_version() -> str:
+    """The XLA FFI API version (major.minor) the shim's handler was built against."""
     major, minor = ffi.new("int *"), ffi.new("int *")
     lib.fmha_xla_ffi_api_version(major, minor)
     return f"{major[0]}.{minor[0]}"
@@ -125,7 +126,7 @@ def register_targets(platform: str | None = None) -> None:
     if platform is None:
         platform = JAX_PLATFORMS[backend.runtime().backend]
     with _lock:
-        if platform in _registered_platforms:
+        if platform in registered_platforms:
             return
         capsule = jax.ffi.pycapsule(int(ffi.cast("uintptr_t", ffi.addressof(lib, HANDLER))))
         try:
@@ -134,12 +135,12 @@ def register_targets(platform: str | None = None) -> None:
         except Exception as exc:  # jax's own error types vary across versions
             raise FmhaRuntimeError(
                 f"registering fmha_rt's XLA FFI targets for {platform} failed: {exc}. The handler was built "
-                f"against XLA FFI API {_handler_api_version()}; rebuild fmha_rt against the installed jax "
+                f"against XLA FFI API {handler_api_version()}; rebuild fmha_rt against the installed jax "
                 "(pip install --no-build-isolation -e .)") from exc
-        _registered_platforms.add(platform)
+        registered_platforms.add(platform)
 
 
-def _gpu_arch() -> str:
+def gpu_arch() -> str:
     """The arch to plan for, once jax's GPU platform and fmha_rt's driver are known to be there and the
     targets are registered. Plans are per arch, so a process with GPUs of two archs is refused."""
     try:
@@ -176,7 +177,7 @@ def _register_images(program, arch) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Options:
+class CallOptions:
     """Everything static about a call besides its shapes: the key of its cached jax functions."""
 
     softmax_scale: float | None
@@ -189,7 +190,7 @@ class _Options:
 
 
 def _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate) -> dict:
-    """_Options' fields (all but arch and the varlen lengths), validated."""
+    """CallOptions' fields (all but arch and the varlen lengths), validated."""
     mask = resolve_mask(causal, tuple(window) if isinstance(window, list) else window, None, causal_alignment)
     check_softmax_scale(softmax_scale, "a Python float or None (it is static under jit)")
     softmax_scale = None if softmax_scale is None else float(softmax_scale)
@@ -234,7 +235,7 @@ def _score_terms(dtype, batch, sq, sk, hq, bias, alibi, bias_grad) -> dict:
     return terms
 
 
-def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, bias=None, alibi=None, bias_grad=False,
+def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: CallOptions, bias=None, alibi=None, bias_grad=False,
              **varlen) -> AttentionProblem:
     check_sizes(sq, sk, hq, hk, dqk, dv)
     m = opts.mask
@@ -245,14 +246,14 @@ def _problem(dtype, batch, sq, sk, hq, hk, dqk, dv, opts: _Options, bias=None, a
                             **_score_terms(dtype, batch, sq, sk, hq, bias, alibi, bias_grad), **varlen)
 
 
-def _batch_problem(q, k, v, opts: _Options, bias=None, alibi=None, bias_grad=False) -> AttentionProblem:
+def batch_problem(q, k, v, opts: CallOptions, bias=None, alibi=None, bias_grad=False) -> AttentionProblem:
     _rank(4, q=q, k=k, v=v)
     dtype = _dtype(q, k, v)
     b, sq, sk, hq, hk, dqk, dv = batch_dims(q.shape, k.shape, v.shape)
     return _problem(dtype, b, sq, sk, hq, hk, dqk, dv, opts, bias, alibi, bias_grad)
 
 
-def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: _Options, alibi=None) -> AttentionProblem:
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: CallOptions, alibi=None) -> AttentionProblem:
     _rank(3, q=q, k=k, v=v)
     _rank(1, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     dtype = _dtype(q, k, v)
@@ -320,7 +321,7 @@ def _prng_key(rng):
     return key
 
 
-def _philox_words(key):
+def philox_words(key):
     """The dropout's Philox [seed, offset] drawn from `key`: two int64 as their four little-endian uint32
     words [seed low, seed high, offset low, offset high], the operand both custom calls take (uint32, so
     that no int64 array, and no jax_enable_x64, is needed)."""
@@ -334,7 +335,7 @@ def philox_seed_offset(dropout_rng) -> tuple[int, int]:
     fmha_rt.mha_dropout_mask(q, k, dropout_p=p, seed=seed, offset=offset) returns that call's keep mask
     (uint8 [B, Hq, Sq, Sk], 1 = kept; for a varlen call, sequence b's mask is [b, :, :len_q, :len_k] of
     the mask for [B, max_seqlen_q, ...] shapes)."""
-    words = np.asarray(_philox_words(_prng_key(dropout_rng)), dtype="<u4")
+    words = np.asarray(philox_words(_prng_key(dropout_rng)), dtype="<u4")
     seed, offset = (int(x) for x in words.view("<i8"))
     return seed, offset
 
@@ -359,7 +360,7 @@ def _pad_keys(x, width):
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def _call(kind: str, problem: AttentionProblem, arch: str, arrays):
+def kernel_call(kind: str, problem: AttentionProblem, arch: str, arrays):
     """The custom call running `kind` ('fwd', 'bwd', 'varlen_fwd', 'varlen_bwd') on `arrays` in the
     program's operand order, None where the call has no bias, slopes or seed: the forwards return
     (out, lse), the backwards (dq, dk, dv) and dbias when the problem has bias_grad. Under jit over a
@@ -368,7 +369,7 @@ def _call(kind: str, problem: AttentionProblem, arch: str, arrays):
 
 
 def _local_call(kind: str, problem: AttentionProblem, arch: str, arrays):
-    """_call on one device's operands, planned for their shapes (the CPU platform's float64 reference
+    """kernel_call on one device's operands, planned for their shapes (the CPU platform's float64 reference
     when that serves, fmha_rt/jax_cpu_reference.py)."""
     if arch == jax_cpu_reference.ARCH:
         return jax_cpu_reference.call(kind, problem, arrays)
@@ -377,12 +378,12 @@ def _local_call(kind: str, problem: AttentionProblem, arch: str, arrays):
     operands = [x for x in arrays if x is not None]
     assert len(operands) == program.operands, (kind, len(operands), program.operands)
     operands = [_pad_keys(x, b.shape[-1]) if b.name == "bias" else x for x, b in zip(operands, program.buffers)]
-    outs = _custom_call(kind, problem, arch, operands)
+    outs = xla_custom_call(kind, problem, arch, operands)
     return tuple(o[..., :problem.seqlen_k] if b.name == "dbias" else o
                  for o, b in zip(outs, program.results) if b.name != "workspace")
 
 
-def _custom_call(kind: str, problem: AttentionProblem, arch: str, operands):
+def xla_custom_call(kind: str, problem: AttentionProblem, arch: str, operands):
     """XLA's custom call of the launch program of `kind` and `problem` on `operands`: every result of
     the program, the workspace included."""
     program, words = _program(kind, problem, arch)
@@ -496,7 +497,7 @@ def _fold_vmap(fn, dbias=False):
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class _BiasGrad:
+class BiasGrad:
     """A static residual: whether the backward returns dbias (the forward saw the bias differentiated)."""
 
     wanted: bool
@@ -516,14 +517,14 @@ def _out_cotangent(cotangent, with_lse: bool):
 
 
 @functools.cache
-def _batch_attention(opts: _Options, with_lse: bool = False):
+def batch_attention(opts: CallOptions, with_lse: bool = False):
     """The differentiable attention of one set of options (cached, so jit sees one function):
     attention(q, k, v, bias, alibi, seed) -> out, or (out, lse) with_lse, with None for an absent bias,
     slopes or seed."""
     def call(kind, arrays, bias, alibi, seed, bias_grad=False):
         q, k, v = arrays[:3] if kind == "fwd" else arrays[1:4]
-        problem = _batch_problem(q, k, v, opts, bias, alibi, bias_grad)
-        return _call(kind, problem, opts.arch, (*arrays, bias, alibi, seed))
+        problem = batch_problem(q, k, v, opts, bias, alibi, bias_grad)
+        return kernel_call(kind, problem, opts.arch, (*arrays, bias, alibi, seed))
 
     fwd = _fold_vmap(functools.partial(call, "fwd"))
     bwd = {grad: _fold_vmap(functools.partial(call, "bwd", bias_grad=grad), dbias=grad) for grad in (False, True)}
@@ -539,7 +540,7 @@ def _batch_attention(opts: _Options, with_lse: bool = False):
         bias_grad = primals[3] is not None and primals[3].perturbed
         q, k, v, bias, alibi, seed = (None if x is None else x.value for x in primals)
         out, lse = fwd((q, k, v), bias, alibi, seed)
-        return ((out, lse) if with_lse else out), (q, k, v, out, lse, bias, alibi, seed, _BiasGrad(bias_grad))
+        return ((out, lse) if with_lse else out), (q, k, v, out, lse, bias, alibi, seed, BiasGrad(bias_grad))
 
     def backward(residuals, cotangent):
         q, k, v, out, lse, bias, alibi, seed, bias_grad = residuals
@@ -555,13 +556,13 @@ def _batch_attention(opts: _Options, with_lse: bool = False):
 
 
 @functools.cache
-def _varlen_attention(opts: _Options, with_lse: bool = False):
+def _varlen_attention(opts: CallOptions, with_lse: bool = False):
     """attention(q, k, v, cu_q, cu_k, alibi, seed) -> out, or (out, lse) with_lse, with None for absent
     slopes or seed."""
     def call(kind, arrays, cu_q, cu_k, alibi, seed):
         q, k, v = arrays[:3] if kind == "varlen_fwd" else arrays[1:4]
         problem = _varlen_problem(q, k, v, cu_q, cu_k, opts, alibi)
-        return _call(kind, problem, opts.arch, (*arrays, cu_q, cu_k, None, alibi, seed))
+        return kernel_call(kind, problem, opts.arch, (*arrays, cu_q, cu_k, None, alibi, seed))
 
     @jax.custom_vjp
     def attention(q, k, v, cu_q, cu_k, alibi, seed):
@@ -633,12 +634,12 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     options = _static_options(causal, window, causal_alignment, softmax_scale, deterministic, dropout_rate)
     bias, alibi_slopes = _array(bias), _array(alibi_slopes)
     # shape errors before platform errors
-    problem = _batch_problem(q, k, v, _Options(**options, arch=""), bias, alibi_slopes)
+    problem = batch_problem(q, k, v, CallOptions(**options, arch=""), bias, alibi_slopes)
     key = _dropout_key(options["dropout_p"], dropout_rng)
     with_lse = _static_bool("return_lse", return_lse)
     (q, k, v), unpad = _padded_head_dims(q, k, v, problem, options)
-    attention = _batch_attention(_Options(**options, arch=_gpu_arch()), with_lse)
-    return unpad(attention(q, k, v, bias, alibi_slopes, None if key is None else _philox_words(key)))
+    attention = batch_attention(CallOptions(**options, arch=gpu_arch()), with_lse)
+    return unpad(attention(q, k, v, bias, alibi_slopes, None if key is None else philox_words(key)))
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -658,11 +659,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     seqlens = {"max_seqlen_q": _max_seqlen("max_seqlen_q", max_seqlen_q),
                "max_seqlen_k": _max_seqlen("max_seqlen_k", max_seqlen_k)}
     alibi_slopes = _array(alibi_slopes)
-    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, _Options(**options, arch="", **seqlens),
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, CallOptions(**options, arch="", **seqlens),
                               alibi_slopes)
     key = _dropout_key(options["dropout_p"], dropout_rng)
     with_lse = _static_bool("return_lse", return_lse)
     (q, k, v), unpad = _padded_head_dims(q, k, v, problem, options)
-    attention = _varlen_attention(_Options(**options, arch=_gpu_arch(), **seqlens), with_lse)
+    attention = _varlen_attention(CallOptions(**options, arch=gpu_arch(), **seqlens), with_lse)
     return unpad(attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                           None if key is None else _philox_words(key)))
+                           None if key is None else philox_words(key)))

@@ -145,7 +145,7 @@ def _infer_sharding_from_operands(local_call, kind, problem, arch, mesh, arg_sha
     return _shardings(split, mesh, _present(RESULTS[kind], problem), problem)
 
 
-def _sharding_rule(local_call, kind, problem, arch, mesh, operand_types, result_types):
+def sharding_rule(local_call, kind, problem, arch, mesh, operand_types, result_types):
     """Shardy's einsum-like rule: 'b' batch, 'k' key/value heads, '(k g)' query heads, and for every other
     dim a factor of its own that needs replication."""
     group = problem.heads_q // problem.heads_k
@@ -168,7 +168,7 @@ def _sharding_rule(local_call, kind, problem, arch, mesh, operand_types, result_
 
 _partitioned = custom_partitioning(_run, static_argnums=(0, 1, 2, 3))
 _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer_sharding_from_operands,
-                           sharding_rule=_sharding_rule)
+                           sharding_rule=sharding_rule)
 
 
 def sharded_call(local_call, kind: str, problem: AttentionProblem, arch: str, arrays):

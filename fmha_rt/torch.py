@@ -55,7 +55,7 @@ _last_dropout = threading.local()
 
 
 @torch.library.custom_op("fmha_rt::fwd", mutates_args=())
-def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: OptTensor, cu_seqlens_k: OptTensor,
+def fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: OptTensor, cu_seqlens_k: OptTensor,
             alibi_slopes: OptTensor, rng_state: OptTensor, max_seqlen_q: int, max_seqlen_k: int,
             softmax_scale: Optional[float], window_left: int, window_right: int, dropout_p: float,
             deterministic: bool) -> tuple[Tensor, Tensor]:
@@ -64,7 +64,7 @@ def _fwd_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: OptTensor, cu_seqlens
                                max_seqlen_k, softmax_scale, window_left, window_right, dropout_p)
 
 
-@_fwd_op.register_fake
+@fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
               softmax_scale, window_left, window_right, dropout_p, deterministic):
     return q.new_empty(out_shape(q, v)), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
@@ -103,7 +103,7 @@ def _backward(ctx, dout, _dlse):
     return (dq, dk, dv) + (None,) * (_TENSOR_INPUTS - 3 + len(ctx.scalars))
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -135,7 +135,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     # Eager calls that nothing traces or intercepts skip the registered op's wrappers (issue 37); both
     # routes run torch_calls' forward and backward.
     eager = torch_eager.takes_eager_route(q, k, v, cu_seqlens_q, alibi_slopes, rng_state)
-    out, lse = (torch_eager.attention if eager else _fwd_op)(
+    out, lse = (torch_eager.attention if eager else fwd_op)(
         q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, softmax_scale,
         mask.window_left, mask.window_right, float(dropout_p), deterministic)
     return (out, lse, None) if return_attn_probs else out

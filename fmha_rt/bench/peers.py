@@ -119,7 +119,7 @@ def _deterministically(call):
     return run
 
 
-class _Adapter:
+class Adapter:
     """Defaults for an implementation without varlen, deterministic mode, launch info or workspace
     query. Closures are bound with everything resolved up front (functools.partial), so the harness
     adds no per-call work of its own to the host overhead measured."""
@@ -166,7 +166,7 @@ class _Adapter:
         """Forget what repeated calls reuse (nothing, for implementations without a plan cache)."""
 
 
-class FmhaRtAdapter(_Adapter):
+class FmhaRtAdapter(Adapter):
     has_varlen = True
     deterministic_mode = "deterministic=True"
     has_plan_cache = True
@@ -259,7 +259,7 @@ class FmhaRtV3Adapter(FmhaRtAdapter):
             self.rt.clear_plan_cache()
 
 
-class _AutogradAdapter(_Adapter):
+class AutogradAdapter(Adapter):
     """An implementation differentiated by torch autograd. Subclasses give
     bind(case, q, k, v, deterministic): a zero-argument call of the implementation on those tensors,
     any layout change done once while binding; and output(result): the output it returned, in the
@@ -284,17 +284,18 @@ class _AutogradAdapter(_Adapter):
         return (q, k, v), case.dout, self.bind(case, q, k, v, False), self.output
 
 
-def _heads_second(*tensors):
+def heads_second(*tensors):
     """[B, S, H, D] views as the [B, H, S, D] torch's attention functions take (no copy)."""
     return [t.transpose(1, 2) for t in tensors]
 
 
-def _heads_third(result):
+def heads_third(result):
+    """A [B, H, S, D] result of torch's attention functions as the flash-attn [B, S, H, D] layout (no copy)."""
     return result.transpose(1, 2)
 
 
-class SdpaAdapter(_AutogradAdapter):
-    output = staticmethod(_heads_third)
+class SdpaAdapter(AutogradAdapter):
+    output = staticmethod(heads_third)
     deterministic_mode = "torch.use_deterministic_algorithms(True)"
     deterministic_by_flag = True
 
@@ -313,7 +314,7 @@ class SdpaAdapter(_AutogradAdapter):
 
         p = case.point
         gqa = {"enable_gqa": True} if p.heads_q != p.heads_k else {}
-        return functools.partial(F.scaled_dot_product_attention, *_heads_second(q, k, v), is_causal=p.causal, **gqa)
+        return functools.partial(F.scaled_dot_product_attention, *heads_second(q, k, v), is_causal=p.causal, **gqa)
 
     def user_bind(self, case, requires_grad):
         """SDPA's users hold [B, H, S, D] tensors: leaves in that layout, so no transpose runs per call."""
@@ -327,11 +328,11 @@ class SdpaAdapter(_AutogradAdapter):
         return (q, k, v), dout, call, _itself
 
 
-class FlexAdapter(_AutogradAdapter):
+class FlexAdapter(AutogradAdapter):
     """FlexAttention compiled by torch.compile: one compile per new shape (dynamic=False), causal
     through a block mask made once per sequence length, outside the timed region."""
 
-    output = staticmethod(_heads_third)
+    output = staticmethod(heads_third)
 
     def __init__(self):
         import torch
@@ -356,7 +357,7 @@ class FlexAdapter(_AutogradAdapter):
     def bind(self, case, q, k, v, deterministic):
         p = case.point
         mask = self._block_mask(case) if p.causal else None
-        return functools.partial(self._flex, *_heads_second(q, k, v), block_mask=mask,
+        return functools.partial(self._flex, *heads_second(q, k, v), block_mask=mask,
                                  enable_gqa=p.heads_q != p.heads_k)
 
 
@@ -364,7 +365,7 @@ def _causal_mask(batch, head, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-class FlashFamilyAdapter(_AutogradAdapter):
+class FlashFamilyAdapter(AutogradAdapter):
     """flash-attn 2, FlashAttention-3 and FlashAttention-4 share one Python interface:
     flash_attn_func / flash_attn_varlen_func with causal= and deterministic=; some versions return
     (out, lse), some out alone."""

@@ -73,7 +73,7 @@ def _write_versus_plot(doc, out_dir, stem):
             ax.bar([x + (i - (len(peer_names) - 1) / 2) * width for x in range(len(shapes))], ratios, width,
                    color=_colour(peer), label=peer)
         ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_xticks(range(len(shapes)), [_short_point(r) for r in firsts], rotation=60, ha="right", fontsize=8)
+        ax.set_xticks(range(len(shapes)), [short_point(r) for r in firsts], rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(f"{SUBJECT} / peer")
         ax.set_title(f"{pass_name}, {dtype}")
         ax.set_ylim(bottom=0)
@@ -92,7 +92,7 @@ def _bar_key(row):
     return (row.get("run"),) + versus.shape_key(row)
 
 
-def _short_point(row):
+def short_point(row):
     """A point as an axis label: 'D128 16k causal', 'GQA 16/2 D128 4k', 'varlen D64'."""
     if row.get("seqlens"):
         return f"varlen D{row['D']}" + (" causal" if row["causal"] else "")

@@ -78,8 +78,8 @@ class DLManagedTensorVersioned(ctypes.Structure):
     ]
 
 
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, c_void_p)
-_Deleter = ctypes.CFUNCTYPE(None, c_void_p)
+CapsuleDestructor = ctypes.CFUNCTYPE(None, c_void_p)
+Deleter = ctypes.CFUNCTYPE(None, c_void_p)
 # A producer's deleter is called with the GIL held, as a capsule destructor would call it: deleters that
 # touch Python objects without taking the GIL themselves stay safe.
 _ProducerDeleter = ctypes.PYFUNCTYPE(None, c_void_p)
@@ -91,18 +91,18 @@ def _capsule_api(name, restype, *argtypes):
     return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
 
 
-_capsule_new = _capsule_api("PyCapsule_New", ctypes.py_object, c_void_p, c_char_p, _CapsuleDestructor)
+capsule_new = _capsule_api("PyCapsule_New", ctypes.py_object, c_void_p, c_char_p, CapsuleDestructor)
 _capsule_is_valid = _capsule_api("PyCapsule_IsValid", c_int, ctypes.py_object, c_char_p)
 _capsule_get_pointer = _capsule_api("PyCapsule_GetPointer", c_void_p, ctypes.py_object, c_char_p)
 _capsule_set_name = _capsule_api("PyCapsule_SetName", c_int, ctypes.py_object, c_char_p)
 # A capsule destructor runs when the reference count is already zero: handing the capsule to ctypes as an
 # object would revive it, so the destructor sees it as a bare address.
-_dying_capsule_is_valid = _capsule_api("PyCapsule_IsValid", c_int, c_void_p, c_char_p)
-_dying_capsule_get_pointer = _capsule_api("PyCapsule_GetPointer", c_void_p, c_void_p, c_char_p)
+dying_capsule_is_valid = _capsule_api("PyCapsule_IsValid", c_int, c_void_p, c_char_p)
+dying_capsule_get_pointer = _capsule_api("PyCapsule_GetPointer", c_void_p, c_void_p, c_char_p)
 
 # A capsule keeps a pointer to its name, not a copy: the names live as long as the module.
-_NAME_VERSIONED = c_char_p(b"dltensor_versioned")
-_NAME_LEGACY = c_char_p(b"dltensor")
+NAME_VERSIONED = c_char_p(b"dltensor_versioned")
+NAME_LEGACY = c_char_p(b"dltensor")
 _USED_VERSIONED = c_char_p(b"used_dltensor_versioned")
 _USED_LEGACY = c_char_p(b"used_dltensor")
 
@@ -191,15 +191,15 @@ def import_array(obj, *, stream=None, name="array"):
 
 
 def _consume(capsule, source, name):
-    if _capsule_is_valid(capsule, _NAME_VERSIONED):
+    if _capsule_is_valid(capsule, NAME_VERSIONED):
         versioned, used_name = True, _USED_VERSIONED
-        managed = DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, _NAME_VERSIONED))
+        managed = DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, NAME_VERSIONED))
         if managed.version.major != DLPACK_VERSION[0]:
             raise FmhaValueError(f"{name}: DLPack version {managed.version.major}.{managed.version.minor} is not "
                                  f"supported (major {DLPACK_VERSION[0]} only)")
-    elif _capsule_is_valid(capsule, _NAME_LEGACY):
+    elif _capsule_is_valid(capsule, NAME_LEGACY):
         versioned, used_name = False, _USED_LEGACY
-        managed = DLManagedTensor.from_address(_capsule_get_pointer(capsule, _NAME_LEGACY))
+        managed = DLManagedTensor.from_address(_capsule_get_pointer(capsule, NAME_LEGACY))
     else:
         raise FmhaValueError(f"{name}: __dlpack__ returned {capsule!r}, not an unused DLPack capsule")
     # Everything is read before the capsule is renamed: until then a failure leaves the tensor to the
@@ -246,28 +246,28 @@ def contiguous_strides(shape):
 
 # Every tensor handed out, keyed by the address of its DLManagedTensor[Versioned]: the entry keeps the
 # struct, its shape and strides arrays and the owner alive until the consumer's deleter runs.
-_exported = {}
+exported = {}
 _exported_lock = threading.Lock()
 
 
 def _release_export(managed_address):
     with _exported_lock:
-        entry = _exported.pop(managed_address, None)
+        entry = exported.pop(managed_address, None)
     # The owner is dropped here, outside the lock: its finalizer may export or release other arrays.
     del entry
 
 
-_DELETER = _Deleter(_release_export)
+_DELETER = Deleter(_release_export)
 _DELETER_ADDRESS = ctypes.cast(_DELETER, c_void_p).value
 
 
-@_CapsuleDestructor
+@CapsuleDestructor
 def _destroy_capsule(capsule_address):
     # A consumer renames the capsule when it takes the tensor; one that still has its first name was never
     # consumed, so its tensor is still ours to release.
-    for capsule_name in (_NAME_VERSIONED, _NAME_LEGACY):
-        if _dying_capsule_is_valid(capsule_address, capsule_name):
-            _release_export(_dying_capsule_get_pointer(capsule_address, capsule_name))
+    for capsule_name in (NAME_VERSIONED, NAME_LEGACY):
+        if dying_capsule_is_valid(capsule_address, capsule_name):
+            _release_export(dying_capsule_get_pointer(capsule_address, capsule_name))
 
 
 def export_capsule(*, data_ptr, shape, strides, dtype, device_type, device_id, owner, versioned=True,
@@ -300,8 +300,8 @@ def export_capsule(*, data_ptr, shape, strides, dtype, device_type, device_id, o
         managed = DLManagedTensor(dl_tensor=tensor, deleter=_DELETER_ADDRESS)
     address = ctypes.addressof(managed)
     with _exported_lock:
-        _exported[address] = (managed, shape_array, strides_array, owner)
-    return _capsule_new(address, _NAME_VERSIONED if versioned else _NAME_LEGACY, _destroy_capsule)
+        exported[address] = (managed, shape_array, strides_array, owner)
+    return capsule_new(address, NAME_VERSIONED if versioned else NAME_LEGACY, _destroy_capsule)
 
 
 class DLPackExporter:

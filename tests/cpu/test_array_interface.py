@@ -160,13 +160,13 @@ def test_a_tensor_subclass_is_described_per_array_without_reading_its_interface(
 
 def test_a_describer_made_before_torch_is_made_again_when_a_tensor_comes(monkeypatch, rt, driver):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(arrays, "_TORCH_TENSOR_TYPES", ())
-    monkeypatch.setattr(arrays, "_DESCRIBER", (kernel_launch.REPLAY_OPS, None, arrays.make_describer(kernel_launch.REPLAY_OPS)))
+    monkeypatch.setattr(arrays, "TORCH_TENSOR_TYPES", ())
+    monkeypatch.setattr(arrays, "DESCRIBER", (kernel_launch.REPLAY_OPS, None, arrays.make_describer(kernel_launch.REPLAY_OPS)))
     assert type(describe((FakeGpuArray((2, 4)),))[0]) is bytes, "interface arrays need no torch"
     tensor = torch.randn(2, 4, dtype=torch.float16)
     description, _ = describe((tensor,))
     assert type(description) is bytes and words(description)[0] & 0xFF == 1
-    assert arrays._TORCH_TENSOR_TYPES == (torch.Tensor, torch.nn.Parameter)
+    assert arrays.TORCH_TENSOR_TYPES == (torch.Tensor, torch.nn.Parameter)
 
 
 # ------------------------------------------------------------------------------------------ refusals

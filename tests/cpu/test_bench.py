@@ -221,7 +221,7 @@ def test_unsupported_modes_are_skipped_not_failed():
     deterministic = tiny_point("bwd_det")
     assert peers.unsupported(sdpa, varlen) == "no varlen interface"
     assert peers.unsupported(sdpa, deterministic) is None  # torch.use_deterministic_algorithms
-    assert peers.unsupported(peers._Adapter(), deterministic) == "no deterministic mode"
+    assert peers.unsupported(peers.Adapter(), deterministic) == "no deterministic mode"
     assert sweep.planned_pairs([varlen, deterministic, tiny_point("bwd")], {"sdpa_flash": sdpa}) == [
         (deterministic, "sdpa_flash"), (tiny_point("bwd"), "sdpa_flash")]
 

@@ -90,11 +90,11 @@ def test_judge_flags_wrong_values_rows_and_non_finite_elements():
 
 # ---- the correctness gate in the sweep ----------------------------------------------------------------
 
-class MathAdapter(peers._AutogradAdapter):
+class MathAdapter(peers.AutogradAdapter):
     """torch's own SDPA on the CPU, through the same autograd path as the real peers; `skew` plants an error
     (v scaled), `jitter` a backward that differs from call to call."""
 
-    output = staticmethod(peers._heads_third)
+    output = staticmethod(peers.heads_third)
     deterministic_mode = "by construction"
 
     def __init__(self, skew=1.0, jitter=False):
@@ -102,7 +102,7 @@ class MathAdapter(peers._AutogradAdapter):
 
     def bind(self, case, q, k, v, deterministic):
         p = case.point
-        qt, kt, vt = peers._heads_second(q, k, v * self.skew)
+        qt, kt, vt = peers.heads_second(q, k, v * self.skew)
         call = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=p.causal,
                                  enable_gqa=p.heads_q != p.heads_k)
         return call
@@ -160,7 +160,7 @@ def test_outputs_given_are_poisoned_before_the_checked_call():
 
 # ---- equal turns --------------------------------------------------------------------------------------
 
-class NamedCalls(peers._Adapter):
+class NamedCalls(peers.Adapter):
     deterministic_mode = "deterministic=True"
 
     def __init__(self, name):

@@ -10,7 +10,7 @@ from bench_helpers import StandInDevice, table_after, tiny_point
 from fmha_rt.bench import cli, flops, peers, report, sweep, timing
 
 
-class BrokenAdapter(peers._Adapter):
+class BrokenAdapter(peers.Adapter):
     def forward(self, case):
         raise RuntimeError("no kernel for this shape")
 
@@ -18,7 +18,7 @@ class BrokenAdapter(peers._Adapter):
         return self.forward(case)
 
 
-class FailsWhenCalled(peers._Adapter):
+class FailsWhenCalled(peers.Adapter):
     def forward(self, case):
         def call():
             raise ValueError("bad launch")
@@ -58,7 +58,7 @@ def test_a_lost_device_stops_the_sweep_after_saving():
     assert len(saved) == 1 and len(saved[0]) == 1 and "error" in saved[0][0]
 
 
-class NamedCalls(peers._Adapter):
+class NamedCalls(peers.Adapter):
     """Calls that carry their implementation's name, so a test can see who was timed when."""
 
     def __init__(self, name, fail_in_round=None):

@@ -49,7 +49,7 @@ def test_report_section_counts_verdicts_and_folds_points_away():
 
 
 def test_plot_labels_name_the_point():
-    assert plots._short_point(row("fmha_rt", "bwd", [1.0], causal=True)) == "D128 16k causal"
-    assert plots._short_point(row("fmha_rt", "bwd", [1.0], Hk=2, Sq=4096, Sk=4096)) == "GQA 16/2 D128 4k"
-    assert plots._short_point(row("fmha_rt", "fwd", [1.0], Sq=512, Sk=512, D=64)) == "D64 512"
-    assert plots._short_point(dict(row("fmha_rt", "fwd", [1.0], D=64), seqlens=[3, 5])) == "varlen D64"
+    assert plots.short_point(row("fmha_rt", "bwd", [1.0], causal=True)) == "D128 16k causal"
+    assert plots.short_point(row("fmha_rt", "bwd", [1.0], Hk=2, Sq=4096, Sk=4096)) == "GQA 16/2 D128 4k"
+    assert plots.short_point(row("fmha_rt", "fwd", [1.0], Sq=512, Sk=512, D=64)) == "D64 512"
+    assert plots.short_point(dict(row("fmha_rt", "fwd", [1.0], D=64), seqlens=[3, 5])) == "varlen D64"

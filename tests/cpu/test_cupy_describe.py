@@ -52,8 +52,8 @@ class FakeCupyArray:
 @pytest.fixture(autouse=True)
 def cupy_type(monkeypatch):
     """The describer takes FakeCupyArray for cupy.ndarray (made again with it on the next call)."""
-    monkeypatch.setattr(arrays, "_cupy_array_type", lambda: FakeCupyArray)
-    monkeypatch.setattr(arrays, "_DESCRIBER", (None, None, None))
+    monkeypatch.setattr(arrays, "cupy_array_type", lambda: FakeCupyArray)
+    monkeypatch.setattr(arrays, "DESCRIBER", (None, None, None))
     FakeCupyArray.interface_reads = 0
 
 

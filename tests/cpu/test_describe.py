@@ -137,8 +137,8 @@ def test_without_the_exchange_api_tensors_are_keyed_from_attributes(monkeypatch)
     slow_values[4] = 0xDEAD  # stale: the per-call values are zeroed
     fast, _ = _signatures({"q": x, "k": None}, fast_values)
     monkeypatch.setattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
-    monkeypatch.setattr(arrays, "_DESCRIBER", (None, None, None))  # made again, from the torch without it
+    monkeypatch.setattr(arrays, "DESCRIBER", (None, None, None))  # made again, from the torch without it
     slow, imported = _signatures({"q": x, "k": None}, slow_values)
-    assert arrays._DESCRIBER[0] is kernel_launch.REPLAY_OPS
+    assert arrays.DESCRIBER[0] is kernel_launch.REPLAY_OPS
     assert slow == ((x.shape, x.stride(), x.dtype, x.device), None) and imported == {}
     assert list(slow_values) == list(fast_values) == [x.data_ptr(), 0, 0, 0, 0] and slow != fast

@@ -73,16 +73,16 @@ class CapsuleHolder:
 _hand_made = {}  # managed-struct address -> producer
 
 
-@dlpack._Deleter
+@dlpack.Deleter
 def _hand_made_deleter(address):
     _hand_made[address].deleter_calls += 1
 
 
-@dlpack._CapsuleDestructor
+@dlpack.CapsuleDestructor
 def _hand_made_capsule_destructor(capsule_address):
-    for name in (dlpack._NAME_VERSIONED, dlpack._NAME_LEGACY):
-        if dlpack._dying_capsule_is_valid(capsule_address, name):
-            _hand_made_deleter(dlpack._dying_capsule_get_pointer(capsule_address, name))
+    for name in (dlpack.NAME_VERSIONED, dlpack.NAME_LEGACY):
+        if dlpack.dying_capsule_is_valid(capsule_address, name):
+            _hand_made_deleter(dlpack.dying_capsule_get_pointer(capsule_address, name))
 
 
 class HandMadeProducer:
@@ -118,8 +118,8 @@ class HandMadeProducer:
 
     def __dlpack__(self, *, stream=None, max_version=None):
         self.seen.append((stream, max_version))
-        name = dlpack._NAME_VERSIONED if self.versioned else dlpack._NAME_LEGACY
-        return dlpack._capsule_new(ctypes.addressof(self.managed), name, _hand_made_capsule_destructor)
+        name = dlpack.NAME_VERSIONED if self.versioned else dlpack.NAME_LEGACY
+        return dlpack.capsule_new(ctypes.addressof(self.managed), name, _hand_made_capsule_destructor)
 
 
 class LegacyOnly:
@@ -502,7 +502,7 @@ def test_unconsumed_capsule_releases_its_owner(versioned):
     del capsule
     collect()
     assert owner() is None
-    assert not dlpack._exported
+    assert not dlpack.exported
 
 
 def test_round_trip_through_our_own_reader():
@@ -595,7 +595,7 @@ def test_export_capsule_argument_errors(kwargs, error, message):
                 owner=None) | kwargs
     with pytest.raises(error, match=message):
         export_capsule(**args)
-    assert not dlpack._exported
+    assert not dlpack.exported
 
 
 # ------------------------------------------------------------------------------------------------- threads
@@ -636,7 +636,7 @@ def test_many_threads_export_and_consume():
     collect()
     assert len(owners) == threads * rounds
     assert sum(owner() is not None for owner in owners) == 0
-    assert not dlpack._exported
+    assert not dlpack.exported
 
 
 def test_many_threads_close_one_view():

@@ -79,7 +79,7 @@ def test_handler_is_built_into_the_shim():
 def test_handler_api_version_is_the_installed_jaxlibs():
     header = (pathlib.Path(jax.ffi.include_dir()) / "xla/ffi/api/c_api.h").read_text()
     major, minor = (re.search(rf"#define XLA_FFI_API_{n} (\d+)", header).group(1) for n in ("MAJOR", "MINOR"))
-    assert fj._handler_api_version() == f"{major}.{minor}"
+    assert fj.handler_api_version() == f"{major}.{minor}"
 
 
 def test_image_register_keeps_one_image_per_key():
@@ -106,7 +106,7 @@ def test_register_targets_for_gpu_platforms():
     for platform in ("CUDA", "ROCM"):
         fj.register_targets(platform)
         fj.register_targets(platform)  # idempotent
-    assert {"CUDA", "ROCM"} <= fj._registered_platforms
+    assert {"CUDA", "ROCM"} <= fj.registered_platforms
 
 
 # --------------------------------------------------------------------------- launch programs
@@ -214,7 +214,7 @@ def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
     attention = jax.jit(lambda q, k, v: fj.flash_attention(q, k, v))
     text = attention.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["fmha_rt_fwd"]
-    p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
+    p = fj.batch_problem(q, k, v, fj.CallOptions(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
     assert f"tensor<{v3.fwd_scratch(p).total_bytes}xui8>" in text  # the descriptors' workspace
     assert jax.eval_shape(attention, q, k, v).shape == q.shape
 
@@ -440,7 +440,7 @@ def pretend_gpu(monkeypatch):
     def arch():
         fj.register_targets("CUDA")
         return ARCH
-    monkeypatch.setattr(fj, "_gpu_arch", arch)
+    monkeypatch.setattr(fj, "gpu_arch", arch)
 
 
 def _custom_calls(text):
@@ -452,7 +452,7 @@ def test_lowering_for_cuda_holds_the_program(pretend_gpu):
     text = jax.jit(lambda q, k, v: fj.flash_attention(q, k, v, causal=True)).trace(q, k, v).lower(
         lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["fmha_rt_fwd"]
-    p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
+    p = fj.batch_problem(q, k, v, fj.CallOptions(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
     words = xla_program.forward(p, ARCH).encode()
     assert _holds(text, words)
 
@@ -463,7 +463,7 @@ def test_lowering_of_grad_has_forward_and_backward(pretend_gpu, monkeypatch):
     loss = lambda q, k, v: fj.flash_attention(q, k, v).astype(jnp.float32).sum()
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert sorted(_custom_calls(text)) == ["fmha_rt_bwd", "fmha_rt_fwd"]
-    ws = portable.bwd_workspace(fj._batch_problem(q, k, v, fj._Options(
+    ws = portable.bwd_workspace(fj.batch_problem(q, k, v, fj.CallOptions(
         None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH)), ARCH).total_bytes
     assert ws > 0 and f"tensor<{ws}xui8>" in text  # the workspace is a result XLA allocates
 
@@ -583,7 +583,7 @@ def reference_calls(pretend_gpu, monkeypatch):
         dq, dk, dv, dbias = vjp(tensors[0])
         return (dq, dk, dv, dbias) if p.bias_grad else (dq, dk, dv)
 
-    monkeypatch.setattr(fj, "_call", call)
+    monkeypatch.setattr(fj, "kernel_call", call)
     return made
 
 
@@ -595,7 +595,7 @@ def _loss(attention):
                                     {"softmax_scale": 0.3, "deterministic": True}])
 def test_gradients_flow_through_the_custom_vjp(reference_calls, kwargs):
     q, k, v = qkv(sq=96, sk=80, dtype=jnp.float16)
-    p = fj._batch_problem(q, k, v, fj._Options(kwargs.get("softmax_scale"), fj.resolve_mask(
+    p = fj.batch_problem(q, k, v, fj.CallOptions(kwargs.get("softmax_scale"), fj.resolve_mask(
         kwargs.get("causal", False), kwargs.get("window", (-1, -1)), None, kwargs.get("causal_alignment", "top_left")),
         False, ARCH))
     ours = jax.jit(jax.value_and_grad(_loss(lambda q, k, v: fj.flash_attention(q, k, v, **kwargs)), argnums=(0, 1, 2)))
@@ -670,7 +670,7 @@ def test_head_dims_that_are_not_multiples_of_8_run_zero_padded(reference_calls, 
     seed = random.randrange(2**31)
     q, k, v = qkv(sq=72, sk=56, d=d, dv=dv, dtype=jnp.float16, seed=seed)
     mask = fj.resolve_mask(kwargs.get("causal", False), kwargs.get("window", (-1, -1)), None, "top_left")
-    p = fj._batch_problem(q, k, v, fj._Options(kwargs.get("softmax_scale"), mask, False, ARCH))
+    p = fj.batch_problem(q, k, v, fj.CallOptions(kwargs.get("softmax_scale"), mask, False, ARCH))
     ours = jax.jit(jax.value_and_grad(_loss(lambda q, k, v: fj.flash_attention(q, k, v, **kwargs)), argnums=(0, 1, 2)))
     want = jax.value_and_grad(_loss(lambda q, k, v: _reference(q, k, v, p)[0]), argnums=(0, 1, 2))
     (value, grads), (want_value, want_grads) = ours(q, k, v), want(q, k, v)
@@ -697,7 +697,7 @@ def test_return_lse_gives_the_reference_lse_without_a_gradient(reference_calls):
     and lse under stop_gradient is fine."""
     seed = random.randrange(2**31)
     q, k, v = qkv(sq=72, sk=56, d=12, dv=16, dtype=jnp.float16, seed=seed)
-    p = fj._batch_problem(q, k, v, fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
+    p = fj.batch_problem(q, k, v, fj.CallOptions(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH))
     out, lse = fj.flash_attention(q, k, v, causal=True, return_lse=True)
     want_out, want_lse = _reference(q, k, v, p)
     assert out.shape == want_out.shape and lse.shape == (2, 4, 72) and lse.dtype == jnp.float32
@@ -816,7 +816,7 @@ def test_score_terms_and_dropout_match_the_float64_reference(reference_calls, na
         q, k, v, bias, dout)
     keep = None
     if rate:
-        keep = np.asarray(_fake_keep(fj._philox_words(rng), rate, (b, hq, sq, sk)))
+        keep = np.asarray(_fake_keep(fj.philox_words(rng), rate, (b, hq, sq, sk)))
         assert abs(keep.mean() - (1 - rate)) < 0.02
     want_out, want = _float64(q, k, v, dout, mask, bias, alibi, keep, rate)
     _assert_close("out", out, want_out)
@@ -872,7 +872,7 @@ def test_the_seed_is_drawn_from_the_key_inside_the_traced_function(reference_cal
     assert len(traces) == 1
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first, other)
-    words = np.asarray(fj._philox_words(KEY))
+    words = np.asarray(fj.philox_words(KEY))
     seed, offset = fj.philox_seed_offset(KEY)
     assert (seed, offset) == fj.philox_seed_offset(jax.random.key_data(KEY))  # a raw key gives the same
     assert seed == int(words[0]) | int(words[1]) << 32 and offset == int(words[2]) | int(words[3]) << 32
@@ -1076,8 +1076,8 @@ def test_lowering_of_grad_holds_bias_seed_and_dbias(pretend_gpu):
         seeds = [re.search(rf"@fmha_rt_{kind}\((.*?)\)", line).group(1).split(", ")[-1] for kind, line in
                  (("fwd", fwd), ("bwd", bwd))]
         assert seeds[0] == seeds[1]  # one value feeds both calls
-        options = fj._Options(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH, dropout_p=0.1)
-        p = fj._batch_problem(q, k, v, options, bias, None, bias_grad=len(argnums) == 4)
+        options = fj.CallOptions(None, fj.resolve_mask(True, (-1, -1), None, "top_left"), False, ARCH, dropout_p=0.1)
+        p = fj.batch_problem(q, k, v, options, bias, None, bias_grad=len(argnums) == 4)
         assert _holds(text, xla_program.forward(p, ARCH).encode()) and _holds(text, xla_program.backward(p, ARCH).encode())
         assert workspaces[-1] == portable.bwd_workspace(p, ARCH).total_bytes
     ds = portable.bwd_workspace(problem(batch=2, seqlen_q=128, seqlen_k=128, bias_shape="1HSS", bias_grad=True,
@@ -1149,7 +1149,7 @@ def interpreted_calls(pretend_gpu, monkeypatch, interpreter):
         return jax.pure_callback(functools.partial(_run_planned, interpreter, planned, arch), results, *operands,
                                  vmap_method="sequential")
 
-    monkeypatch.setattr(fj, "_custom_call", custom_call)
+    monkeypatch.setattr(fj, "xla_custom_call", custom_call)
     return made
 
 
@@ -1282,7 +1282,7 @@ def test_the_kernels_at_head_dims_that_are_not_multiples_of_8(interpreted_calls,
 
 def test_a_symbolic_zero_cotangent_needs_no_backward(pretend_gpu):
     """symbolic_zeros: a backward whose output cotangent is a symbolic zero returns zeros (None) at once."""
-    attention = fj._batch_attention(fj._Options(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
+    attention = fj.batch_attention(fj.CallOptions(None, fj.resolve_mask(False, (-1, -1), None, "top_left"), False, ARCH))
     q, k, v = qkv()
-    residuals = (q, k, v, q, jnp.zeros((2, 4, 128), jnp.float32), None, None, None, fj._BiasGrad(False))
+    residuals = (q, k, v, q, jnp.zeros((2, 4, 128), jnp.float32), None, None, None, fj.BiasGrad(False))
     assert attention.bwd(residuals, SymbolicZero(jax.core.ShapedArray(q.shape, q.dtype))) == (None,) * 6

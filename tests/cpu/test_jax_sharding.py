@@ -106,14 +106,14 @@ def test_the_split_follows_q_and_what_the_call_allows(kw, spec, split):
 
 
 def test_the_sharding_rule_ties_query_heads_to_their_key_value_group():
-    rule, sizes = jax_sharding._sharding_rule(None, "bwd", problem(alibi="BH"), "", MESH, (), ())
+    rule, sizes = jax_sharding.sharding_rule(None, "bwd", problem(alibi="BH"), "", MESH, (), ())
     assert rule == ("b r0 (k g) r1, b r2 (k g) r3, b r4 k r5, b r6 k r7, b r8 (k g) r9, b (k g) r10, b (k g) -> "
                     "b r11 (k g) r12, b r13 k r14, b r15 k r16")
     assert sizes == {"need_replication_factors": tuple(f"r{i}" for i in range(17)), "g": 2}
 
 
 def test_the_cpu_implementation_refuses_dropout_and_any_gpu_lowering(monkeypatch):
-    monkeypatch.setattr(jax_cpu_reference, "_enabled", True)
+    monkeypatch.setattr(jax_cpu_reference, "enabled", lambda: True)
     q = jnp.ones((1, 16, 2, 16), jnp.bfloat16)
     with pytest.raises(FmhaNotImplementedError, match="no dropout"):
         fj.flash_attention(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.key(0))

@@ -79,7 +79,7 @@ def stand_in_cupy(current: int):
 
 @pytest.fixture(autouse=True)
 def fresh_stream_cache(monkeypatch):
-    monkeypatch.setattr(arrays, "_framework_streams", {})
+    monkeypatch.setattr(arrays, "framework_streams", {})
 
 
 def template(device_index=1):
@@ -119,6 +119,6 @@ def test_cupy_array_for_another_stream_is_allocated_with_it_current(monkeypatch)
 def test_stream_wrappers_are_kept_within_a_bound(monkeypatch):
     torch = stand_in_torch(current=0)
     monkeypatch.setitem(arrays.sys.modules, "torch", torch)
-    for handle in range(1, arrays._MAX_FRAMEWORK_STREAMS + 10):
+    for handle in range(1, arrays.MAX_FRAMEWORK_STREAMS + 10):
         arrays.allocate("torch", template(), (1,), "float32", 1, handle)
-    assert len(arrays._framework_streams) <= arrays._MAX_FRAMEWORK_STREAMS
+    assert len(arrays.framework_streams) <= arrays.MAX_FRAMEWORK_STREAMS

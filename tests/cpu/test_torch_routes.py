@@ -246,7 +246,7 @@ def test_an_eager_call_runs_no_registered_op_and_saves_what_its_backward_needs(m
     def refuse(*_):
         raise AssertionError("an eager call reached the registered op")
 
-    monkeypatch.setattr(fmha_torch, "_fwd_op", refuse)
+    monkeypatch.setattr(fmha_torch, "fwd_op", refuse)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (randn(gen, 1, 32, 2, 64) for _ in range(3))
     out, lse, probs = fmha_torch.flash_attn_func(q, k, v, dropout_p=0.25, return_attn_probs=True)

@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fmha_rt.arrays import Arg, TorchView, _is_plain_torch_tensor  # noqa: E402
+from fmha_rt.arrays import Arg, TorchView, is_plain_torch_tensor  # noqa: E402
 from fmha_rt.runtime.dlpack import import_array  # noqa: E402
 
 
@@ -32,10 +32,10 @@ def test_view_matches_dlpack(name, t):
 
 
 def test_only_plain_strided_tensors_take_the_fast_path():
-    assert _is_plain_torch_tensor(torch.zeros(2))
-    assert not _is_plain_torch_tensor(torch.zeros(2, dtype=torch.complex64).conj())
-    assert not _is_plain_torch_tensor(torch.zeros(2, 2).to_sparse())
-    assert not _is_plain_torch_tensor(torch.zeros(2).numpy())
+    assert is_plain_torch_tensor(torch.zeros(2))
+    assert not is_plain_torch_tensor(torch.zeros(2, dtype=torch.complex64).conj())
+    assert not is_plain_torch_tensor(torch.zeros(2, 2).to_sparse())
+    assert not is_plain_torch_tensor(torch.zeros(2).numpy())
 
 
 def test_arg_from_torch_has_pointer_and_span():

@@ -135,7 +135,7 @@ def test_the_v3_forward_through_xla_matches_the_reference(kw):
     p = AttentionProblem(batch=b, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_k=hk, head_dim_qk=d, head_dim_v=d,
                          dtype="bf16", window_right=0 if kw else -1)
     fj.register_targets()
-    program = xla_program.forward(p, fj._gpu_arch())
+    program = xla_program.forward(p, fj.gpu_arch())
     assert [launch.key for launch in program.launches] == ["fmha_fwd_v3_bf16_d128"]
     assert program.results[-1].name == "workspace"
     q, k, v, _ = inputs(77, b, s, s, hq, hk, d, d, jnp.bfloat16)
@@ -153,7 +153,7 @@ def test_the_v3_backward_through_xla_matches_the_reference(kw):
     p = AttentionProblem(batch=b, seqlen_q=s, seqlen_k=s, heads_q=h, heads_k=h, head_dim_qk=d, head_dim_v=d,
                          dtype="bf16", window_right=0 if kw else -1, deterministic=False)
     fj.register_targets()
-    program = xla_program.backward(p, fj._gpu_arch())
+    program = xla_program.backward(p, fj.gpu_arch())
     assert "fmha_bwd_dkdv_v3_bf16_d128" in [launch.key for launch in program.launches]
     q, k, v, dout = inputs(78, b, s, s, h, h, d, d, jnp.bfloat16)
 
@@ -483,7 +483,7 @@ def test_handler_errors_name_the_call_kernel_and_device():
     p = AttentionProblem(batch=1, seqlen_q=64, seqlen_k=64, heads_q=2, heads_k=2, head_dim_qk=64, head_dim_v=64,
                          dtype="bf16")
     fj.register_targets()
-    program = xla_program.forward(p, fj._gpu_arch())
+    program = xla_program.forward(p, fj.gpu_arch())
     launch = program.launches[0]
     unknown = launch.__class__("fmha_no_such_kernel", launch.grid, launch.block, launch.shared, launch.template,
                                launch.patches)
