@@ -37,6 +37,7 @@ def enable() -> None:
 
 
 def enabled() -> bool:
+    """Whether enable() has made the CPU implementation the one fmha_rt.jax lowers to without a GPU."""
     return _enabled
 
 

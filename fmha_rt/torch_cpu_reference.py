@@ -43,7 +43,7 @@ def _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-def is_enabled() -> bool:
+def enabled() -> bool:
     """Whether enable() has registered the CPU kernels (then CPU tensors must go through the ops)."""
     return _enabled
 

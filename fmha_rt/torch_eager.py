@@ -46,7 +46,7 @@ def takes_eager_route(q, k, v, cu_seqlens_q, alibi_slopes, rng_state) -> bool:
             and (alibi_slopes is None or type(alibi_slopes) in _PLAIN_TENSORS)
             and (rng_state is None or type(rng_state) in _PLAIN_TENSORS)
             and not q.is_meta
-            and not (torch_cpu_reference.is_enabled() and q.device.type == "cpu")
+            and not (torch_cpu_reference.enabled() and q.device.type == "cpu")
             and not _C._len_torch_dispatch_stack() and not _C._is_torch_function_mode_enabled()
             and _C._get_tracing_state() is None and _C._functorch.peek_interpreter_stack() is None)
 

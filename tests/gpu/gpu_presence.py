@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from fmha_rt.runtime import backend
-from fmha_rt.errors import FmhaError
+from fmha_rt.gpu_presence import NoGpu, require_gpu
 
 
 def _hidden(variable):
@@ -29,18 +28,18 @@ def device_nodes():
 
 
 def _status():
-    """(skip reason, failure reason): at most one of them is not None."""
+    """(skip reason, failure reason): at most one of them is not None. What fmha_rt finds missing is the
+    command line's answer (fmha_rt.gpu_presence); the device nodes tell a machine without a GPU from one
+    whose GPU fmha_rt cannot use."""
     try:
-        rt = backend.runtime()
-        problem = None if rt.devices else f"the {rt.backend} runtime {rt.library} sees no GPU device"
-    except FmhaError as exc:
-        problem = f"no GPU runtime: {exc}"
-    if problem is None:
+        require_gpu(needed_for="the GPU test suite")
         return None, None
+    except NoGpu as exc:
+        problem = str(exc)
     nodes = device_nodes()
     if nodes:
-        return None, f"this machine has GPU device nodes ({', '.join(sorted(nodes)[:4])}) but {problem}"
-    return f"no GPU device ({problem})", None
+        return None, f"this machine has GPU device nodes ({', '.join(sorted(nodes)[:4])}), but {problem}"
+    return f"no GPU device: {problem}", None
 
 
 SKIP_REASON, FAILURE = _status()
