@@ -7,7 +7,7 @@ never need: Triton's `global_scratch`, the memory in which each program makes it
 (GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
 of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
 
-The forward serves sm_90, fp16 and bf16, head dims in the 64 or 128 tile (both of them in the same
+The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same
 one), MHA, GQA and MQA, no mask, causal and sliding windows in either alignment, batch and varlen; not
 score terms or dropout. The backward serves the same calls where they are not deterministic: it is the
 portable atomic strategy (pre-pass, dK/dV with dQ added into a zeroed
@@ -28,13 +28,17 @@ from .layout import Scratch, Workspace, backward_workspace, fwd_scratch as paddi
 FAMILY = "v3"
 ARCHS = ("sm_90",)
 KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
-# 128 query rows (two consumer warpgroups of 64), 128 keys a block; the default partition's 4 warps
-# (the kernel's 12 in all come from its warp_specialize: a second consumer warpgroup and a loader warp).
-FWD_TILE = Tile(128, 128, 4, 1)
-FWD_PAIRS = ((64, 64), (128, 128))
+# 128 query rows a program (two consumer warpgroups of 64); the default partition's 4 warps (the
+# kernel's 12 in all come from its warp_specialize: a second consumer warpgroup and a loader warp). Keys
+# come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring of K and V fill 192 KiB of the
+# 227 KiB a program may have, and each consumer's 64 x 256 fp32 accumulator takes 128 of its 240 registers.
+FWD_TILES = {(64, 64): Tile(128, 128, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1)}
+FWD_PAIRS = tuple(FWD_TILES)
+FWD_BLOCK_M = 128
+assert all(tile.block_m == FWD_BLOCK_M for tile in FWD_TILES.values())
 # 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
 BWD_TILE = Tile(64, 128, 4, 1)
-BWD_PAIRS = FWD_PAIRS
+BWD_PAIRS = ((64, 64), (128, 128))
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
 GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 896}
@@ -98,12 +102,12 @@ def variants(arch: str) -> list[dict]:
     out = []
     common = {"bias": "nobias", "dropout": False}
     for dtype in DTYPES:
-        for pair in FWD_PAIRS:
-            constexprs = {"BLOCK_M": FWD_TILE.block_m, "BLOCK_N": FWD_TILE.block_n, "BLOCK_DQK": pair[0],
+        for pair, tile in FWD_TILES.items():
+            constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False}
-            traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=FWD_TILE.block_m,
-                          block_n=FWD_TILE.block_n, deterministic=True, **{"pass": "fwd"})
-            out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, FWD_TILE, constexprs, traits,
+            traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
+                          block_n=tile.block_n, deterministic=True, **{"pass": "fwd"})
+            out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair in BWD_PAIRS:
             constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
@@ -158,7 +162,7 @@ def _descriptor_region(nbytes, problem) -> list:
 
 
 def _programs(problem) -> int:
-    blocks = -(-problem.seqlen_q // FWD_TILE.block_m)
+    blocks = -(-problem.seqlen_q // FWD_BLOCK_M)
     return blocks * problem.heads_q * problem.batch
 
 
@@ -191,4 +195,4 @@ def plan_fwd(problem, tensors) -> list:
         return []
     key = fwd_key(problem.dtype, head_dim_tiles(problem))
     scratch = {"global_scratch": Args(problem, tensors).required(DESCRIPTOR_REGION)}
-    return [forward_launch(key, problem, tensors, FWD_TILE.block_m, scratch)]
+    return [forward_launch(key, problem, tensors, FWD_BLOCK_M, scratch)]

@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.v3.common import key_blocks, masked_block, rows_descriptor, sequence_extent, visible, window_sides
 
-STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) tiles of 128 x 128 fill 128 KiB beside Q's 32 KiB
+STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) fill 128 KiB beside Q's 32 KiB (D=128), 64 KiB (D=256)
 LN2 = gl.constexpr(0.6931471805599453)
 
 

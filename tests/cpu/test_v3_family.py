@@ -41,7 +41,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     assert not set(variants) & {v["key"] for v in pp.variants("sm_90")}
     for key, function in gluon.items():
         v = variants[key]
-        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.FWD_TILE, {}, {})
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILE, {}, {})  # any tile: same signature
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
         assert v["global_scratch"] == v3.GLOBAL_SCRATCH[function]
@@ -88,9 +88,10 @@ SERVED = {
     "head dim 100 (128 tile)": dict(head_dim_qk=100, head_dim_v=100),
     "MQA": dict(heads_k=1),
     "Dqk 64, Dv 128 (the 128 tile)": dict(head_dim_qk=64, head_dim_v=128),
+    "head dim 256": dict(head_dim_qk=256, head_dim_v=256),
+    "head dim 192 (256 tile)": dict(head_dim_qk=192, head_dim_v=192),
 }
 NOT_SERVED = {
-    "head dim 256": dict(head_dim_qk=256, head_dim_v=256),
     "head dim 32": dict(head_dim_qk=32, head_dim_v=32),
     "192/128": dict(head_dim_qk=192, head_dim_v=128),
     "bias": dict(bias_shape="1HSS"),
@@ -139,6 +140,13 @@ def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served
     p = problem(**{"heads_k": 8, **changes})
     assert v3.serves_bwd(p, "sm_90") is served
     assert not v3.serves_bwd(p, "gfx942")
+
+
+def test_the_forward_tiles_take_64_keys_a_block_at_head_dim_256():
+    variants = {v["key"]: v for v in v3.variants("sm_90")}
+    for pair, block_n in (((64, 64), 128), ((128, 128), 128), ((256, 256), 64)):
+        constexprs = variants[v3.fwd_key("bf16", pair)]["constexprs"]
+        assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (v3.FWD_BLOCK_M, block_n)
 
 
 @pytest.mark.parametrize("case", NOT_SERVED)
