@@ -295,7 +295,7 @@ def _overlap_bounds(pairs) -> tuple:
     return tuple((name, other, lo - ohi, hi - olo) for (name, lo, hi), (other, olo, ohi) in pairs)
 
 
-def record(*, runtime, registry, device, arch, kind, names, launches, tensors, inputs, outputs, workspace=None,
+def record(*, runtime, registry, device, arch, kind, names, launches, operands, inputs, outputs, workspace=None,
            layout=None, config=None) -> tuple[CallPlan, CallValues] | None:
     """(CallPlan, this call's values) of a call about to launch `launches`, or None when it cannot be
     cached (a pointer it cannot trace, a value that does not pack or is misaligned: the executor then
@@ -305,7 +305,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
     layout the backward's workspace layout (plan.layout.Workspace), whose regions the call put into
-    `tensors`; config: the call's call_log.CallConfig, which FMHA_RT_LOG_CONFIG logs on every hit."""
+    `operands` (plan.operands.Operands); config: the call's call_log.CallConfig, which FMHA_RT_LOG_CONFIG logs on every hit."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
     if any(arg.name not in index for arg in arrays) or len(index) > lib.FMHA_REPLAY_MAX_VALUES:
@@ -313,12 +313,12 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     values = CallValues(value_array(len(names)), index)
     for arg in arrays:
         values[arg.name] = arg.pointer.address
-    traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in tensors -> their source
+    traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in operands -> their source
     regions = layout.regions if layout is not None else ()
     for region in regions:
-        traced[id(tensors[region.name])] = (WORKSPACE, region.offset)
-    by_value = "philox_seed" in tensors
-    philox = philox_values(tensors["philox_seed"], tensors["philox_offset"]) if by_value else {}
+        traced[id(operands.regions[region.name])] = (WORKSPACE, region.offset)
+    by_value = operands.philox is not None and operands.philox.by_value
+    philox = philox_values(operands.philox.seed, operands.philox.offset) if by_value else {}
     for name, value in philox.items():
         values[name] = value
     templates = []

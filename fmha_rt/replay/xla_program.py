@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import FmhaValueError
 from ..plan import dispatch, layout
+from ..plan.operands import Operand, Operands, Philox
 from ..runtime.packing import NULL, Pointer, pointer_value
 from ..runtime.registry import registry
 from .program import Patch, ProgramLaunch, ZeroFill, pack_launch
@@ -209,13 +210,16 @@ class Planned(_CallBuffers):
         return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)
 
 
-def placeholder_tensors(buffers) -> dict:
-    """Plan inputs: each buffer's placeholder and strides, by name."""
-    tensors = {}
+def placeholder_operands(buffers) -> Operands:
+    """Plan inputs: each buffer's placeholder as the operand of its name (the Philox buffer as the
+    dropout's device [seed, offset]); the workspace's regions are _workspace_result's."""
+    operands = Operands()
     for i, b in enumerate(buffers):
-        tensors[b.name] = placeholder(i)
-        tensors[f"{b.name}_strides"] = b.strides
-    return tensors
+        if b.name == PHILOX_BUFFER:
+            operands.philox = Philox(pointer=placeholder(i))
+        elif b.name != WORKSPACE_BUFFER:
+            setattr(operands, b.name, Operand(b.name, placeholder(i), b.strides))  # a buffer is named as its field
+    return operands
 
 
 def _inputs(problem) -> list:
@@ -238,6 +242,8 @@ def bias_shape(problem) -> tuple:
 
 
 PHILOX_WORDS = 4  # the int64 pair [seed, offset] as four little-endian uint32 words: no int64 in JAX needed
+PHILOX_BUFFER = "philox_seed_offset"  # the operand buffer of those words
+WORKSPACE_BUFFER = "workspace"  # the result buffer of the call's scratch
 
 
 def _score_terms(problem) -> list:
@@ -250,7 +256,7 @@ def _score_terms(problem) -> list:
     if p.alibi is not None:
         buffers.append(Buffer("alibi", (p.heads_q,) if p.alibi == "H" else (p.batch, p.heads_q), "float32"))
     if p.has_dropout:
-        buffers.append(Buffer("philox_seed_offset", (PHILOX_WORDS,), "uint32"))
+        buffers.append(Buffer(PHILOX_BUFFER, (PHILOX_WORDS,), "uint32"))
     return buffers
 
 
@@ -264,17 +270,17 @@ def label(problem, pass_name: str) -> str:
             f"Hq={p.heads_q} Hk={p.heads_k} D={p.head_dim_qk} Dv={p.head_dim_v}{mask}{terms}")
 
 
-def _workspace_result(buffers: list, tensors: dict, scratch) -> list:
+def _workspace_result(buffers: list, operands: Operands, scratch) -> list:
     """Appends the call's scratch (a forward's or a backward's workspace) as a last result, uint8, when
-    it has bytes, with each region's placeholder in `tensors`; returns the zero fills of its regions
-    that must start at zero."""
+    it has bytes, with each region's placeholder in the regions of `operands`; returns the zero fills of
+    its regions that must start at zero."""
     if not scratch.total_bytes:
         return []
     index = len(buffers)
-    buffers.append(Buffer("workspace", (scratch.total_bytes,), "uint8"))
+    buffers.append(Buffer(WORKSPACE_BUFFER, (scratch.total_bytes,), "uint8"))
     fills = []
     for region in scratch.regions:
-        tensors[region.name] = placeholder(index, region.offset)
+        operands.regions[region.name] = placeholder(index, region.offset)
         if region.zero_init:
             fills.append(ZeroFill(index, region.offset, region.nbytes))
     return fills
@@ -288,9 +294,9 @@ def planned_forward(problem, arch: str) -> Planned:
     inputs = _inputs(problem) + _score_terms(problem)
     buffers = inputs + [Buffer("out", problem.query_shape(problem.head_dim_v), dtype),
                         Buffer("lse", problem.lse_shape(), "float32")]
-    tensors = placeholder_tensors(buffers)
-    fills = _workspace_result(buffers, tensors, dispatch.fwd_scratch(problem, arch))
-    launches = dispatch.plan_fwd(problem, arch, tensors)
+    operands = placeholder_operands(buffers)
+    fills = _workspace_result(buffers, operands, dispatch.fwd_scratch(problem, arch))
+    launches = dispatch.plan_fwd(problem, arch, operands)
     return Planned(label(problem, "forward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
 
 
@@ -309,9 +315,9 @@ def planned_backward(problem, arch: str) -> Planned:
                         Buffer("dv", problem.key_shape(problem.head_dim_v), dtype)]
     if problem.bias_grad:
         buffers.append(Buffer("dbias", bias_shape(problem), dtype))
-    tensors = placeholder_tensors(buffers)
-    fills = _workspace_result(buffers, tensors, dispatch.bwd_workspace(problem, arch))
-    launches = dispatch.plan_bwd(problem, arch, tensors)
+    operands = placeholder_operands(buffers)
+    fills = _workspace_result(buffers, operands, dispatch.bwd_workspace(problem, arch))
+    launches = dispatch.plan_bwd(problem, arch, operands)
     return Planned(label(problem, "backward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
 
 

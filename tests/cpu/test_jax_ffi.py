@@ -126,15 +126,15 @@ def test_program_round_trips(name, build):
 
 
 def _plan(build, p):
-    """The plan the program was built from, with the same placeholder tensors."""
+    """The plan the program was built from, with the same placeholder operands."""
     program = build(p, ARCH)
-    tensors = xla_program.placeholder_tensors(program.buffers)
+    operands = xla_program.placeholder_operands(program.buffers)
     if build is xla_program.backward:
         ws = portable.bwd_workspace(p, ARCH)
         for region in ws.regions:
-            tensors[region.name] = xla_program.placeholder(len(program.buffers) - 1, region.offset)
-        return program, portable.plan_bwd(p, ARCH, tensors)
-    return program, portable.plan_fwd(p, ARCH, tensors)
+            operands.regions[region.name] = xla_program.placeholder(len(program.buffers) - 1, region.offset)
+        return program, portable.plan_bwd(p, ARCH, operands)
+    return program, portable.plan_fwd(p, ARCH, operands)
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
@@ -206,7 +206,7 @@ def test_without_the_v3_family_the_same_forward_has_no_workspace(monkeypatch):
     program = xla_program.forward(V3_FORWARD, ARCH)
     assert [b.name for b in program.results] == ["out", "lse"]
     assert [launch.key for launch in program.launches] == [portable.plan_fwd(
-        V3_FORWARD, ARCH, xla_program.placeholder_tensors(program.buffers))[0].variant]
+        V3_FORWARD, ARCH, xla_program.placeholder_operands(program.buffers))[0].variant]
 
 
 def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
