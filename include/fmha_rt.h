@@ -362,9 +362,9 @@ int fmha_image_count(size_t *count);
    header (jaxlib's include folder); the cffi cdef takes this block only then, so Python sees these
    names exactly when they exist.
    fmha_xla_run_program runs the launch program in the call's `program` attribute (an int64 array in
-   the format of fmha_rt/replay/xla_program.py) on XLA's stream and device: it checks the call's buffers
-   against the program, patches their addresses into each launch's argument template, zeroes the
-   regions that must start at zero, and launches through fmha_launch. It never calls into Python. */
+   the format of fmha_rt/replay/program.py, loaded by fmha_program_load) on XLA's stream and device: it
+   checks the call's buffers against the program and runs its replay (fmha_replay) with their
+   addresses as the values. It never calls into Python. */
 /* CDEF XLA_FFI BEGIN */
 struct XLA_FFI_Error;
 struct XLA_FFI_CallFrame;
