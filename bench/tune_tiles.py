@@ -37,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from fmha_rt.plan import abi, portable as pp
 from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.operands import Operands
 from fmha_rt.plan.problem import AttentionProblem
 
 import sass_loops  # bench/sass_loops.py (this script's folder): cuobjdump and its resource report
@@ -324,24 +325,21 @@ class PassBench:
         self.workspace = torch.zeros(ws.total_bytes // 4 + 1, device="cuda")
         for r in ws.regions:
             self.arrays[r.name] = self.workspace[r.offset // 4: (r.offset + r.nbytes) // 4].view(r.shape)
-        self.tensors = {}
-        for name, a in self.arrays.items():
-            self.tensors[name] = Pointer(a.data_ptr())
-            self.tensors[f"{name}_strides"] = tuple(a.stride())
+        self.operands = Operands.of_arrays(self.arrays, lambda a: Pointer(a.data_ptr()))
         self.run(self.plan("fwd", None) + self.plan("bwd_dkdv", None)[:1])  # forward, then the pass writing Delta
 
     def plan(self, pass_name, record):
         if pass_name == "bwd_fused":
             if record is None or record.get("two_kernel"):
-                return pp.plan_bwd(self.p, ARCH, self.tensors, pp.DQ_DETERMINISTIC)
+                return pp.plan_bwd(self.p, ARCH, self.operands, pp.DQ_DETERMINISTIC)
             with tile_override(pass_name, self.pair, record_tile(record)):
-                launches = pp.plan_bwd(self.p, ARCH, self.tensors, pp.DQ_FUSED)
+                launches = pp.plan_bwd(self.p, ARCH, self.operands, pp.DQ_FUSED)
             fused = pass_key(pass_name, self.pair)
             return [dataclasses.replace(x, variant=record["key"]) if x.variant == fused else x for x in launches]
         def planner():
             if pass_name == "fwd":
-                return pp.plan_fwd(self.p, ARCH, self.tensors)
-            return pp.plan_bwd(self.p, ARCH, self.tensors, self.request)
+                return pp.plan_fwd(self.p, ARCH, self.operands)
+            return pp.plan_bwd(self.p, ARCH, self.operands, self.request)
 
         with self.strategy():
             if record is None:

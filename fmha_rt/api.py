@@ -17,11 +17,12 @@ import dataclasses
 
 from . import call_log
 from .arrays import Arg, acquire_workspace, check_overlap, check_shape, finish_outputs, framework
-from .call import Call, dropout_values, place_regions, prepare, put, resolve_outputs
+from .call import Call, dropout_values, operand, place_regions, prepare, resolve_outputs
 from . import call_keys
 from .call_keys import DEFAULT_OPTIONS, Site, merged_options
 from .plan import dispatch, head_padding, portable
 from .plan.args import with_work
+from .plan.operands import Operands
 from .plan.problem import AttentionProblem
 from .replay import plan_cache
 from .runtime import backend, executor, kernel_launch
@@ -37,7 +38,7 @@ def _recorded(record, call: Call, config, launches, inputs, outputs, workspace=N
     recording call runs what later calls will. `config`: the call's call_log.CallConfig, which a hit logs."""
     recorded = plan_cache.record(
         runtime=backend.runtime(), registry=registry(), device=call.device, arch=call.arch,
-        kind=framework(call.template), names=record, launches=launches, tensors=call.tensors, inputs=inputs,
+        kind=framework(call.template), names=record, launches=launches, operands=call.operands, inputs=inputs,
         outputs=outputs, workspace=workspace, layout=layout, config=config) if record is not None else None
     if recorded is None:
         return None, launches
@@ -54,9 +55,9 @@ def _forward(call: Call, out, lse, record):
     # regions as the backward's workspace is (so a cached call has the replay allocate it).
     scratch = dispatch.fwd_scratch(p, call.arch)
     keep_alive, scratch_arg = acquire_workspace(call.device, call.stream, scratch.total_bytes, False, None)
-    place_regions(scratch, scratch_arg, call.tensors)
-    padding = head_padding.for_pass(p, call.tensors, "fwd")
-    attention = dispatch.plan_fwd(p, call.arch, {**call.tensors, **padding.substitutes})
+    place_regions(scratch, scratch_arg, call.operands)
+    padding = head_padding.for_pass(p, call.operands, "fwd")
+    attention = dispatch.plan_fwd(p, call.arch, padding.operands)
     config = _config("mha_varlen_fwd" if p.varlen else "mha_fwd", call, scratch.total_bytes)
     plan, launches = _recorded(record, call, config, with_work(padding.before + attention + padding.after),
                                call.inputs, outputs, scratch_arg, scratch)
@@ -95,7 +96,7 @@ def _run(site: Site, objects: tuple, opts: dict, scalars: tuple, workspace_alloc
 
 
 def _config(function: str, call: Call, workspace_bytes: int = 0, dq_splits=None) -> call_log.CallConfig:
-    return call_log.config(function, call.problem, call.device, call.arch, call.tensors, workspace_bytes, dq_splits)
+    return call_log.config(function, call.problem, call.device, call.arch, call.operands, workspace_bytes, dq_splits)
 
 
 def _logged(config: call_log.CallConfig, keys):
@@ -116,9 +117,9 @@ def _log_hit(plan, opts: dict) -> None:
 
 def _write_philox(plan, values, opts: dict, handle: int) -> None:
     """A seed and offset given by value: validated again (they are not in the key), then written in."""
-    drop, _ = dropout_values(opts["dropout_p"], opts["seed"], opts["offset"], handle)
+    philox, _ = dropout_values(opts["dropout_p"], opts["seed"], opts["offset"], handle)
     by_name = plan_cache.CallValues(values, plan.index)
-    for name, value in plan_cache.philox_values(drop["philox_seed"], drop["philox_offset"]).items():
+    for name, value in plan_cache.philox_values(philox.seed, philox.offset).items():
         by_name[name] = value
 
 
@@ -196,35 +197,35 @@ class BwdLauncher:
     def dq_acc_splits(self) -> int:
         return self.workspace.dq_splits
 
-    def prepare_workspace(self, buf: Arg, tensors: dict) -> None:
-        """Carve the workspace regions out of `buf` into the call's tensors."""
-        place_regions(self.workspace, buf, tensors)
+    def prepare_workspace(self, buf: Arg, operands: Operands) -> None:
+        """Carve the workspace regions out of `buf` into the regions of the call's operands."""
+        place_regions(self.workspace, buf, operands)
 
-    def plan(self, tensors: dict) -> list:
-        """The launches of this backward on `tensors` (arrays and workspace regions), with the copies
+    def plan(self, operands: Operands) -> list:
+        """The launches of this backward on `operands` (arrays and workspace regions), with the copies
         into and out of zero-padded workspace buffers for head dims that are not multiples of 8."""
-        padding = head_padding.for_pass(self.problem, tensors, "bwd")
-        attention = dispatch.plan_bwd(self.problem, self.arch, {**tensors, **padding.substitutes})
+        padding = head_padding.for_pass(self.problem, operands, "bwd")
+        attention = dispatch.plan_bwd(self.problem, self.arch, padding.operands)
         return with_work(padding.before + attention + padding.after)
 
-    def run(self, device: int, tensors: dict, stream: int, launches=None) -> list[str]:
+    def run(self, device: int, operands: Operands, stream: int, launches=None) -> list[str]:
         """Plan (unless `launches` are planned already), check and pack every launch; only then zero the
         regions that must start at zero (so a refused call writes no memory at all) and launch. Returns
         the variant keys launched."""
-        keys = self.launch(device, tensors, stream, launches)
+        keys = self.launch(device, operands, stream, launches)
         if kernel_launch.LOG_CONFIG:
-            call_log.log_call(call_log.config("BwdLauncher.run", self.problem, device, self.arch, tensors,
+            call_log.log_call(call_log.config("BwdLauncher.run", self.problem, device, self.arch, operands,
                                               self.workspace_size, self.dq_acc_splits), keys)
         return keys
 
-    def launch(self, device: int, tensors: dict, stream: int, launches=None) -> list[str]:
+    def launch(self, device: int, operands: Operands, stream: int, launches=None) -> list[str]:
         """`run` without logging the call (for a caller that logs it as its own)."""
-        launches = self.plan(tensors) if launches is None else launches
+        launches = self.plan(operands) if launches is None else launches
 
         def zero_regions():
             for region in self.workspace.regions:
                 if region.zero_init:
-                    backend.memset(device, tensors[region.name].address, 0, region.nbytes, stream)
+                    backend.memset(device, operands.regions[region.name].address, 0, region.nbytes, stream)
 
         # a cached plan's launches zero the regions themselves, after their own checks
         ready = isinstance(launches, Ready)
@@ -242,8 +243,8 @@ def _backward(call: Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, re
     l_arg = call.array("lse", lse, dtypes=("float32",))
     check_shape(l_arg, p.lse_shape())
     same_device(call.inputs + [do_arg, o_arg, l_arg])
-    for name, a in (("dout", do_arg), ("out", o_arg), ("lse", l_arg)):
-        put(call.tensors, name, a)
+    o = call.operands
+    o.dout, o.out, o.lse = operand("dout", do_arg), operand("out", o_arg), operand("lse", l_arg)
     inputs = call.inputs + [do_arg, o_arg, l_arg]
     specs = [("dq", dq, p.query_shape(p.head_dim_qk), dtype), ("dk", dk, p.key_shape(p.head_dim_qk), dtype),
              ("dv", dv, p.key_shape(p.head_dim_v), dtype)]
@@ -256,12 +257,12 @@ def _backward(call: Call, dout, out, lse, dq, dk, dv, dbias, workspace_alloc, re
                                            workspace_alloc)
     if ws_arg is not None:
         check_overlap([ws_arg], inputs + [o[0] for o in outputs])
-    launcher.prepare_workspace(ws_arg, call.tensors)
+    launcher.prepare_workspace(ws_arg, call.operands)
     config = _config("mha_varlen_bwd" if p.varlen else "mha_bwd", call, launcher.workspace_size,
                      launcher.dq_acc_splits)
-    plan, launches = _recorded(record, call, config, launcher.plan(call.tensors), inputs, outputs, ws_arg,
+    plan, launches = _recorded(record, call, config, launcher.plan(call.operands), inputs, outputs, ws_arg,
                                launcher.workspace)
-    _logged(config, launcher.launch(call.device, call.tensors, call.stream, launches))
+    _logged(config, launcher.launch(call.device, call.operands, call.stream, launches))
     del keep_alive  # a workspace we allocated is freed stream-ordered, after the launches
     return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
@@ -355,6 +356,6 @@ def mha_dropout_mask(q, k, *, dropout_p, seed, offset=0, stream=None, out=None):
     p = call.problem
     (mask_arr,), _ = resolve_outputs(call, [("mask", out, (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), "uint8")],
                               call.inputs)
-    keys = executor.run(call.device, call.arch, with_work(portable.plan_dropout_mask(p, call.arch, call.tensors)), handle)
+    keys = executor.run(call.device, call.arch, with_work(portable.plan_dropout_mask(p, call.arch, call.operands)), handle)
     _logged(_config("mha_dropout_mask", call), keys)
     return finish_outputs(call.template, (mask_arr,), handle)[0]

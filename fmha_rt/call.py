@@ -1,7 +1,7 @@
 """A call validated and made ready to plan: its problem, device, stream, the caller's arrays (imported
-through DLPack or read from their attributes) and the kernels' tensors (each array's pointer and
-strides by name, the dropout seed and offset, the regions of its scratch). Outputs the caller did not
-give are allocated like q, after every check has passed.
+through DLPack or read from their attributes) and its operands (plan.operands.Operands: each array's
+pointer and strides, the dropout seed and offset, the regions of its scratch). Outputs the caller did
+not give are allocated like q, after every check has passed.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from .arrays import ATTN_DTYPES, Arg, allocate_like, check_overlap, check_shape, gpu_array
 from .errors import FmhaTypeError, FmhaValueError
+from .plan.operands import Operand, Operands, Philox
 from .plan.problem import AttentionProblem
 from .runtime import backend
 from .runtime.buffers import DeviceBuffer
@@ -20,28 +21,28 @@ from .validation import (INT32_LIMIT, alibi_shape_name, attention_dtype, batch_d
                          check_dropout_p, check_one_score_term, check_sizes, check_softmax_scale, resolve_mask, same_device)
 
 
-def dropout_values(dropout_p, seed, offset, stream, imported=None):
-    """Dropout options -> tensors entries. seed: an int, or a device array of two int64 (seed, offset)
-    for graph capture; offset: the Philox offset (ignored when seed is an array)."""
+def dropout_values(dropout_p, seed, offset, stream, imported=None) -> tuple[Philox | None, list]:
+    """Dropout options -> (the Philox values, None without dropout; the device array they are read
+    from, if any). seed: an int, or a device array of two int64 (seed, offset) for graph capture;
+    offset: the Philox offset (ignored when seed is an array)."""
     if check_dropout_p(dropout_p) == 0.0:
-        return {}, []
+        return None, []
     if seed is None:
         raise FmhaValueError("dropout_p > 0 needs seed= (an int, or a device int64 array [seed, offset]); "
                              "pass the same seed and offset to the backward")
     if isinstance(seed, int) and not isinstance(seed, bool):
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
             raise FmhaValueError(f"offset must be an int in [0, 2^63), got {offset!r}")
-        return {"philox_seed": seed, "philox_offset": offset}, []
+        return Philox(seed=seed, offset=offset), []
     arg = gpu_array("seed", seed, stream, dtypes=("int64",), arg=(imported or {}).get("seed"))
     if tuple(arg.shape) != (2,):
         raise FmhaValueError(f"a seed array must hold two int64 (seed, offset), got shape {tuple(arg.shape)}")
-    return {"philox_seed_offset": arg.pointer}, [arg]
+    return Philox(pointer=arg.pointer), [arg]
 
 
-def put(tensors, name, arg):
-    """An imported array into the kernels' tensors: its pointer and its strides."""
-    tensors[name] = arg.pointer
-    tensors[f"{name}_strides"] = tuple(arg.strides)
+def operand(name, arg: Arg) -> Operand:
+    """An imported array as the operand `name` of the kernels: its pointer and its strides."""
+    return Operand(name, arg.pointer, tuple(arg.strides))
 
 
 class HostSeqlens:
@@ -96,13 +97,13 @@ class HostSeqlens:
 
 @dataclasses.dataclass
 class Call:
-    """A validated call: the problem, the device, the kernels' tensors and the caller's arrays."""
+    """A validated call: the problem, the device, its operands and the caller's arrays."""
 
     problem: AttentionProblem
     device: int
     arch: str
     stream: int
-    tensors: dict
+    operands: Operands
     inputs: list
     template: object
     imported: dict  # Args the plan-cache key imported already, by argument name
@@ -128,7 +129,7 @@ def prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     dtype = attention_dtype(qa, ka, va)
     mask = resolve_mask(causal, window, mask_type, causal_alignment)
     inputs = [qa, ka, va]
-    tensors = {}
+    operands = Operands()
     if varlen:
         (tq, hq, dqk), (tk, hk, dk_), (tv, hv, dv) = qa.shape, ka.shape, va.shape
         if (tv, hv) != (tk, hk) or dk_ != dqk:
@@ -149,16 +150,17 @@ def prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                                  "have B + 1 >= 2 entries")
         batch = cq.shape[0] - 1
         sq, sk = max_seqlen_q, max_seqlen_k
-        put(tensors, "cu_seqlens_q", cq)
-        put(tensors, "cu_seqlens_k", ck)
+        operands.cu_seqlens_q, operands.cu_seqlens_k = operand("cu_seqlens_q", cq), operand("cu_seqlens_k", ck)
         inputs += [cq, ck]
         if seqstart_q is not None:
+            starts = []
             for name, value in (("seqstart_q", seqstart_q), ("seqstart_k", seqstart_k)):
                 arg = host.upload(name, qa.device, handle) if host.given else \
                     array(name, value, rank=1, dtypes=("int32",))
                 check_shape(arg, cq.shape, " (B + 1 entries, like cu_seqlens)")
-                put(tensors, name, arg)
+                starts.append(operand(name, arg))
                 inputs.append(arg)
+            operands.seqstart_q, operands.seqstart_k = starts
     else:
         batch, sq, sk, hq, hk, dqk, dv = batch_dims(qa.shape, ka.shape, va.shape)
         tq = tk = None
@@ -168,17 +170,16 @@ def prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if bias is not None:
         ba = array("bias", bias, rank=4, dtypes=(qa.dtype,))
         bias_shape = bias_shape_name(ba.shape, batch, hq, sq, sk)
-        put(tensors, "bias", ba)
+        operands.bias = operand("bias", ba)
         inputs.append(ba)
     if alibi_slopes is not None:
         aa = array("alibi_slopes", alibi_slopes, rank=(1, 2), dtypes=("float32",))
         alibi = alibi_shape_name(aa.shape, batch, hq)
         if alibi == "BH" and not 0 <= aa.strides[0] < INT32_LIMIT:
             raise FmhaValueError(f"alibi_slopes batch stride {aa.strides[0]} must be in [0, 2^31)")
-        put(tensors, "alibi", aa)
+        operands.alibi = operand("alibi", aa)
         inputs.append(aa)
-    drop, drop_args = dropout_values(dropout_p, seed, offset, handle, imported)
-    tensors.update(drop)
+    operands.philox, drop_args = dropout_values(dropout_p, seed, offset, handle, imported)
     inputs += drop_args
     check_softmax_scale(softmax_scale)
     check_bool("deterministic", deterministic)
@@ -188,9 +189,8 @@ def prepare(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         bottom_right=mask.bottom_right, bias_shape=bias_shape, bias_grad=bias_grad and bias is not None, alibi=alibi,
         dropout_p=float(dropout_p), varlen=varlen, total_q=tq, total_k=tk, deterministic=deterministic)
     device = same_device(inputs)
-    for name, a in (("q", qa), ("k", ka), ("v", va)):
-        put(tensors, name, a)
-    return Call(problem, device, backend.device(device).arch, handle, tensors, inputs, q, imported)
+    operands.q, operands.k, operands.v = operand("q", qa), operand("k", ka), operand("v", va)
+    return Call(problem, device, backend.device(device).arch, handle, operands, inputs, q, imported)
 
 
 def resolve_outputs(call: Call, specs, inputs):
@@ -215,13 +215,13 @@ def resolve_outputs(call: Call, specs, inputs):
             args[name].name = name
         arrays.append(given if given is not None else array)
         records.append((args[name], given is not None, shape, dtype, pitch))
-        put(call.tensors, name, args[name])
+        setattr(call.operands, name, operand(name, args[name]))  # an output's name is its field's
     return arrays, records
 
 
-def place_regions(scratch, buf, tensors: dict) -> None:
+def place_regions(scratch, buf, operands: Operands) -> None:
     """Put the regions of `scratch` (plan.layout.Scratch: a forward's padding scratch or a backward's
-    workspace) into the call's tensors, as addresses inside `buf` (None when there are no bytes)."""
+    workspace) into the call's operands, as addresses inside `buf` (at 0 when there are no bytes)."""
     base = buf.pointer.address if buf is not None else 0
     for region in scratch.regions:
-        tensors[region.name] = Pointer(base + region.offset)
+        operands.regions[region.name] = Pointer(base + region.offset)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .plan.operands import Operands
 from .plan.problem import AttentionProblem
 from .runtime import kernel_launch
 from .runtime.executor import family_of
@@ -33,32 +34,30 @@ class CallConfig:
     problem: AttentionProblem
     device: int | str  # an ordinal, or what stands for one (the JAX handler's "xla")
     arch: str
-    strides: tuple  # (array name, strides in elements), in the call's order
+    strides: tuple  # (array name, strides in elements), in the order of Operands' fields
     workspace_bytes: int
     dq_splits: int | None
     seed: tuple | str | None  # (seed, offset) given by value, DEVICE_SEED, or None without dropout
 
 
-def strides_of(tensors: dict) -> tuple:
-    """(name, strides) of the arrays in a call's kernel tensors (each array's entry `<name>_strides`)."""
-    return tuple((name[:-len("_strides")], tuple(strides)) for name, strides in tensors.items()
-                 if name.endswith("_strides"))
+def strides_of(operands: Operands) -> tuple:
+    """(name, strides) of the arrays in a call's operands."""
+    return tuple((o.name, tuple(o.strides)) for o in operands.arrays())
 
 
-def seed_of(tensors: dict):
-    """The Philox seed of a call's kernel tensors, as CallConfig.seed takes it."""
-    if "philox_seed_offset" in tensors:
-        return DEVICE_SEED
-    if "philox_seed" in tensors:
-        return tensors["philox_seed"], tensors["philox_offset"]
-    return None
+def seed_of(operands: Operands):
+    """The Philox seed of a call's operands, as CallConfig.seed takes it."""
+    philox = operands.philox
+    if philox is None:
+        return None
+    return (philox.seed, philox.offset) if philox.by_value else DEVICE_SEED
 
 
-def config(function: str, problem: AttentionProblem, device, arch: str, tensors: dict, workspace_bytes: int = 0,
+def config(function: str, problem: AttentionProblem, device, arch: str, operands: Operands, workspace_bytes: int = 0,
            dq_splits: int | None = None) -> CallConfig:
-    """The CallConfig of a call on `tensors` (an array's pointer and `<name>_strides`, the Philox values)."""
-    return CallConfig(function, problem, device, arch, strides_of(tensors), workspace_bytes, dq_splits,
-                      seed_of(tensors))
+    """The CallConfig of a call on `operands` (plan.operands.Operands)."""
+    return CallConfig(function, problem, device, arch, strides_of(operands), workspace_bytes, dq_splits,
+                      seed_of(operands))
 
 
 def log_call(cfg: CallConfig, kernels) -> None:

@@ -398,12 +398,10 @@ def xla_custom_call(kind: str, problem: AttentionProblem, arch: str, operands):
 def _log_program(kind: str, problem: AttentionProblem, arch: str, program) -> None:
     """FMHA_RT_LOG_CONFIG's line of a custom call, logged when it is traced (the handler that runs it
     is C, and a compiled call runs again without tracing): what XLA will launch, on its buffers."""
-    buffers = {}
-    for b in program.buffers:  # as a call's kernel tensors: each array by name, with its strides
-        buffers[b.name], buffers[f"{b.name}_strides"] = b, b.strides
-    workspace = next((b.nbytes for b in program.results if b.name == "workspace"), 0)
+    operands = xla_program.placeholder_operands(program.buffers)  # as the call was planned
+    workspace = next((b.nbytes for b in program.results if b.name == xla_program.WORKSPACE_BUFFER), 0)
     dq_splits = dispatch.bwd_workspace(problem, arch).dq_splits if kind.endswith("bwd") else None
-    config = call_log.config(f"jax.{kind}", problem, "xla", arch, buffers, workspace, dq_splits)
+    config = call_log.config(f"jax.{kind}", problem, "xla", arch, operands, workspace, dq_splits)
     call_log.log_call(config, [launch.key for launch in program.launches])
 
 

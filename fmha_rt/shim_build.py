@@ -23,6 +23,7 @@ HEADER = ROOT / "include" / "fmha_rt.h"
 SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "shim.c"
 XLA_FFI_SOURCE = SOURCE.with_name("xla_ffi.c")
 REPLAY_SOURCE = SOURCE.with_name("replay.c")
+PROGRAM_SOURCE = SOURCE.with_name("program.c")
 DESCRIBE_SOURCE = SOURCE.with_name("describe.c")
 WORKSPACES_SOURCE = SOURCE.with_name("workspaces.c")
 EVENTS_SOURCE = SOURCE.with_name("events.c")
@@ -66,7 +67,7 @@ def make_builder() -> cffi.FFI:
     builder = cffi.FFI()
     builder.cdef(header_cdef(text))
     include_dirs = [str(HEADER.parent)]
-    sources = [os.path.relpath(s) for s in (REPLAY_SOURCE, WORKSPACES_SOURCE, EVENTS_SOURCE, LAUNCH_GRAPHS_SOURCE,
+    sources = [os.path.relpath(s) for s in (REPLAY_SOURCE, PROGRAM_SOURCE, WORKSPACES_SOURCE, EVENTS_SOURCE, LAUNCH_GRAPHS_SOURCE,
                                                   DESCRIBE_SOURCE)]
     if xla_include is not None:
         builder.cdef(header_cdef(text, "CDEF XLA_FFI"))

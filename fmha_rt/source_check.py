@@ -2,11 +2,12 @@
 the sources and the manifest without a GPU or a compiler.
 
 - every call into the shim from Python (`lib.fmha_*(...)`) and every `fmha_*` function the XLA handler
-  (xla_ffi.c) calls or defines names a function of include/fmha_rt.h with its number of parameters;
+  (xla_ffi.c) or the launch-program loader (program.c) calls or defines names a function of
+  include/fmha_rt.h with its number of parameters;
 - every portable and v3 code object of the manifest declares the parameters (names, types, order) that
   the plan packs for its function (plan/abi.SIGNATURES, then the compiler's scratch pointers); the
   code objects' own kernarg layout is compared with the manifest by abi_check;
-- the launch-program format constants of fmha_rt/replay/xla_program.py equal the handler's.
+- the launch-program format constants of fmha_rt/replay/program.py equal the shim's (csrc/program.h).
 """
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ from .runtime.packing import SLOT_TYPES
 HEADER = pathlib.Path("include", "fmha_rt.h")
 PYTHON_SOURCES = "fmha_rt"
 XLA_HANDLER = pathlib.Path("fmha_rt", "csrc", "xla_ffi.c")
-LAUNCH_PROGRAM = pathlib.Path("fmha_rt", "replay", "xla_program.py")
-# xla_program.py's constant -> (the handler's #define, what the handler's value is to it)
-PROGRAM_CONSTANTS = {"MAGIC": ("PROGRAM_MAGIC", 0), "FORMAT": ("PROGRAM_FORMAT", 0), "MAX_BUFFERS": ("MAX_BUFFERS", 0),
-                     "MAX_LAUNCHES": ("MAX_LAUNCHES", 0), "MAX_LABEL_BYTES": ("LABEL_CHARS", -1)}  # LABEL_CHARS holds a NUL
+PROGRAM_LOADER = pathlib.Path("fmha_rt", "csrc", "program.c")
+PROGRAM_HEADER = pathlib.Path("fmha_rt", "csrc", "program.h")
+LAUNCH_PROGRAM = pathlib.Path("fmha_rt", "replay", "program.py")
+# program.py's constant -> (program.h's #define, what the shim's value is to it)
+PROGRAM_CONSTANTS = {"MAGIC": ("PROGRAM_MAGIC", 0), "FORMAT": ("PROGRAM_FORMAT", 0), "MAX_VALUES": ("MAX_VALUES", 0),
+                     "MAX_LAUNCHES": ("MAX_LAUNCHES", 0), "MAX_PATCHES": ("MAX_PATCHES", 0),
+                     "MAX_OVERLAPS": ("MAX_OVERLAPS", 0), "MAX_LABEL_BYTES": ("LABEL_CHARS", -1)}  # LABEL_CHARS holds a NUL
 SIGNATURE_SLOT_TYPES = {"i32": "i32", "i64": "i64", "fp32": "f32"}  # SIGNATURES' scalar kinds; pointers are "*..."
 PLANNED_FAMILIES = ("portable", "v3")
 
@@ -99,10 +103,10 @@ def _shim_call_problems(root: pathlib.Path, functions: dict[str, int]) -> tuple[
         for name, count, line in python_shim_calls(path):
             calls += 1
             compare(f"{path.relative_to(root)}:{line}", name, count)
-    handler = root / XLA_HANDLER
-    for name, count, line in _calls_and_definitions(_without_comments(handler.read_text())):
-        calls += 1
-        compare(f"{XLA_HANDLER}:{line}", name, count)
+    for source in (XLA_HANDLER, PROGRAM_LOADER):
+        for name, count, line in _calls_and_definitions(_without_comments((root / source).read_text())):
+            calls += 1
+            compare(f"{source}:{line}", name, count)
     return calls, problems
 
 
@@ -125,13 +129,13 @@ def _c_defines(c_text: str) -> dict[str, int]:
 
 
 def _program_constant_problems(root: pathlib.Path) -> list[str]:
-    python, c = _python_constants(root / LAUNCH_PROGRAM), _c_defines(_without_comments((root / XLA_HANDLER).read_text()))
+    python, c = _python_constants(root / LAUNCH_PROGRAM), _c_defines(_without_comments((root / PROGRAM_HEADER).read_text()))
     problems = []
     for name, (define, adjust) in PROGRAM_CONSTANTS.items():
         if name not in python or define not in c:
-            problems.append(f"launch program: {LAUNCH_PROGRAM} {name} or {XLA_HANDLER} {define} is missing")
+            problems.append(f"launch program: {LAUNCH_PROGRAM} {name} or {PROGRAM_HEADER} {define} is missing")
         elif python[name] != c[define] + adjust:
-            problems.append(f"launch program: {LAUNCH_PROGRAM} {name} = {python[name]:#x} but {XLA_HANDLER} "
+            problems.append(f"launch program: {LAUNCH_PROGRAM} {name} = {python[name]:#x} but {PROGRAM_HEADER} "
                             f"{define} = {c[define]:#x}" + (f" (its value {adjust:+d})" if adjust else ""))
     return problems
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .runtime.backend import ffi, lib
-from .replay.xla_program import XLA_DTYPES
+from .replay.program import XLA_DTYPES
 
 _NUMPY_DTYPES = {number: np.dtype(jax.numpy.dtype(name)) for name, number in XLA_DTYPES.items()}
 _METADATA_EXTENSION = 1  # XLA_FFI_Extension_Metadata

@@ -328,6 +328,22 @@ typedef struct fmha_describer {
 int fmha_describer_init(fmha_describer *d, const fmha_replay_ops *ops, uintptr_t tensor_type, uintptr_t second_type,
                         uintptr_t cupy_type, int cupy_device_type, uintptr_t namespace);
 
+/* ---- launch programs (fmha_rt/csrc/program.c) ----
+   A call's launches in the wire format of fmha_rt/replay/program.py, loaded into a replay plan: the
+   plan cache loads one per recorded signature, the XLA handler one per call. fmha_program_load decodes
+   and checks `words` (into a copy of its own); on failure *out is NULL and `why` says what is wrong.
+   fmha_program_bind then makes its plan run on `device`: `kernels` gives each launch's kernel handle,
+   in launch order, or NULL takes the kernels of the images registered in the shim
+   (fmha_image_register); `graph_id` becomes the plan's (0: no launch graph). On failure `why` names
+   the kernel. */
+typedef struct fmha_program fmha_program;
+int fmha_program_load(const int64_t *words, size_t count, fmha_program **out, char *why, size_t why_size);
+int fmha_program_bind(fmha_program *program, int device, fmha_kernel **kernels, uint64_t graph_id, char *why,
+                      size_t why_size);
+/* The replay plan of a loaded program (fmha_replay runs it); it lives as long as the program. */
+const fmha_replay_plan *fmha_program_plan(const fmha_program *program);
+void fmha_program_free(fmha_program *program);
+
 /* Unload every module of the kernel map (at exit). */
 int fmha_unload_all(void);
 
@@ -346,9 +362,9 @@ int fmha_image_count(size_t *count);
    header (jaxlib's include folder); the cffi cdef takes this block only then, so Python sees these
    names exactly when they exist.
    fmha_xla_run_program runs the launch program in the call's `program` attribute (an int64 array in
-   the format of fmha_rt/replay/xla_program.py) on XLA's stream and device: it checks the call's buffers
-   against the program, patches their addresses into each launch's argument template, zeroes the
-   regions that must start at zero, and launches through fmha_launch. It never calls into Python. */
+   the format of fmha_rt/replay/program.py, loaded by fmha_program_load) on XLA's stream and device: it
+   checks the call's buffers against the program and runs its replay (fmha_replay) with their
+   addresses as the values. It never calls into Python. */
 /* CDEF XLA_FFI BEGIN */
 struct XLA_FFI_Error;
 struct XLA_FFI_CallFrame;

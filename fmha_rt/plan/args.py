@@ -1,9 +1,9 @@
 """One planned launch (a variant key, a grid and every runtime argument by name) and the builder of its
-arguments from the call's tensors.
+arguments from the call's operands (operands.Operands).
 
-Pointer arguments take whatever objects the caller put in `tensors` (device addresses, arrays); an
+Pointer arguments take whatever objects the caller's operands hold (device addresses, arrays); an
 unused pointer is None, which an executor passes as a null pointer (or a dummy array when
-interpreting). Strides are explicit ints in `tensors` under '<name>_strides', in elements.
+interpreting). Strides are each operand's, in elements.
 """
 import math
 from dataclasses import dataclass
@@ -12,6 +12,7 @@ from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
 
 from .abi import ordered
 from .layout import padded_head_dim
+from .operands import Operand, Operands
 
 MAX_GRID_YZ = 65535
 
@@ -52,37 +53,31 @@ def dropout_threshold(p: float) -> int:
 
 
 class Args:
-    """Builds the runtime argument dict of one launch from the call's tensors and strides."""
+    """Builds the runtime argument dict of one launch from the call's operands."""
 
-    def __init__(self, problem, tensors):
+    def __init__(self, problem, operands: Operands):
         self.problem = problem
-        self.tensors = tensors
+        self.operands = operands
+        self.need = operands.need  # the operands a launch cannot go without
 
-    def ptr(self, name):
-        return self.tensors.get(name)
-
-    def required(self, name):
-        if self.tensors.get(name) is None:
-            raise FmhaValueError(f"tensors[{name!r}] is required for this call")
-        return self.tensors[name]
-
-    def given_strides(self, name, rank):
-        strides = self.tensors.get(f"{name}_strides")
+    @staticmethod
+    def given_strides(operand: Operand, rank):
+        strides = operand.strides
         if strides is None or len(strides) != rank:
-            raise FmhaValueError(f"tensors[{name + '_strides'!r}] must list {rank} strides, got {strides!r}")
+            raise FmhaValueError(f"{operand.name} must have {rank} strides, got {strides!r}")
         strides = tuple(int(s) for s in strides)
         if strides[-1] != 1:
-            raise FmhaValueError(f"{name} must be contiguous in its last dim, got strides {strides}")
+            raise FmhaValueError(f"{operand.name} must be contiguous in its last dim, got strides {strides}")
         return strides
 
-    def rows(self, name, arg):
+    def rows(self, operand: Operand, arg):
         """Batch/row/head strides of a [B, S, H, D] (or varlen [T, H, D]) tensor, as stride_<arg>_*."""
         if self.problem.varlen:
-            s, h, _ = self.given_strides(name, 3)
+            s, h, _ = self.given_strides(operand, 3)
             b = 0
         else:
-            b, s, h, _ = self.given_strides(name, 4)
-        return self.checked_strides({f"stride_{arg}_b": b, f"stride_{arg}_s": s, f"stride_{arg}_h": h}, name)
+            b, s, h, _ = self.given_strides(operand, 4)
+        return self.checked_strides({f"stride_{arg}_b": b, f"stride_{arg}_s": s, f"stride_{arg}_h": h}, operand.name)
 
     @staticmethod
     def checked_strides(strides, name):
@@ -95,13 +90,13 @@ class Args:
                 raise FmhaValueError(f"{name}: stride {value} ({arg}) is out of range")
         return strides
 
-    def lse_like(self, name, prefix):
+    def lse_like(self, operand: Operand, prefix):
         """[B, Hq, Sq] (or varlen [Hq, total_q]) fp32 strides as <prefix>_stride_b/_h."""
         if self.problem.varlen:
-            h, _ = self.given_strides(name, 2)
+            h, _ = self.given_strides(operand, 2)
             b = 0
         else:
-            b, h, _ = self.given_strides(name, 3)
+            b, h, _ = self.given_strides(operand, 3)
         return {f"{prefix}_stride_b": b, f"{prefix}_stride_h": h}
 
     def shape(self):
@@ -115,12 +110,12 @@ class Args:
         if not p.varlen:
             return {"CuSeqlensQ": None, "CuSeqlensK": None, "SeqstartQ": None, "SeqstartK": None,
                     "is_varlen": 0, "has_seqstart": 0}
-        has_q, has_k = (self.tensors.get(n) is not None for n in ("seqstart_q", "seqstart_k"))
-        if has_q != has_k:
+        o = self.operands
+        if (o.seqstart_q is None) != (o.seqstart_k is None):
             raise FmhaValueError("seqstart_q and seqstart_k must be given together")
-        return {"CuSeqlensQ": self.required("cu_seqlens_q"), "CuSeqlensK": self.required("cu_seqlens_k"),
-                "SeqstartQ": self.ptr("seqstart_q"), "SeqstartK": self.ptr("seqstart_k"),
-                "is_varlen": 1, "has_seqstart": int(has_q)}
+        return {"CuSeqlensQ": self.need.cu_seqlens_q.pointer, "CuSeqlensK": self.need.cu_seqlens_k.pointer,
+                "SeqstartQ": _pointer(o.seqstart_q), "SeqstartK": _pointer(o.seqstart_k),
+                "is_varlen": 1, "has_seqstart": int(o.seqstart_q is not None)}
 
     def mask(self):
         p = self.problem
@@ -132,15 +127,17 @@ class Args:
         args = {"Bias": None, "Alibi": None, "stride_bias_b": 0, "stride_bias_h": 0, "stride_bias_s": 0,
                 "alibi_stride_b": 0}
         if p.bias_shape is not None:
-            b, h, s, _ = self.given_strides("bias", 4)
+            bias = self.need.bias
+            b, h, s, _ = self.given_strides(bias, 4)
             args.update(self.checked_strides({"stride_bias_b": b if p.bias_shape[0] == "B" else 0,
                                               "stride_bias_h": h if p.bias_shape[1] == "H" else 0,
                                               "stride_bias_s": s}, "bias"))
-            args["Bias"] = self.required("bias")
+            args["Bias"] = bias.pointer
         if p.alibi is not None:
-            args["Alibi"] = self.required("alibi")
+            alibi = self.need.alibi
+            args["Alibi"] = alibi.pointer
             if p.alibi == "BH":
-                args["alibi_stride_b"] = self.given_strides("alibi", 2)[0]
+                args["alibi_stride_b"] = self.given_strides(alibi, 2)[0]
         return args
 
     def dropout(self):
@@ -153,15 +150,14 @@ class Args:
         return args
 
     def philox(self):
-        if self.tensors.get("philox_seed_offset") is not None:
-            return {"PhiloxSeedOffset": self.tensors["philox_seed_offset"], "philox_from_ptr": 1,
-                    "philox_seed": 0, "philox_offset": 0}
-        seed, offset = self.tensors.get("philox_seed"), self.tensors.get("philox_offset", 0)
-        if seed is None:
-            raise FmhaValueError("dropout needs tensors['philox_seed'] (and 'philox_offset'), or "
-                                 "tensors['philox_seed_offset'], a device pointer to two int64")
-        return {"PhiloxSeedOffset": None, "philox_from_ptr": 0, "philox_seed": philox_seed_argument(int(seed)),
-                "philox_offset": int(offset)}
+        philox = self.operands.philox
+        if philox is None or (philox.by_value and philox.seed is None):
+            raise FmhaValueError("dropout needs the Philox seed and offset (by value, or the address of a device "
+                                 "int64 array [seed, offset])")
+        if not philox.by_value:
+            return {"PhiloxSeedOffset": philox.pointer, "philox_from_ptr": 1, "philox_seed": 0, "philox_offset": 0}
+        return {"PhiloxSeedOffset": None, "philox_from_ptr": 0, "philox_seed": philox_seed_argument(int(philox.seed)),
+                "philox_offset": int(philox.offset)}
 
 
 def philox_seed_argument(seed: int) -> int:
@@ -170,27 +166,31 @@ def philox_seed_argument(seed: int) -> int:
     return (seed + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
-def forward_args(problem, tensors) -> dict:
-    """The runtime arguments of fmha_fwd for `problem` (tensors as a family's plan_fwd takes them), by name."""
-    a = Args(problem, tensors)
-    args = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "Out": a.required("out"),
-            "Lse": a.required("lse")}
+def _pointer(operand: Operand | None):
+    return None if operand is None else operand.pointer
+
+
+def forward_args(problem, operands: Operands) -> dict:
+    """The runtime arguments of fmha_fwd for `problem` (operands as a family's plan_fwd takes them), by name."""
+    a = Args(problem, operands)
+    n = a.need
+    args = {"Q": n.q.pointer, "K": n.k.pointer, "V": n.v.pointer, "Out": n.out.pointer, "Lse": n.lse.pointer}
     args.update(a.score_terms())
     args.update(a.dropout())
     args.update(a.varlen())
-    for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o")):
-        args.update(a.rows(name, arg))
-    args.update(a.lse_like("lse", "lse"))
+    for operand, arg in ((n.q, "q"), (n.k, "k"), (n.v, "v"), (n.out, "o")):
+        args.update(a.rows(operand, arg))
+    args.update(a.lse_like(n.lse, "lse"))
     args.update(a.shape())
     args.update(a.mask())
     args["scale_log2"] = problem.softmax_scale * math.log2(math.e)
     return args
 
 
-def forward_launch(key, problem, tensors, block_m, extra=None) -> Launch:
+def forward_launch(key, problem, operands: Operands, block_m, extra=None) -> Launch:
     """The launch of fmha_fwd variant `key` with `block_m` query rows a program; `extra` the arguments a
     family's kernels take beyond the signature (the v3 kernels' global scratch)."""
-    args = ordered(key, "fmha_fwd", forward_args(problem, tensors))
+    args = ordered(key, "fmha_fwd", forward_args(problem, operands))
     return Launch(key, launch_grid(cdiv(problem.seqlen_q, block_m), problem), {**args, **(extra or {})})
 
 

@@ -5,8 +5,8 @@ strategy; the pre-pass (Delta), dK/dV adding into the fp32 dQ accumulator, then 
 atomic one; the pre-pass and the fused grid for the fused one; the fused grid alone for the single one;
 then the bias gradient where the problem has one.
 
-The tensors are as a forward's plus dout, dq, dk, dv, optional dbias (+ strides), and one entry per
-region of the backward's workspace (layout.backward_workspace) named after it (delta, lse2, dq_acc, ds):
+The operands are a forward's plus dout, dq, dk, dv, optional dbias, and in their regions one address
+per region of the backward's workspace (layout.backward_workspace, by its name: delta, lse2, dq_acc, ds):
 the caller carves them out of one workspace buffer and zeroes the regions marked zero_init.
 """
 import math
@@ -17,24 +17,26 @@ from .layout import contiguous_strides
 
 
 class BackwardArgs:
-    """The argument groups a backward's launches share, built once from the call's tensors and its
+    """The argument groups a backward's launches share, built once from the call's operands and its
     workspace layout."""
 
-    def __init__(self, problem, tensors, workspace):
+    def __init__(self, problem, operands, workspace):
         self.problem = p = problem
-        self.args = a = Args(problem, tensors)
+        self.args = a = Args(problem, operands)
+        n, r = a.need, operands.region
         self.varlen, self.shape, self.mask = a.varlen(), a.shape(), a.mask()
-        self.rows = {arg: a.rows(name, arg) for name, arg in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"),
-                                                               ("dout", "do"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"))}
+        self.rows = {arg: a.rows(operand, arg) for operand, arg in ((n.q, "q"), (n.k, "k"), (n.v, "v"), (n.out, "o"),
+                                                                     (n.dout, "do"), (n.dq, "dq"), (n.dk, "dk"),
+                                                                     (n.dv, "dv"))}
         if workspace.dq_strategy == DQ_SINGLE:  # its programs compute Delta and Lse2 and keep them: no workspace
             self.delta = {"Delta": None, "Lse2": None, "stride_delta_b": 0, "stride_delta_h": 0}
         else:
             strides = contiguous_strides(workspace.region("delta").shape)
             # lse2 has delta's shape, so one pair of strides serves both
-            self.delta = {"Delta": a.required("delta"), "Lse2": a.required("lse2"),
+            self.delta = {"Delta": r("delta"), "Lse2": r("lse2"),
                           "stride_delta_b": 0 if p.varlen else strides[0], "stride_delta_h": strides[-2]}
-        self.lse = dict(a.lse_like("lse", "lse"), Lse=a.required("lse"))
-        self.attention = {"Q": a.required("q"), "K": a.required("k"), "V": a.required("v"), "dO": a.required("dout"),
+        self.lse = dict(a.lse_like(n.lse, "lse"), Lse=n.lse.pointer)
+        self.attention = {"Q": n.q.pointer, "K": n.k.pointer, "V": n.v.pointer, "dO": n.dout.pointer,
                           **self.lse, **self.delta, **a.score_terms(), **a.dropout(), **self.varlen, **self.shape,
                           **self.mask, **self.rows["q"], **self.rows["k"], **self.rows["v"], **self.rows["do"],
                           "softmax_scale": p.softmax_scale, "scale_log2": p.softmax_scale * math.log2(math.e)}
@@ -42,13 +44,13 @@ class BackwardArgs:
         if workspace.dq_strategy == DQ_ATOMIC:
             st = contiguous_strides(workspace.region("dq_acc").shape)
             b, s, h = (0, st[0], st[1]) if p.varlen else st[:3]
-            self.dq_acc = {"DqAcc": a.required("dq_acc"), "stride_dqacc_b": b, "stride_dqacc_s": s, "stride_dqacc_h": h}
+            self.dq_acc = {"DqAcc": r("dq_acc"), "stride_dqacc_b": b, "stride_dqacc_s": s, "stride_dqacc_h": h}
         self.ds = {"dS": None, "stride_ds_b": 0, "stride_ds_h": 0, "stride_ds_s": 0, "write_dbias": 0}
         if p.bias_grad:
             st = contiguous_strides(workspace.region("ds").shape)
-            self.ds = {"dS": a.required("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
+            self.ds = {"dS": r("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
                        "write_dbias": 1}
-        self.outputs = {**self.ds, **self.rows["dk"], **self.rows["dv"], "dK": a.required("dk"), "dV": a.required("dv")}
+        self.outputs = {**self.ds, **self.rows["dk"], **self.rows["dv"], "dK": n.dk.pointer, "dV": n.dv.pointer}
 
     def rows_pass(self):
         """What the row passes (preprocess, dq_convert) share: the query rows' offsets and shape."""
@@ -62,14 +64,14 @@ class BackwardArgs:
 
 def preprocess(b: BackwardArgs, key) -> Launch:
     """Delta = rowsum(dO * O) and Lse2 of every query row, into the workspace."""
-    args = {"Out": b.args.required("out"), "dO": b.args.required("dout"), **b.rows_pass(), **b.rows["o"],
+    args = {"Out": b.args.need.out.pointer, "dO": b.args.need.dout.pointer, **b.rows_pass(), **b.rows["o"],
             **b.rows["do"], **b.lse, **b.delta, "head_dim_v_div8": b.shape["head_dim_v_div8"]}
     return Launch(key, b.rows_grid(), ordered(key, "fmha_bwd_preprocess", args))
 
 
 def dq(b: BackwardArgs, key, tile) -> Launch:
     """dQ by query blocks of `tile`, writing the Delta and Lse2 that dK/dV reads."""
-    args = {**b.attention, **b.rows["o"], **b.rows["dq"], "Out": b.args.required("out"), "dQ": b.args.required("dq")}
+    args = {**b.attention, **b.rows["o"], **b.rows["dq"], "Out": b.args.need.out.pointer, "dQ": b.args.need.dq.pointer}
     return Launch(key, launch_grid(cdiv(b.problem.seqlen_q, tile.block_m), b.problem), ordered(key, "fmha_bwd_dq", args))
 
 
@@ -84,8 +86,8 @@ def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
 def fused(b: BackwardArgs, key, kv_tile, q_tile) -> Launch:
     """The fused grid: dK/dV programs by key blocks of kv_tile, then dQ programs by query blocks of q_tile."""
     p = b.problem
-    args = {**b.attention, **b.outputs, **b.rows["dq"], **b.rows["o"], "Out": b.args.required("out"),
-            "dQ": b.args.required("dq")}
+    args = {**b.attention, **b.outputs, **b.rows["dq"], **b.rows["o"], "Out": b.args.need.out.pointer,
+            "dQ": b.args.need.dq.pointer}
     blocks = cdiv(p.seqlen_k, kv_tile.block_n) + cdiv(p.seqlen_q, q_tile.block_m) * p.kv_group_size
     grid = launch_grid(blocks, p)
     return Launch(key, (grid[0], p.heads_k, grid[2]), ordered(key, "fmha_bwd_fused", args))
@@ -93,7 +95,7 @@ def fused(b: BackwardArgs, key, kv_tile, q_tile) -> Launch:
 
 def dq_convert(b: BackwardArgs, key) -> Launch:
     """The fp32 dQ accumulator, scaled, into dQ."""
-    args = {**b.dq_acc, **b.rows["dq"], **b.rows_pass(), "dQ": b.args.required("dq"),
+    args = {**b.dq_acc, **b.rows["dq"], **b.rows_pass(), "dQ": b.args.need.dq.pointer,
             "head_dim_qk_div8": b.shape["head_dim_qk_div8"], "softmax_scale": b.problem.softmax_scale}
     return Launch(key, b.rows_grid(), ordered(key, "fmha_bwd_dq_convert", args))
 
@@ -101,10 +103,11 @@ def dq_convert(b: BackwardArgs, key) -> Launch:
 def dbias(b: BackwardArgs, key, block_m) -> Launch:
     """dS reduced over the bias's broadcast dims into dbias, `block_m` query rows a program."""
     p = b.problem
-    strides_b, strides_h, strides_s, _ = b.args.given_strides("dbias", 4)
+    dbias_operand = b.args.need.dbias
+    strides_b, strides_h, strides_s, _ = b.args.given_strides(dbias_operand, 4)
     batch_bcast, head_bcast = p.bias_shape[0] == "1", p.bias_shape[1] == "1"
     args = {"dS": b.ds["dS"], "stride_ds_b": b.ds["stride_ds_b"], "stride_ds_h": b.ds["stride_ds_h"],
-            "stride_ds_s": b.ds["stride_ds_s"], "dBias": b.args.required("dbias"),
+            "stride_ds_s": b.ds["stride_ds_s"], "dBias": dbias_operand.pointer,
             **b.args.checked_strides({"stride_dbias_b": strides_b if not batch_bcast else 0,
                                       "stride_dbias_h": strides_h if not head_bcast else 0,
                                       "stride_dbias_s": strides_s}, "dbias"),

@@ -1,6 +1,6 @@
 """Which kernel family runs a call: the v3 family where it serves the problem (v3.serves_fwd and
 serves_bwd), the portable family everywhere else. The forward's scratch buffer and the backward's
-workspace follow the same choice. Both families take the call's tensors as args.py describes them and
+workspace follow the same choice. Both families take the call's operands (operands.Operands) and
 lay their memory out with layout.py; neither reaches into the other."""
 from . import portable, v3
 from .layout import Scratch, Workspace
@@ -12,10 +12,10 @@ def fwd_scratch(problem, arch) -> Scratch:
     return portable.fwd_scratch(problem)
 
 
-def plan_fwd(problem, arch, tensors) -> list:
+def plan_fwd(problem, arch, operands) -> list:
     if v3.serves_fwd(problem, arch):
-        return v3.plan_fwd(problem, tensors)
-    return portable.plan_fwd(problem, arch, tensors)
+        return v3.plan_fwd(problem, operands)
+    return portable.plan_fwd(problem, arch, operands)
 
 
 def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
@@ -24,7 +24,7 @@ def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     return portable.bwd_workspace(problem, arch, dq_strategy_request)
 
 
-def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
+def plan_bwd(problem, arch, operands, dq_strategy_request=None) -> list:
     if v3.serves_bwd(problem, arch, dq_strategy_request):
-        return v3.plan_bwd(problem, tensors)
-    return portable.plan_bwd(problem, arch, tensors, dq_strategy_request)
+        return v3.plan_bwd(problem, operands)
+    return portable.plan_bwd(problem, arch, operands, dq_strategy_request)

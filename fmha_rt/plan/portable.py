@@ -369,12 +369,12 @@ def fwd_scratch(problem) -> layout.Scratch:
     return layout.fwd_scratch(problem)
 
 
-def plan_fwd(problem, arch, tensors) -> list:
+def plan_fwd(problem, arch, operands) -> list:
     """Launches of the forward: fmha_fwd writing out [.., Hq, Dv] and lse (with the short-keys tile where
     short_fwd says so).
 
-    tensors: q, k, v, out, lse (+ '<name>_strides'), optional bias, alibi, cu_seqlens_q/k, seqstart_q/k,
-    and for dropout philox_seed and philox_offset (ints) or philox_seed_offset (device pointer).
+    operands (operands.Operands): q, k, v, out, lse, optional bias, alibi, cu_seqlens_q/k, seqstart_q/k,
+    and for dropout the Philox seed and offset (by value or a device pointer).
     """
     pair = head_dim_tiles(problem)
     kind, dropout = problem_features(problem)
@@ -382,18 +382,19 @@ def plan_fwd(problem, arch, tensors) -> list:
     tile = SHORT_FWD_TILES[arch][pair] if short else tile_for(arch, "fwd", pair, kind, dropout)
     if not has_work(problem):
         return []
-    return [forward_launch(fwd_key(problem.dtype, pair, kind, dropout, short), problem, tensors, tile.block_m)]
+    return [forward_launch(fwd_key(problem.dtype, pair, kind, dropout, short), problem, operands, tile.block_m)]
 
 
-def plan_dropout_mask(problem, arch, tensors) -> list:
-    """Launch writing the dropout keep mask tensors['mask'] (uint8 [B, Hq, Sq, Sk], strides in
-    'mask_strides'; Sq/Sk the maximum lengths in varlen mode) for the call's seed and offset."""
+def plan_dropout_mask(problem, arch, operands) -> list:
+    """Launch writing the dropout keep mask operands.mask (uint8 [B, Hq, Sq, Sk]; Sq/Sk the maximum
+    lengths in varlen mode) for the call's seed and offset."""
     if not problem.has_dropout:
         raise FmhaValueError("the problem has no dropout (dropout_p == 0)")
     _arch_tiles(arch)
-    a = Args(problem, tensors)
-    b, h, s, _ = a.given_strides("mask", 4)
-    args = {"Mask": a.required("mask"), "mask_stride_b": b, "mask_stride_h": h, "mask_stride_s": s,
+    a = Args(problem, operands)
+    mask = a.need.mask
+    b, h, s, _ = a.given_strides(mask, 4)
+    args = {"Mask": mask.pointer, "mask_stride_b": b, "mask_stride_h": h, "mask_stride_s": s,
             "seqlen_q": problem.seqlen_q, "seqlen_k": problem.seqlen_k, "num_heads_q": problem.heads_q,
             "drop_threshold": dropout_threshold(problem.dropout_p)}
     args.update(a.philox())
@@ -403,9 +404,9 @@ def plan_dropout_mask(problem, arch, tensors) -> list:
                    ordered(DROPOUT_MASK_KEY, "fmha_dropout_mask", args))]
 
 
-def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
+def plan_bwd(problem, arch, operands, dq_strategy_request=None) -> list:
     """Launches of the backward for the strategy bwd_workspace's layout carries (backward.py gives the
-    order of each); tensors as backward.py describes them, with the regions of bwd_workspace(problem,
+    order of each); operands as backward.py describes them, with the regions of bwd_workspace(problem,
     arch, dq_strategy_request)."""
     pair = head_dim_tiles(problem)
     kind, dropout = problem_features(problem)
@@ -415,7 +416,7 @@ def plan_bwd(problem, arch, tensors, dq_strategy_request=None) -> list:
     if not has_work(problem):
         return []
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
-    args = backward.BackwardArgs(problem, tensors, workspace)
+    args = backward.BackwardArgs(problem, operands, workspace)
     launches = []
     if strategy in (DQ_ATOMIC, DQ_FUSED):
         launches.append(backward.preprocess(args, preprocess_key(dtype, pair[1])))

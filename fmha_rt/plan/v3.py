@@ -22,7 +22,7 @@ import os
 from . import backward
 from .abi import (BIAS_NONE, DQ_ATOMIC, DTYPES, Tile, dq_convert_variant, head_dim_tiles, make_variant, pair_name,
                   preprocess_variant, problem_features)
-from .args import Args, forward_launch, has_work
+from .args import forward_launch, has_work
 from .layout import Scratch, Workspace, backward_workspace, fwd_scratch as padding_scratch
 
 FAMILY = "v3"
@@ -174,25 +174,25 @@ def bwd_workspace(problem) -> Workspace:
     return backward_workspace(problem, DQ_ATOMIC, _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs, problem))
 
 
-def plan_bwd(problem, tensors) -> list:
+def plan_bwd(problem, operands) -> list:
     """The launches of a backward the v3 family serves: the atomic strategy (pre-pass, dK/dV adding into
-    the fp32 dQ accumulator, conversion of dQ) with this family's kernels; tensors as backward.py
+    the fp32 dQ accumulator, conversion of dQ) with this family's kernels; operands as backward.py
     describes them, with the regions of bwd_workspace."""
     if not has_work(problem):
         return []
     pair = head_dim_tiles(problem)
-    args = backward.BackwardArgs(problem, tensors, bwd_workspace(problem))
-    scratch = {"global_scratch": args.args.required(DESCRIPTOR_REGION)}
+    args = backward.BackwardArgs(problem, operands, bwd_workspace(problem))
+    scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])),
             backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch),
             backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
 
 
-def plan_fwd(problem, tensors) -> list:
-    """The launch of a forward the v3 family serves; tensors as a portable forward's, plus the
-    DESCRIPTOR_REGION of fwd_scratch."""
+def plan_fwd(problem, operands) -> list:
+    """The launch of a forward the v3 family serves; operands as a portable forward's, plus the
+    DESCRIPTOR_REGION of fwd_scratch in their regions."""
     if not has_work(problem):
         return []
     key = fwd_key(problem.dtype, head_dim_tiles(problem))
-    scratch = {"global_scratch": Args(problem, tensors).required(DESCRIPTOR_REGION)}
-    return [forward_launch(key, problem, tensors, FWD_BLOCK_M, scratch)]
+    scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
+    return [forward_launch(key, problem, operands, FWD_BLOCK_M, scratch)]

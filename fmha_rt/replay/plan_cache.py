@@ -16,9 +16,11 @@ our own workspace (kept per stream: workspaces.c), writes the values into copies
 zeroes the regions that must start at zero and launches, as one CUDA graph kept per plan and stream
 (launch_graphs.c) where it can. A hit builds no launch objects: BoundLaunches,
 the plan's launches read like planned ones, are made only where launches are logged. Whatever
-follows from the signature alone is worked out once, when the plan is recorded (ReplayProgram): the
-pairs of arrays to compare and the distances between their addresses at which they would overlap,
-each per-call slot's byte offset, value, addend and alignment.
+follows from the signature alone is worked out once, when the plan is recorded: the pairs of arrays to
+compare and the distances between their addresses at which they would overlap, each per-call slot's
+byte offset, value, addend and alignment. The plan keeps it as a launch program (program.py: the
+model whose programs fmha_rt.jax serialises, made by the same function), which the shim loads into
+its replay plan once, when the plan is recorded (program.c); a hit only runs that plan.
 
 Anything record cannot trace to a per-call value (a pointer that is not one of the call's arrays or
 workspace regions, say) leaves the call uncached: a cached launch never carries a stale value.
@@ -36,11 +38,12 @@ from ..runtime import backend, executor
 from ..runtime import kernel_launch
 from ..arrays import JAX_KINDS, acquire_workspace, allocate, check_spans, finish_outputs, overlap_error, overlap_pairs
 from ..runtime.backend import ffi, lib
-from ..errors import FmhaError, FmhaRuntimeError
+from ..errors import FmhaError, FmhaRuntimeError, FmhaValueError
 from ..runtime.kernel_launch import Ready
 from ..runtime.packing import NULL, Pointer
 from ..plan.args import philox_seed_argument
-from .program import ZeroFill, pack_launch
+from . import program as launch_program
+from .program import LoadedProgram, Overlap, Value, ZeroFill
 
 DEFAULT_CAPACITY = 256
 WORKSPACE = "workspace"  # the value name of the workspace's base address
@@ -111,10 +114,9 @@ class LaunchTemplate:
 
     __slots__ = ("args", "entry", "launch", "slot_names")
 
-    def __init__(self, entry, launch, sources: dict):
-        """`sources`: {slot name: (value position, addend)} for every per-call slot."""
-        self.entry, self.args = entry, dict(launch.args)
-        self.launch = pack_launch(entry, launch, sources)
+    def __init__(self, entry, planned, launch):
+        """`planned`: the plan.args.Launch that `launch` (its program launch) was packed from."""
+        self.entry, self.args, self.launch = entry, dict(planned.args), launch
         names = {slot.offset: slot.name for slot in entry.packer.slots}
         self.slot_names = tuple(names[p.arg_offset] for p in self.launch.patches)
 
@@ -194,31 +196,6 @@ class BoundLaunches(Ready):
 _GRAPH_IDS = itertools.count(1)
 
 
-class ReplayProgram:
-    """The fmha_replay_plan of a CallPlan, with every C array it points to kept alive here."""
-
-    def __init__(self, device: int, templates, index: dict, overlaps, fills, workspace_bytes: int):
-        self.templates = [ffi.new("char[]", t.launch.template) for t in templates]
-        self.launches = ffi.new("fmha_launch_config[]", [{
-            "kernel": kernel_launch.kernel_handle(device, t.entry), "grid": t.launch.grid, "block": t.launch.block,
-            "dynamic_shared_bytes": t.launch.shared, "args": args, "args_size": len(t.launch.template)}
-            for t, args in zip(templates, self.templates)] or 1)
-        self.patches = ffi.new("fmha_replay_patch[]", [
-            {"launch": i, "arg_offset": p.arg_offset, "value": p.value, "align": p.align, "addend": p.addend}
-            for i, t in enumerate(templates) for p in t.launch.patches] or 1)
-        self.overlaps = ffi.new("fmha_replay_overlap[]", [
-            {"output": index[output], "other": index[other], "low": low, "high": high}
-            for output, other, low, high in overlaps] or 1)
-        self.fills = ffi.new("fmha_replay_fill[]", [
-            {"value": f.value, "offset": f.offset, "nbytes": f.nbytes} for f in fills] or 1)
-        self.plan = ffi.new("fmha_replay_plan *", {
-            "device": device, "launch_count": len(templates), "launches": self.launches,
-            "patch_count": sum(len(t.launch.patches) for t in templates), "patches": self.patches,
-            "overlap_count": len(overlaps), "overlaps": self.overlaps, "fill_count": len(fills), "fills": self.fills,
-            "workspace_value": index[WORKSPACE], "workspace_bytes": workspace_bytes, "value_count": len(index),
-            "graph_id": next(_GRAPH_IDS)})
-
-
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
     name: str
@@ -255,8 +232,9 @@ class CallPlan:
     workspace_zero_init: bool
     zeroed: tuple  # program.ZeroFill of the workspace regions that must start at zero
     philox_by_value: bool
-    replay_program: ReplayProgram
-    program: object  # replay_program's fmha_replay_plan *
+    launch_program: launch_program.LaunchProgram  # what the shim replays, as fmha_rt.jax would serialise it
+    loaded: LoadedProgram  # launch_program loaded by the shim on `device`
+    program: object  # loaded's fmha_replay_plan *
     config: object  # call_log.CallConfig of the recording call: what a hit logs
 
     def launch(self, values, stream: int, allocate: bool, failed) -> None:
@@ -295,7 +273,7 @@ def _overlap_bounds(pairs) -> tuple:
     return tuple((name, other, lo - ohi, hi - olo) for (name, lo, hi), (other, olo, ohi) in pairs)
 
 
-def record(*, runtime, registry, device, arch, kind, names, launches, tensors, inputs, outputs, workspace=None,
+def record(*, runtime, registry, device, arch, kind, names, launches, operands, inputs, outputs, workspace=None,
            layout=None, config=None) -> tuple[CallPlan, CallValues] | None:
     """(CallPlan, this call's values) of a call about to launch `launches`, or None when it cannot be
     cached (a pointer it cannot trace, a value that does not pack or is misaligned: the executor then
@@ -305,7 +283,7 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     call's value array); inputs: the Args the kernels read, in the order the call checked overlaps
     against them; outputs: (Arg, given, shape, dtype, pitch) in return order; workspace: its Arg, and
     layout the backward's workspace layout (plan.layout.Workspace), whose regions the call put into
-    `tensors`; config: the call's call_log.CallConfig, which FMHA_RT_LOG_CONFIG logs on every hit."""
+    `operands` (plan.operands.Operands); config: the call's call_log.CallConfig, which FMHA_RT_LOG_CONFIG logs on every hit."""
     arrays = list(inputs) + [o[0] for o in outputs] + ([workspace] if workspace is not None else [])
     index = {name: i for i, name in enumerate((*names, *EXTRA_VALUES))}
     if any(arg.name not in index for arg in arrays) or len(index) > lib.FMHA_REPLAY_MAX_VALUES:
@@ -313,17 +291,17 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
     values = CallValues(value_array(len(names)), index)
     for arg in arrays:
         values[arg.name] = arg.pointer.address
-    traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in tensors -> their source
+    traced = {id(arg.pointer): (arg.name, 0) for arg in arrays}  # Pointer objects in operands -> their source
     regions = layout.regions if layout is not None else ()
     for region in regions:
-        traced[id(tensors[region.name])] = (WORKSPACE, region.offset)
-    by_value = "philox_seed" in tensors
-    philox = philox_values(tensors["philox_seed"], tensors["philox_offset"]) if by_value else {}
+        traced[id(operands.regions[region.name])] = (WORKSPACE, region.offset)
+    by_value = operands.philox is not None and operands.philox.by_value
+    philox = philox_values(operands.philox.seed, operands.philox.offset) if by_value else {}
     for name, value in philox.items():
         values[name] = value
-    templates = []
-    for launch in launches:
-        entry = registry.entry(arch, launch.variant)
+
+    def sources_of(entry, launch) -> dict:
+        """{slot name: (value position, addend)} of every per-call slot of `launch`."""
         sources = {}
         for name, value in launch.args.items():
             if value is None or value is NULL:
@@ -331,41 +309,47 @@ def record(*, runtime, registry, device, arch, kind, names, launches, tensors, i
             if type(value) in (int, float):
                 if name in philox:
                     if value != philox[name]:
-                        return None
+                        raise FmhaValueError(f"{entry.key}: {name} is not the call's")
                     sources[name] = (index[name], 0)
                 continue
             source = traced.get(id(value))  # anything else is an address
             if source is None:
-                return None  # an address this call cannot trace to its arrays: plan every time
+                raise FmhaValueError(f"{entry.key}: {name} is no address of the call's arrays")
             sources[name] = (index[source[0]], source[1])
-        try:
-            templates.append(LaunchTemplate(entry, launch, sources))
-        except FmhaError:
-            return None
-        if len(templates[-1].launch.template) > lib.FMHA_REPLAY_MAX_ARGS:
-            return None
+        return sources
+
     specs = tuple(OutputSpec(a.name, given, tuple(shape), dtype, pitch, _relative_span(a)[1:])
                   for a, given, shape, dtype, pitch in outputs)
     input_spans = [_relative_span(a) for a in inputs]
     given_spans = [(o.name, *o.span) for o in specs if o.given]
     overlaps = _overlap_bounds(overlap_pairs(given_spans, input_spans))
-    if any(not -2**63 <= bound < 2**63 for *_, low, high in overlaps for bound in (low, high)):
-        return None
     zeroed = tuple(ZeroFill(index[WORKSPACE], r.offset, r.nbytes) for r in regions if r.zero_init)
     workspace_bytes = layout.total_bytes if layout is not None else 0
+    entries = [registry.entry(arch, launch.variant) for launch in launches]
+    values_named = tuple(Value(name) for name in index)
+    try:
+        program = launch_program.build(
+            config.function if config is not None else "cached call", entries, launches, sources_of, values_named,
+            len(values_named), zeroed, tuple(Overlap(index[o], index[other], low, high) for o, other, low, high in overlaps),
+            index[WORKSPACE], workspace_bytes)
+    except FmhaError:
+        return None  # a value it cannot trace, or a launch that does not pack: plan every time
+    templates = tuple(LaunchTemplate(entry, planned, launch)
+                      for entry, planned, launch in zip(entries, launches, program.launches))
+    loaded = LoadedProgram(program, device, [kernel_launch.kernel_handle(device, entry) for entry in entries],
+                           next(_GRAPH_IDS))
     spans = (*input_spans, *((o.name, *o.span) for o in specs))
     output_names = tuple(o.name for o in specs)
     pick = operator.itemgetter(*(index[name] for name in output_names))
-    program = ReplayProgram(device, templates, index, overlaps, zeroed, workspace_bytes)
     return CallPlan(
-        runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=tuple(templates),
+        runtime=runtime, registry=registry, device=device, arch=arch, kind=kind, launches=templates,
         keys=tuple(t.entry.key for t in templates), outputs=specs, output_names=output_names,
         pick_outputs=pick if len(output_names) > 1 else lambda given: (pick(given),), index=index,
         template_position=index["q"], allocated=tuple((i, o, index[o.name]) for i, o in enumerate(specs) if not o.given),
         overlaps=overlaps, spans=tuple((name, index[name], lo, hi) for name, lo, hi in spans),
         workspace_bytes=workspace_bytes,
         workspace_zero_init=layout.needs_zeroing if layout is not None else False, zeroed=zeroed,
-        philox_by_value=by_value, replay_program=program, program=program.plan, config=config), values
+        philox_by_value=by_value, launch_program=program, loaded=loaded, program=loaded.plan, config=config), values
 
 
 def replay(plan: CallPlan, objects: tuple, values, failed, stream: int, workspace_alloc):
@@ -480,6 +464,17 @@ class PlanCache:
             self._plans.clear()
             self._seen.clear()
             self._reset_counts()
+
+    def plans(self) -> tuple:
+        """(key, CallPlan) of every plan kept, least recently put first: a snapshot to inspect."""
+        with self._lock:
+            return tuple((key, entry[0]) for key, entry in self._plans.items())
+
+    @property
+    def pending(self) -> int:
+        """How many signatures were seen once and not recorded (at most 4 x capacity are remembered)."""
+        with self._lock:
+            return len(self._seen)
 
     def info(self) -> dict:
         hits = self.hits

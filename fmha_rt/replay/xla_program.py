@@ -1,46 +1,30 @@
-"""Launch programs for XLA: a call's program (program.py, the model the plan cache keeps too),
-serialised so that C can run it without Python.
+"""Launch programs for XLA: a call's program (program.py, the model the plan cache keeps too), built at
+trace time and serialised so that C can run it without Python.
 
 Under jax.jit the shapes of a call are known when it is traced, but its buffers exist only when XLA
-runs it. So at trace time fmha_rt.jax plans the call with placeholder pointers, packs every launch's
-arguments as usual (program.pack_launch), and records which argument bytes hold which buffer's address
-(a patch's value is a buffer, its addend a byte offset into it); at run time the XLA
-FFI handler (fmha_rt/csrc/xla_ffi.c) copies each template, writes the real addresses in, zeroes the
-workspace regions that must start at zero, and launches.
+runs it. So at trace time fmha_rt.jax plans the call with placeholder pointers, builds its program
+(program.build: every launch's arguments packed as usual) and records which argument bytes hold which
+buffer's address (a patch's value is a buffer, its addend a byte offset into it); at run time the XLA
+FFI handler (fmha_rt/csrc/xla_ffi.c) loads the program's words (program.c), writes the real addresses
+in, zeroes the workspace regions that must start at zero, and launches.
 
-The wire format is an int64 array (the custom call's `program` attribute). `bytes` below is a length
-word followed by the bytes packed eight to a word, little-endian:
-
-    magic "FMHAPRG1", format version, operand count, result count, zero-fill count, launch count,
-    label (bytes: names the call in error messages),
-    per buffer, operands first, then results: XLA dtype number, size in bytes,
-    per zero fill: buffer (its value), byte offset, byte count,
-    per launch: kernel key (bytes), grid x y z, block x y z, dynamic shared bytes,
-                argument template (bytes), patch count,
-                per patch: byte offset in the template, buffer (its value), byte offset into the buffer
-                (its addend), the alignment in bytes the address must have (the kernel's,
-                executor.pointer_alignment).
-
-Buffers are numbered operands first, then results, as XLA passes them to the handler.
+A program's values are the call's buffers, numbered operands first, then results, as XLA passes them
+to the handler.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-import numpy as np
 
 from ..errors import FmhaValueError
 from ..plan import dispatch, layout
+from ..plan.operands import Operand, Operands, Philox
 from ..runtime.packing import NULL, Pointer, pointer_value
 from ..runtime.registry import registry
-from .program import Patch, ProgramLaunch, ZeroFill, pack_launch
+from . import program
+from .program import LaunchProgram, ZeroFill
 
-MAGIC = int.from_bytes(b"FMHAPRG1", "little")
-FORMAT = 2
-# XLA's PrimitiveType numbers (xla_data.proto), which the FFI reports as a buffer's dtype.
-XLA_DTYPES = {"bool": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint8": 6, "uint32": 8, "float16": 10,
-              "float32": 11, "bfloat16": 16}
 ITEM_BYTES = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "uint32": 4, "float16": 2,
               "float32": 4, "bfloat16": 2}
 ATTENTION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
@@ -48,9 +32,7 @@ ATTENTION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 # and it decodes back to (buffer, offset). 2**40 bytes is far above any buffer of one call.
 _PLACEHOLDER_SHIFT = 40
 _OFFSET_MASK = (1 << _PLACEHOLDER_SHIFT) - 1
-MAX_BUFFERS = 32  # the handler's limits (xla_ffi.c)
-MAX_LAUNCHES = 16
-MAX_LABEL_BYTES = 255
+MAX_BUFFERS = program.MAX_VALUES  # a call's buffers are its program's values
 
 
 def placeholder(buffer: int, offset: int = 0) -> Pointer:
@@ -86,9 +68,13 @@ class Buffer:
         return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
 
 
+# ------------------------------------------------------------------ the calls fmha_rt.jax makes
+
+
 @dataclasses.dataclass(frozen=True)
-class _CallBuffers:
-    """A call's buffers and launches: a LaunchProgram (launches packed) or a Planned one (not yet)."""
+class Planned:
+    """A call planned with placeholder pointers, before `build` packs it: launches are
+    plan.args.Launch (every argument by name)."""
 
     label: str
     buffers: tuple  # Buffer, operands first
@@ -100,122 +86,33 @@ class _CallBuffers:
     def results(self) -> tuple:
         return self.buffers[self.operands:]
 
-
-@dataclasses.dataclass(frozen=True)
-class LaunchProgram(_CallBuffers):
-    """launches: ProgramLaunch, each launch's packed arguments and pointer patches."""
-
-    def encode(self) -> np.ndarray:
-        words = [MAGIC, FORMAT, self.operands, len(self.buffers) - self.operands, len(self.zero_fills),
-                 len(self.launches)]
-        _put_bytes(words, self.label.encode())
-        for b in self.buffers:
-            words += [XLA_DTYPES[b.dtype], b.nbytes]
-        for f in self.zero_fills:
-            words += [f.value, f.offset, f.nbytes]
-        for launch in self.launches:
-            _put_bytes(words, launch.key.encode())
-            words += [*launch.grid, *launch.block, launch.shared]
-            _put_bytes(words, launch.template)
-            words.append(len(launch.patches))
-            for p in launch.patches:
-                words += [p.arg_offset, p.value, p.addend, p.align]
-        return np.array(words, dtype=np.int64)
-
-    @classmethod
-    def decode(cls, words) -> LaunchProgram:
-        """The program `encode` wrote. Buffers come back as what the wire holds: a dtype and a size
-        (shape (elements,), no name)."""
-        r = _Reader(np.asarray(words, dtype=np.int64))
-        if r.word() != MAGIC or r.word() != FORMAT:
-            raise FmhaValueError("not a launch program of this format")
-        operands, results, fills, launches = (r.word() for _ in range(4))
-        label = r.bytes().decode()
-        names = {v: k for k, v in XLA_DTYPES.items()}
-        buffers = []
-        for _ in range(operands + results):
-            dtype, nbytes = names[r.word()], r.word()
-            buffers.append(Buffer("", (nbytes // ITEM_BYTES[dtype],), dtype))
-        zero_fills = tuple(ZeroFill(r.word(), r.word(), r.word()) for _ in range(fills))
-        decoded = []
-        for _ in range(launches):
-            key = r.bytes().decode()
-            grid, block, shared = tuple(r.word() for _ in range(3)), tuple(r.word() for _ in range(3)), r.word()
-            template = r.bytes()
-            patches = tuple(Patch(r.word(), r.word(), r.word(), r.word()) for _ in range(r.word()))
-            decoded.append(ProgramLaunch(key, grid, block, shared, template, patches))
-        if r.next != len(r.words):
-            raise FmhaValueError("launch program has words past its end")
-        return cls(label, tuple(buffers), operands, zero_fills, tuple(decoded))
-
-
-def _put_bytes(words: list, data: bytes) -> None:
-    words.append(len(data))
-    padded = data + b"\0" * (-len(data) % 8)
-    words.extend(int(w) for w in np.frombuffer(padded, dtype="<i8"))
-
-
-class _Reader:
-    def __init__(self, words):
-        self.words, self.next = words, 0
-
-    def word(self) -> int:
-        if self.next >= len(self.words):
-            raise FmhaValueError("launch program is truncated")
-        self.next += 1
-        return int(self.words[self.next - 1])
-
-    def bytes(self) -> bytes:
-        n = self.word()
-        count = -(-n // 8)
-        chunk = self.words[self.next:self.next + count]
-        if len(chunk) != count:
-            raise FmhaValueError("launch program is truncated")
-        self.next += count
-        return chunk.astype("<i8").tobytes()[:n]
-
-
-def build(label: str, arch: str, launches, buffers, operands: int, zero_fills=()) -> LaunchProgram:
-    """The program of `launches` (plan.args.Launch, planned with `placeholder` pointers into
-    `buffers`). Launches with an empty grid are left out (the drivers refuse them); every other one is
-    checked and packed exactly as the Python executor would."""
-    if len(buffers) > MAX_BUFFERS:
-        raise FmhaValueError(f"{label}: {len(buffers)} buffers, the handler takes at most {MAX_BUFFERS}")
-    reg = registry()
-    built = []
-    for launch in launches:
-        if not all(launch.grid):
-            continue
-        entry = reg.entry(arch, launch.variant)
-        sources = {slot.name: resolve_placeholder(address, len(buffers), f"{entry.key} {slot.name}")
-                   for slot in entry.params if slot.type == "ptr"
-                   for address in (pointer_value(slot.name, launch.args.get(slot.name, NULL)),) if address}
-        built.append(pack_launch(entry, launch, sources))
-    if len(built) > MAX_LAUNCHES:
-        raise FmhaValueError(f"{label}: {len(built)} launches, the handler takes at most {MAX_LAUNCHES}")
-    label = label.encode()[:MAX_LABEL_BYTES].decode(errors="ignore")  # it only names the call in messages
-    return LaunchProgram(label, tuple(buffers), operands, tuple(zero_fills), tuple(built))
-
-
-# ------------------------------------------------------------------ the calls fmha_rt.jax makes
-
-
-@dataclasses.dataclass(frozen=True)
-class Planned(_CallBuffers):
-    """A call planned with placeholder pointers, before `build` packs it: launches are
-    plan.args.Launch (every argument by name)."""
-
     def build(self, arch: str) -> LaunchProgram:
-        return build(self.label, arch, self.launches, self.buffers, self.operands, self.zero_fills)
+        """The program of these launches (those with an empty grid left out: the drivers refuse them), each
+        pointer slot's value the buffer its placeholder names."""
+        if len(self.buffers) > MAX_BUFFERS:
+            raise FmhaValueError(f"{self.label}: {len(self.buffers)} buffers, the handler takes at most {MAX_BUFFERS}")
+        reg = registry()
+        launches = [launch for launch in self.launches if all(launch.grid)]
+        entries = [reg.entry(arch, launch.variant) for launch in launches]
+
+        def sources_of(entry, launch) -> dict:
+            return {slot.name: resolve_placeholder(address, len(self.buffers), f"{entry.key} {slot.name}")
+                    for slot in entry.params if slot.type == "ptr"
+                    for address in (pointer_value(slot.name, launch.args.get(slot.name, NULL)),) if address}
+
+        return program.build(self.label, entries, launches, sources_of, self.buffers, self.operands, self.zero_fills)
 
 
-def placeholder_tensors(buffers) -> dict:
-    """Plan inputs: each buffer's placeholder and strides, by name."""
-    tensors = {}
+def placeholder_operands(buffers) -> Operands:
+    """Plan inputs: each buffer's placeholder as the operand of its name (the Philox buffer as the
+    dropout's device [seed, offset]); the workspace's regions are _workspace_result's."""
+    operands = Operands()
     for i, b in enumerate(buffers):
-        tensors[b.name] = placeholder(i)
-        tensors[f"{b.name}_strides"] = b.strides
-    return tensors
+        if b.name == PHILOX_BUFFER:
+            operands.philox = Philox(pointer=placeholder(i))
+        elif b.name != WORKSPACE_BUFFER:
+            setattr(operands, b.name, Operand(b.name, placeholder(i), b.strides))  # a buffer is named as its field
+    return operands
 
 
 def _inputs(problem) -> list:
@@ -238,6 +135,8 @@ def bias_shape(problem) -> tuple:
 
 
 PHILOX_WORDS = 4  # the int64 pair [seed, offset] as four little-endian uint32 words: no int64 in JAX needed
+PHILOX_BUFFER = "philox_seed_offset"  # the operand buffer of those words
+WORKSPACE_BUFFER = "workspace"  # the result buffer of the call's scratch
 
 
 def _score_terms(problem) -> list:
@@ -250,7 +149,7 @@ def _score_terms(problem) -> list:
     if p.alibi is not None:
         buffers.append(Buffer("alibi", (p.heads_q,) if p.alibi == "H" else (p.batch, p.heads_q), "float32"))
     if p.has_dropout:
-        buffers.append(Buffer("philox_seed_offset", (PHILOX_WORDS,), "uint32"))
+        buffers.append(Buffer(PHILOX_BUFFER, (PHILOX_WORDS,), "uint32"))
     return buffers
 
 
@@ -264,17 +163,17 @@ def label(problem, pass_name: str) -> str:
             f"Hq={p.heads_q} Hk={p.heads_k} D={p.head_dim_qk} Dv={p.head_dim_v}{mask}{terms}")
 
 
-def _workspace_result(buffers: list, tensors: dict, scratch) -> list:
+def _workspace_result(buffers: list, operands: Operands, scratch) -> list:
     """Appends the call's scratch (a forward's or a backward's workspace) as a last result, uint8, when
-    it has bytes, with each region's placeholder in `tensors`; returns the zero fills of its regions
-    that must start at zero."""
+    it has bytes, with each region's placeholder in the regions of `operands`; returns the zero fills of
+    its regions that must start at zero."""
     if not scratch.total_bytes:
         return []
     index = len(buffers)
-    buffers.append(Buffer("workspace", (scratch.total_bytes,), "uint8"))
+    buffers.append(Buffer(WORKSPACE_BUFFER, (scratch.total_bytes,), "uint8"))
     fills = []
     for region in scratch.regions:
-        tensors[region.name] = placeholder(index, region.offset)
+        operands.regions[region.name] = placeholder(index, region.offset)
         if region.zero_init:
             fills.append(ZeroFill(index, region.offset, region.nbytes))
     return fills
@@ -288,9 +187,9 @@ def planned_forward(problem, arch: str) -> Planned:
     inputs = _inputs(problem) + _score_terms(problem)
     buffers = inputs + [Buffer("out", problem.query_shape(problem.head_dim_v), dtype),
                         Buffer("lse", problem.lse_shape(), "float32")]
-    tensors = placeholder_tensors(buffers)
-    fills = _workspace_result(buffers, tensors, dispatch.fwd_scratch(problem, arch))
-    launches = dispatch.plan_fwd(problem, arch, tensors)
+    operands = placeholder_operands(buffers)
+    fills = _workspace_result(buffers, operands, dispatch.fwd_scratch(problem, arch))
+    launches = dispatch.plan_fwd(problem, arch, operands)
     return Planned(label(problem, "forward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
 
 
@@ -309,9 +208,9 @@ def planned_backward(problem, arch: str) -> Planned:
                         Buffer("dv", problem.key_shape(problem.head_dim_v), dtype)]
     if problem.bias_grad:
         buffers.append(Buffer("dbias", bias_shape(problem), dtype))
-    tensors = placeholder_tensors(buffers)
-    fills = _workspace_result(buffers, tensors, dispatch.bwd_workspace(problem, arch))
-    launches = dispatch.plan_bwd(problem, arch, tensors)
+    operands = placeholder_operands(buffers)
+    fills = _workspace_result(buffers, operands, dispatch.bwd_workspace(problem, arch))
+    launches = dispatch.plan_bwd(problem, arch, operands)
     return Planned(label(problem, "backward"), tuple(buffers), len(inputs), tuple(fills), tuple(launches))
 
 

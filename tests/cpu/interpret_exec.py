@@ -17,6 +17,7 @@ import torch.multiprocessing
 
 from fmha_rt.plan import portable as pp
 from fmha_rt.plan import head_padding
+from fmha_rt.plan.operands import Operands, Philox
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
@@ -91,14 +92,15 @@ def run(launches, arch=pp.INTERPRET_ARCH):
     _interpreter.run(list(launches), arch)
 
 
-def with_strides(**arrays):
-    """{name: array} plus '<name>_strides' for each, the form plan_* take."""
-    out = {}
-    for name, array in arrays.items():
-        out[name] = array
-        if isinstance(array, torch.Tensor):
-            out[f"{name}_strides"] = tuple(array.stride())
-    return out
+def operands_of(**arrays) -> Operands:
+    """The Operands that plan_* take, of tensors by name (Operands.of_arrays); philox_seed and
+    philox_offset (ints) or philox_seed_offset (a tensor) are the Philox values."""
+    seed, offset = arrays.pop("philox_seed", None), arrays.pop("philox_offset", 0)
+    pointer = arrays.pop("philox_seed_offset", None)
+    operands = Operands.of_arrays(arrays)
+    if seed is not None or pointer is not None:
+        operands.philox = Philox(seed=seed, offset=offset, pointer=pointer)
+    return operands
 
 
 def poisoned(shape, dtype):
@@ -124,11 +126,11 @@ def output_shapes(problem):
     return (problem.batch, problem.seqlen_q, problem.heads_q, dv), (problem.batch, problem.heads_q, problem.seqlen_q)
 
 
-def run_padded(plan, problem, tensors, pass_name, arch=pp.INTERPRET_ARCH):
-    """Runs plan(tensors with padded buffers in place) between the head-dim padding copies, as the API
-    does (tensors hold the '<name>_padded' regions of the pass's scratch)."""
-    before, after, padded = head_padding.for_pass(problem, tensors, pass_name)
-    run(before + plan({**tensors, **padded}) + after, arch)
+def run_padded(plan, problem, operands, pass_name, arch=pp.INTERPRET_ARCH):
+    """Runs plan(operands with padded buffers in place) between the head-dim padding copies, as the API
+    does (the operands' regions hold the '<name>_padded' regions of the pass's scratch)."""
+    before, after, padded = head_padding.for_pass(problem, operands, pass_name)
+    run(before + plan(padded) + after, arch)
 
 
 def forward(problem, inputs, arch=pp.INTERPRET_ARCH, out=None):
@@ -137,9 +139,8 @@ def forward(problem, inputs, arch=pp.INTERPRET_ARCH, out=None):
     out_shape, lse_shape = output_shapes(problem)
     out = poisoned(out_shape, inputs["q"].dtype) if out is None else out
     lse = poisoned(lse_shape, torch.float32)
-    tensors = with_strides(**inputs, out=out, lse=lse)
-    tensors.update(scratch_tensors(pp.fwd_scratch(problem)))
-    run_padded(lambda t: pp.plan_fwd(problem, arch, t), problem, tensors, "fwd", arch)
+    operands = operands_of(**inputs, out=out, lse=lse, **scratch_tensors(pp.fwd_scratch(problem)))
+    run_padded(lambda o: pp.plan_fwd(problem, arch, o), problem, operands, "fwd", arch)
     return out, lse
 
 
@@ -151,15 +152,14 @@ def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strateg
     if problem.bias_grad:
         grads["dbias"] = poisoned(inputs["bias"].shape, inputs["bias"].dtype)
     workspace = pp.bwd_workspace(problem, arch, dq_strategy)
-    tensors = with_strides(**inputs, **grads, out=out, lse=lse, dout=dout)
-    tensors.update(scratch_tensors(workspace))
-    run_padded(lambda t: pp.plan_bwd(problem, arch, t, dq_strategy), problem, tensors, "bwd", arch)
+    operands = operands_of(**inputs, **grads, out=out, lse=lse, dout=dout, **scratch_tensors(workspace))
+    run_padded(lambda o: pp.plan_bwd(problem, arch, o, dq_strategy), problem, operands, "bwd", arch)
     return grads["dq"], grads["dk"], grads["dv"], grads.get("dbias")
 
 
 def dropout_mask(problem, philox, arch=pp.INTERPRET_ARCH):
     """The keep mask (bool [B, Hq, Sq, Sk]) the kernels draw for `philox` (seed/offset entries)."""
     mask = torch.full((problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k), 7, dtype=torch.uint8)
-    run(pp.plan_dropout_mask(problem, arch, with_strides(mask=mask, **philox)), arch)
+    run(pp.plan_dropout_mask(problem, arch, operands_of(mask=mask, **philox)), arch)
     assert int(mask.max()) <= 1, "dropout mask not fully written"
     return mask.bool()

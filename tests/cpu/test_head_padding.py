@@ -19,6 +19,7 @@ from fmha_rt.plan import portable as pp
 from fmha_rt.runtime import registry as registry_module
 from fmha_rt.errors import FmhaValueError
 from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.operands import Operand, Operands
 from fmha_rt.plan.problem import AttentionProblem
 
 SENTINEL = 777.0  # fp16-exact: memory a copy must not touch
@@ -57,8 +58,8 @@ def test_widen_copies_values_and_zero_fills_the_padding_columns(d):
               "v": _strided(gen, (b, s - 9, hk, d), 2 * d + 1, lead_offset=3)}
     out = torch.zeros(b, s, hq, d, dtype=torch.float16)
     padded = _padded_regions(problem, "fwd")
-    tensors = ie.with_strides(**inputs, out=out, **padded)
-    before, after, substitutes = head_padding.for_pass(problem, tensors, "fwd")
+    tensors = ie.operands_of(**inputs, out=out, **padded)
+    before, after, planned = head_padding.for_pass(problem, tensors, "fwd")
     assert [launch.variant for launch in before] == ["fmha_pad_widen_fp16"] * 3
     assert [launch.variant for launch in after] == ["fmha_pad_narrow_fp16"]
     assert before[0].grid == (2, b, 1) and before[0].args["pitch_h"] % 8
@@ -66,7 +67,8 @@ def test_widen_copies_values_and_zero_fills_the_padding_columns(d):
     width = layout.padded_head_dim(d)
     for name, caller in inputs.items():
         buffer = padded[f"{name}_padded"]
-        assert substitutes[name] is buffer and substitutes[f"{name}_strides"] == buffer.stride()
+        assert getattr(planned, name).pointer is buffer and getattr(planned, name).strides == buffer.stride()
+        assert getattr(tensors, name).pointer is caller, "the call's operands are left as they are"
         assert buffer.shape[-1] == width and torch.equal(buffer[..., :d], caller)
         assert torch.equal(buffer[..., d:], torch.zeros_like(buffer[..., d:])), f"{name}: padding columns not zero"
 
@@ -82,7 +84,7 @@ def test_narrow_writes_only_the_real_columns(d):
     padded = _padded_regions(problem, "bwd")
     for name in grads:  # every column holds data, the padding ones too: only d of them may travel
         padded[f"{name}_padded"].copy_(torch.randn(padded[f"{name}_padded"].shape, generator=gen))
-    tensors = ie.with_strides(q=grads["dq"], k=grads["dk"], v=grads["dv"], out=grads["dq"], dout=grads["dq"],
+    tensors = ie.operands_of(q=grads["dq"], k=grads["dk"], v=grads["dv"], out=grads["dq"], dout=grads["dq"],
                               **grads, **padded)
     _, after, _ = head_padding.for_pass(problem, tensors, "bwd")
     assert [launch.args["Padded"] is padded[f"{n}_padded"] for launch, n in zip(after, grads)] == [True] * 3
@@ -107,7 +109,7 @@ def test_varlen_copies_leave_rows_outside_every_sequence_alone():
     out_wide = torch.full((pos, h, 8), SENTINEL, dtype=torch.float16)
     padded = _padded_regions(problem, "fwd")
     padded["out_padded"].copy_(torch.randn(padded["out_padded"].shape, generator=gen))
-    tensors = ie.with_strides(q=q, k=q, v=q, out=out_wide[..., :d], cu_seqlens_q=cu, cu_seqlens_k=cu,
+    tensors = ie.operands_of(q=q, k=q, v=q, out=out_wide[..., :d], cu_seqlens_q=cu, cu_seqlens_k=cu,
                               seqstart_q=seqstart, seqstart_k=seqstart, **padded)
     before, after, _ = head_padding.for_pass(problem, tensors, "fwd")
     assert before[0].grid == (-(-130 * h // head_padding.PAD_TILE.block_m), len(lens), 1)
@@ -128,10 +130,10 @@ def test_varlen_copies_leave_rows_outside_every_sequence_alone():
 def test_no_padding_for_head_dims_that_are_multiples_of_8():
     problem = AttentionProblem(2, 40, 40, 4, 2, 40, 8, "fp16")
     x = torch.zeros(2, 40, 4, 40, dtype=torch.float16)
-    tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x)
+    tensors = ie.operands_of(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x)
     for pass_name in ("fwd", "bwd"):
         assert layout.padded_tensors(problem, pass_name) == []
-        assert head_padding.for_pass(problem, tensors, pass_name) == ([], [], {})
+        assert head_padding.for_pass(problem, tensors, pass_name) == ([], [], tensors)
     assert pp.fwd_scratch(problem).total_bytes == 0
     assert [r.name for r in pp.bwd_workspace(problem, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "lse2", "dq_acc"]
 
@@ -164,7 +166,7 @@ def test_padding_plan_needs_the_padded_buffers():
     problem = AttentionProblem(1, 16, 16, 1, 1, 5, 5, "fp16")
     x = torch.zeros(1, 16, 1, 5, dtype=torch.float16)
     with pytest.raises(FmhaValueError, match="q_padded"):
-        head_padding.for_pass(problem, ie.with_strides(q=x, k=x, v=x, out=x), "fwd")
+        head_padding.for_pass(problem, ie.operands_of(q=x, k=x, v=x, out=x), "fwd")
 
 
 # ------------------------------------------------------------------------------------- alignment
@@ -220,12 +222,10 @@ def _pointers_with_strides(problem):
     """Device-address stand-ins for a batched call's arrays, rows 5 * H elements apart."""
     sq, sk, hq, hk = problem.seqlen_q, problem.seqlen_k, problem.heads_q, problem.heads_k
     d = problem.head_dim_qk
-    tensors = {}
+    tensors = Operands(lse=Operand("lse", Pointer(0x90000000), (hq * sq, sq, 1)))
     for i, (name, s, h) in enumerate((("q", sq, hq), ("k", sk, hk), ("v", sk, hk), ("out", sq, hq), ("dout", sq, hq),
                                       ("dq", sq, hq), ("dk", sk, hk), ("dv", sk, hk))):
-        tensors[name] = Pointer(0x10000000 * (i + 1) + 2)
-        tensors[f"{name}_strides"] = (s * h * d, h * d, d, 1)
-    tensors["lse"], tensors["lse_strides"] = Pointer(0x90000000), (hq * sq, sq, 1)
+        setattr(tensors, name, Operand(name, Pointer(0x10000000 * (i + 1) + 2), (s * h * d, h * d, d, 1)))
     return tensors
 
 
@@ -235,29 +235,31 @@ def test_forward_integration_substitutes_the_scratch_regions():
     scratch = pp.fwd_scratch(problem)
     assert scratch.total_bytes > 0 and not scratch.needs_zeroing
     regions = {r.name: r for r in scratch.regions}
-    tensors.update({name: Pointer(0xA0000000 + r.offset) for name, r in regions.items()})
+    tensors.regions.update({name: Pointer(0xA0000000 + r.offset) for name, r in regions.items()})
     padding = head_padding.for_pass(problem, tensors, "fwd")
     assert [launch.variant for launch in padding.before] == ["fmha_pad_widen_bf16"] * 3
     assert [launch.variant for launch in padding.after] == ["fmha_pad_narrow_bf16"]
-    assert padding.substitutes["q"] is tensors["q_padded"] and padding.substitutes["out"] is tensors["out_padded"]
-    assert padding.substitutes["q"].address == 0xA0000000 + regions["q_padded"].offset
-    (fwd,) = pp.plan_fwd(problem, "sm_90", {**tensors, **padding.substitutes})
-    assert fwd.args["Q"] is padding.substitutes["q"] and fwd.args["stride_q_s"] == 4 * 8
-    assert fwd.args["Lse"] is tensors["lse"]  # lse has no head dim: written in place
-    assert padding.after[0].args["UnalignedArray"] is tensors["out"]
+    planned = padding.operands
+    assert planned.q.pointer is tensors.regions["q_padded"] and planned.out.pointer is tensors.regions["out_padded"]
+    assert planned.q.pointer.address == 0xA0000000 + regions["q_padded"].offset
+    (fwd,) = pp.plan_fwd(problem, "sm_90", planned)
+    assert fwd.args["Q"] is planned.q.pointer and fwd.args["stride_q_s"] == 4 * 8
+    assert fwd.args["Lse"] is tensors.lse.pointer  # lse has no head dim: written in place
+    assert padding.after[0].args["UnalignedArray"] is tensors.out.pointer
     # Nothing to pad: no scratch, nothing added.
     plain = AttentionProblem(2, 64, 80, 4, 2, 8, 8, "bf16")
     assert pp.fwd_scratch(plain).regions == () and pp.fwd_scratch(plain).total_bytes == 0
-    assert head_padding.for_pass(plain, tensors, "fwd") == ([], [], {})
+    assert head_padding.for_pass(plain, tensors, "fwd") == ([], [], tensors)
 
 
 def test_backward_integration_uses_the_workspace_regions():
     problem = AttentionProblem(1, 48, 48, 2, 2, 13, 13, "fp16")
     tensors = _pointers_with_strides(problem)
     workspace = pp.bwd_workspace(problem, "sm_90")
-    tensors.update({r.name: Pointer(0xB0000000 + r.offset) for r in workspace.regions})
+    tensors.regions.update({r.name: Pointer(0xB0000000 + r.offset) for r in workspace.regions})
     padding = head_padding.for_pass(problem, tensors, "bwd")
-    assert [launch.args["UnalignedArray"] for launch in padding.before] == [tensors[n] for n in ("q", "k", "v", "out", "dout")]
-    assert [launch.args["UnalignedArray"] for launch in padding.after] == [tensors[n] for n in ("dq", "dk", "dv")]
-    launches = pp.plan_bwd(problem, "sm_90", {**tensors, **padding.substitutes})
-    assert all(tensors[n] not in launch.args.values() for launch in launches for n in ("q", "dout", "dq"))
+    t = tensors
+    assert [launch.args["UnalignedArray"] for launch in padding.before] == [o.pointer for o in (t.q, t.k, t.v, t.out, t.dout)]
+    assert [launch.args["UnalignedArray"] for launch in padding.after] == [o.pointer for o in (t.dq, t.dk, t.dv)]
+    launches = pp.plan_bwd(problem, "sm_90", padding.operands)
+    assert all(o.pointer not in launch.args.values() for launch in launches for o in (t.q, t.dout, t.dq))

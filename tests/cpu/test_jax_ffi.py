@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import fmha_rt.jax as fj
 from fmha_rt import _shim, reference
-from fmha_rt.replay import xla_program
+from fmha_rt.replay import program as program_model, xla_program
 from fmha_rt.runtime import kernel_launch
 from fmha_rt.plan import portable, v3
 from fmha_rt.plan.args import Launch
@@ -117,8 +117,8 @@ def test_register_targets_for_gpu_platforms():
 def test_program_round_trips(name, build):
     program = build(PROBLEMS[name], ARCH)
     words = program.encode()
-    assert words.dtype == np.int64 and words[0] == xla_program.MAGIC
-    decoded = xla_program.LaunchProgram.decode(words)
+    assert words.dtype == np.int64 and words[0] == program_model.MAGIC
+    decoded = program_model.LaunchProgram.decode(words)
     assert (decoded.label, decoded.operands, decoded.zero_fills, decoded.launches) == \
         (program.label, program.operands, program.zero_fills, program.launches)
     assert [(b.dtype, b.nbytes) for b in decoded.buffers] == [(b.dtype, b.nbytes) for b in program.buffers]
@@ -126,15 +126,15 @@ def test_program_round_trips(name, build):
 
 
 def _plan(build, p):
-    """The plan the program was built from, with the same placeholder tensors."""
+    """The plan the program was built from, with the same placeholder operands."""
     program = build(p, ARCH)
-    tensors = xla_program.placeholder_tensors(program.buffers)
+    operands = xla_program.placeholder_operands(program.buffers)
     if build is xla_program.backward:
         ws = portable.bwd_workspace(p, ARCH)
         for region in ws.regions:
-            tensors[region.name] = xla_program.placeholder(len(program.buffers) - 1, region.offset)
-        return program, portable.plan_bwd(p, ARCH, tensors)
-    return program, portable.plan_fwd(p, ARCH, tensors)
+            operands.regions[region.name] = xla_program.placeholder(len(program.buffers) - 1, region.offset)
+        return program, portable.plan_bwd(p, ARCH, operands)
+    return program, portable.plan_fwd(p, ARCH, operands)
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
@@ -197,7 +197,7 @@ def test_a_forward_the_v3_family_serves_takes_its_descriptors_in_a_workspace_res
     assert aligns["global_scratch"] == (len(program.buffers) - 1, region.offset, v3.GLOBAL_SCRATCH_ALIGN)
     assert entry.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
     assert {a for name, (_, _, a) in aligns.items() if name != "global_scratch"} == {16}
-    decoded = xla_program.LaunchProgram.decode(program.encode())
+    decoded = program_model.LaunchProgram.decode(program.encode())
     assert decoded.launches == program.launches
 
 
@@ -206,7 +206,7 @@ def test_without_the_v3_family_the_same_forward_has_no_workspace(monkeypatch):
     program = xla_program.forward(V3_FORWARD, ARCH)
     assert [b.name for b in program.results] == ["out", "lse"]
     assert [launch.key for launch in program.launches] == [portable.plan_fwd(
-        V3_FORWARD, ARCH, xla_program.placeholder_tensors(program.buffers))[0].variant]
+        V3_FORWARD, ARCH, xla_program.placeholder_operands(program.buffers))[0].variant]
 
 
 def test_lowering_of_a_v3_forward_returns_out_alone(pretend_gpu):
@@ -312,7 +312,7 @@ def test_handler_refuses_malformed_programs(cpu_probe):
     assert "does not start with the launch program magic" in cpu_probe(program, bad_magic)
     assert "truncated" in cpu_probe(program, words[:-1])
     assert "words past its end" in cpu_probe(program, np.append(words, 0))
-    bad_grid = xla_program.LaunchProgram.decode(words)
+    bad_grid = program_model.LaunchProgram.decode(words)
     launch = bad_grid.launches[0]
     zero_grid = launch.__class__(launch.key, (0, 1, 1), launch.block, launch.shared, launch.template, launch.patches)
     assert "out of range" in cpu_probe(program, bad_grid.__class__(

@@ -25,12 +25,13 @@ from fmha_rt.arrays import Arg
 from fmha_rt.call import HostSeqlens
 from fmha_rt import call_keys
 from fmha_rt.runtime import executor, kernel_launch
-from fmha_rt.replay import plan_cache
+from fmha_rt.replay import plan_cache, program as program_model, xla_program
 from fmha_rt.plan import portable
 from fmha_rt.runtime import registry as registry_module
 from fmha_rt.runtime.backend import ffi, lib
 from fmha_rt.errors import DriverError, FmhaTypeError, FmhaValueError
 from fmha_rt.runtime.packing import Pointer
+from fmha_rt.plan.problem import AttentionProblem
 
 from fake_gpu import FakeGpuArray, StandInRuntime
 
@@ -413,7 +414,7 @@ def test_overlap_alignment_and_workspace_errors_on_a_hit_launch_and_write_nothin
     with pytest.raises(FmhaValueError, match="bytes, .* are needed"):
         fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv,
                         workspace_alloc=lambda n, z: rt.workspace(8))
-    assert hits() == 6 and all(type(description) is bytes for _, description in call_keys.PLANS._plans), \
+    assert hits() == 6 and all(type(description) is bytes for (_, description), _ in call_keys.PLANS.plans()), \
         "the arrays were described by their CUDA Array Interface"
     assert driver.take() == [] and rt.memsets == []
     for array in (x.out, x.lse, x.dq, x.dk, x.dv, aliased):
@@ -527,6 +528,46 @@ def test_sixteen_threads_each_launch_their_own_pointers(monkeypatch, rt, driver)
     assert hits() == 16 * 20 * 2
 
 
+def _launch_shape(program):
+    """What a program launches, whatever its values are numbered by: kernel, grid, block, shared bytes
+    and the template bytes that are patched per call."""
+    return [(launch.key, launch.grid, launch.block, launch.shared, [(p.arg_offset, p.align) for p in launch.patches])
+            for launch in program.launches]
+
+
+def test_a_plan_keeps_the_launch_program_jax_serialises_loaded_once_by_the_shim(rt, driver):
+    x = Inputs(rt, hk=2)  # GQA, deterministic: a dQ pass writing Delta and Lse2 into the workspace, then dK/dV
+    warm(bwd(x, deterministic=True))
+    ((_, plan),) = call_keys.PLANS.plans()
+    program = plan.launch_program
+    assert isinstance(program, program_model.LaunchProgram) and program.workspace == plan.index[plan_cache.WORKSPACE]
+    decoded = program_model.LaunchProgram.decode(program.encode())
+    assert (decoded.launches, decoded.zero_fills, decoded.overlaps, decoded.workspace, decoded.workspace_bytes) == \
+        (program.launches, program.zero_fills, program.overlaps, program.workspace, program.workspace_bytes)
+    assert plan.loaded.templates() == [launch.template for launch in program.launches]
+    assert plan.program.launch_count == len(program.launches) == len(plan.keys)
+    assert plan.program.patch_count == sum(len(launch.patches) for launch in program.launches)
+    assert len(program.launches) == 2 and program.workspace_bytes == plan.workspace_bytes > 0
+    # the program fmha_rt.jax builds for the same problem launches the same kernels on the same slots
+    problem = AttentionProblem(B, S, S, H, 2, D, D, "fp16", deterministic=True)
+    assert _launch_shape(xla_program.backward(problem, "sm_90")) == _launch_shape(program)
+    bwd(x, deterministic=True)()
+    assert hits() == 1 and plan.loaded.templates() == [launch.template for launch in program.launches]
+
+
+def test_the_shim_refuses_a_program_beyond_its_buffers_or_values(rt, driver):
+    problem = AttentionProblem(B, S, S, H, H, D, D, "fp16", deterministic=True)
+    program = xla_program.backward(problem, "sm_90")
+    launch = program.launches[0]
+    stray = dataclasses.replace(launch.patches[0], value=len(program.buffers))
+    beyond = dataclasses.replace(program, launches=(dataclasses.replace(launch, patches=(stray,)),))
+    with pytest.raises(FmhaValueError, match="malformed: it is truncated or holds a value out of range"):
+        program_model.LoadedProgram(beyond, 0, [ffi.NULL], 0)
+    fill = program_model.ZeroFill(0, program.buffers[0].nbytes - 8, 16)
+    with pytest.raises(FmhaValueError, match="a zeroed region lies outside its buffer"):
+        program_model.LoadedProgram(dataclasses.replace(program, zero_fills=(fill,)), 0, [ffi.NULL] * 3, 0)
+
+
 def test_the_cache_keeps_the_most_recently_used_plans(monkeypatch, rt, driver):
     monkeypatch.setattr(call_keys, "PLANS", plan_cache.PlanCache(capacity=4))
     x = Inputs(rt)
@@ -555,7 +596,7 @@ def test_signatures_seen_once_are_not_recorded_and_evict_nothing(monkeypatch, rt
     fwd(x)()
     info = fmha_rt.plan_cache_info()
     assert info["hits"] == 2 and info["entries"] == 2
-    assert len(call_keys.PLANS._seen) <= 4 * 2
+    assert call_keys.PLANS.pending <= 4 * 2
 
 
 def test_clear_plan_cache(rt, driver):
@@ -612,14 +653,17 @@ def test_a_replay_reentered_from_its_own_launch_writes_each_calls_values(monkeyp
     warm(fwd(inner))
     driver.take()
     call_inside_first_launch(monkeypatch, driver, fwd(inner))
-    templates = [entry[0].replay_program.templates for entry in call_keys.PLANS._plans.values()]
-    before = [bytes(ffi.buffer(t)) for program in templates for t in program]
+    def templates():
+        return [plan.loaded.templates() for _, plan in call_keys.PLANS.plans()]
+
+    before = templates()
+    assert before and all(before), "the plans' templates as the shim loaded them"
     bwd(outer, deterministic=True)()
     (dq_kernel, inside, dkdv) = [unpack(key, packed) for key, _, packed, _ in driver.take()]
     assert dq_kernel["Q"] == outer.q.ptr and dq_kernel["dQ"] == outer.dq.ptr
     assert inside["Q"] == inner.q.ptr and inside["Out"] == inner.out.ptr
     assert dkdv["Q"] == outer.q.ptr and dkdv["dK"] == outer.dk.ptr and dkdv["dV"] == outer.dv.ptr
-    assert before == [bytes(ffi.buffer(t)) for program in templates for t in program], \
+    assert before == templates(), \
         "a replay never writes into the plan's templates"
 
 

@@ -5,6 +5,7 @@ blocks and exercise the mask-free / boundary split. Inputs are fp16 (the interpr
 Outputs are poisoned with NaN before each run; every element a kernel owns must be written. Errors are
 bounded for the whole tensor, per head and per row.
 """
+import dataclasses
 import importlib
 import json
 import math
@@ -214,7 +215,7 @@ def test_one_launch_backward_matches_reference(heads, window, bottom_right):
                                bottom_right=bottom_right)
     assert pp.dq_strategy(problem, pp.INTERPRET_ARCH) == pp.DQ_SINGLE
     x = torch.zeros(b, sq, hq, d)
-    tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(b, hq, sq), delta=x, lse2=x)
+    tensors = ie.operands_of(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(b, hq, sq), delta=x, lse2=x)
     assert [launch.variant for launch in pp.plan_bwd(problem, pp.INTERPRET_ARCH, tensors)] == [
         pp.fused_key("fp16", (64, 64), pp.BIAS_NONE, False, hq == hk and pp.single_head_dkdv(pp.INTERPRET_ARCH, (64, 64)),
                      pp.DQ_SINGLE)], "one launch"
@@ -415,11 +416,11 @@ def test_plans_pick_head_dim_tiles_and_reject_unaligned_strides():
     assert abi.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 96, 96, "fp16")) == (128, 128)
     assert abi.head_dim_tiles(AttentionProblem(1, 8, 8, 1, 1, 64, 128, "fp16")) == (128, 128)
     q = torch.zeros(1, 64, 2, 192, dtype=torch.float16)
-    tensors = ie.with_strides(q=q, k=q, v=q[..., :128], out=q[..., :128], lse=torch.zeros(1, 2, 64))
+    tensors = ie.operands_of(q=q, k=q, v=q[..., :128], out=q[..., :128], lse=torch.zeros(1, 2, 64))
     (launch,) = pp.plan_fwd(problem, "sm_90", tensors)
     assert launch.variant == "fmha_fwd_bf16_d256v128_nobias_nodrop" and launch.grid == (1, 2, 1)
     assert launch.args["head_dim_qk_div8"] == 24 and launch.args["stride_q_s"] == 384
-    tensors["k_strides"] = (64 * 2 * 190, 2 * 190, 190, 1)
+    tensors.k = dataclasses.replace(tensors.k, strides=(64 * 2 * 190, 2 * 190, 190, 1))
     with pytest.raises(FmhaValueError, match="multiple of 8"):
         pp.plan_fwd(problem, "sm_90", tensors)
 
@@ -437,7 +438,7 @@ def test_short_key_forward_takes_the_two_programs_per_sm_tile():
             inputs["bias"] = torch.zeros(1, 1, 1000, sk)
         if kw.get("dropout_p"):
             inputs.update(philox_seed=1, philox_offset=0)
-        (launch,) = pp.plan_fwd(problem, arch, ie.with_strides(**inputs))
+        (launch,) = pp.plan_fwd(problem, arch, ie.operands_of(**inputs))
         return launch
 
     short = pp.SHORT_FWD_TILES["sm_90"][(128, 128)]
@@ -488,14 +489,14 @@ def test_fused_backward_is_chosen_where_it_measured_faster():
         pp.dq_strategy(AttentionProblem(1, 64, 64, 2, 2, 128, 128, "bf16", alibi="H"), "sm_90", pp.DQ_FUSED)
     problem = AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16")
     x = torch.zeros(2, long, 4, 128, dtype=torch.float16)
-    tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 512),
+    tensors = ie.operands_of(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 512),
                               delta=x, lse2=x)
     assert [launch.variant for launch in pp.plan_bwd(problem, "sm_90", tensors)] == [
         "fmha_bwd_preprocess_bf16_v128", "fmha_bwd_fused_bf16_d128_nobias_nodrop_mha"]
     assert pp.bwd_workspace(problem, "sm_90").dq_splits == 0
     gqa = AttentionProblem(2, 512, long, 4, 2, 128, 128, "bf16")
     kv = torch.zeros(2, long, 2, 128, dtype=torch.float16)
-    tensors = ie.with_strides(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(2, 4, 512),
+    tensors = ie.operands_of(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(2, 4, 512),
                               delta=x, lse2=x)
     (_, fused) = pp.plan_bwd(gqa, "sm_90", tensors)
     assert fused.variant == "fmha_bwd_fused_bf16_d128_nobias_nodrop" and fused.grid == (long // 128 + 2 * 512 // 128, 2, 2)
@@ -507,7 +508,7 @@ def test_plan_grids_agree_with_the_variants_tiles(arch):
     x = torch.zeros(2, 300, 4, 128, dtype=torch.float16)
     for extra in ({}, {"bias_shape": "1HSS", "bias_grad": True}, {"alibi": "H", "dropout_p": 0.1}):
         problem = AttentionProblem(2, 300, 300, 4, 4, 128, 128, "fp16", **extra)
-        tensors = ie.with_strides(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 300),
+        tensors = ie.operands_of(q=x, k=x, v=x, out=x, dout=x, dq=x, dk=x, dv=x, lse=torch.zeros(2, 4, 300),
                                   bias=torch.zeros(1, 4, 300, 304)[..., :300], dbias=torch.zeros(1, 4, 300, 304),
                                   alibi=torch.zeros(4), philox_seed=1, delta=x, lse2=x, ds=x)
         for launch in pp.plan_fwd(problem, arch, tensors) + pp.plan_bwd(problem, arch, tensors):
@@ -529,7 +530,7 @@ def test_dkdv_drops_its_query_head_loop_where_one_query_head_shares_each_key_hea
     for d, hq, hk in ((64, 4, 4), (128, 4, 4), (128, 4, 2), (128, 4, 1), (256, 4, 4)):
         x, kv = torch.zeros(1, 64, hq, d, dtype=torch.float16), torch.zeros(1, 64, hk, d, dtype=torch.float16)
         problem = AttentionProblem(1, 64, 64, hq, hk, d, d, "fp16")
-        tensors = ie.with_strides(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(1, hq, 64),
+        tensors = ie.operands_of(q=x, k=kv, v=kv, out=x, dout=x, dq=x, dk=kv, dv=kv, lse=torch.zeros(1, hq, 64),
                                   delta=x, lse2=x)
         (dkdv,) = [launch for launch in pp.plan_bwd(problem, arch, tensors, pp.DQ_DETERMINISTIC) if "dkdv" in launch.variant]
         single = hq == hk and arch in pp.DKDV_SINGLE_HEAD and (d, d) not in pp.DKDV_FLAT_LOOP.get(arch, ())

@@ -42,7 +42,7 @@ def test_the_committed_tree_passes():
     planned = sum(e.family in ("portable", "v3") for e in entries)
     lines, ok = check_sources(ROOT, entries, SIGNATURES, SCRATCH_POINTERS)
     assert ok and len(lines) == 1 and lines[0].startswith("source ABI checks: all pass ("), lines
-    assert f", 5 launch-program constants, {planned} planned kernel signatures against the manifest)" in lines[0]
+    assert f", 7 launch-program constants, {planned} planned kernel signatures against the manifest)" in lines[0]
     assert planned > 600
 
 
@@ -53,14 +53,14 @@ def test_every_planted_source_mismatch_is_named(tmp_path):
     plant(root / "fmha_rt" / "runtime" / "backend.py", "return ffi.string(lib.fmha_last_error())",
           "return ffi.string(lib.fmha_last_errors())")
     plant(root / "fmha_rt" / "csrc" / "xla_ffi.c", "p->label, fmha_last_error());", "p->label, fmha_last_error(0));")
-    plant(root / "fmha_rt" / "csrc" / "xla_ffi.c", "#define PROGRAM_FORMAT 2", "#define PROGRAM_FORMAT 3")
+    plant(root / "fmha_rt" / "csrc" / "program.h", "#define PROGRAM_FORMAT 3", "#define PROGRAM_FORMAT 4")
     lines, ok = check_sources(root, kernels(), SIGNATURES, SCRATCH_POINTERS)
     assert not ok and lines[0].startswith("source ABI checks: 4 FAIL ("), lines
     assert sorted(lines[1:]) == sorted([
         "  FAIL fmha_rt/runtime/backend.py:54: fmha_last_errors is not declared in include/fmha_rt.h",
         "  FAIL fmha_rt/runtime/backend.py:82: fmha_device_get_info with 3 argument(s); include/fmha_rt.h declares 2",
-        "  FAIL fmha_rt/csrc/xla_ffi.c:286: fmha_last_error with 1 argument(s); include/fmha_rt.h declares 0",
-        "  FAIL launch program: fmha_rt/replay/xla_program.py FORMAT = 0x2 but fmha_rt/csrc/xla_ffi.c PROGRAM_FORMAT = 0x3",
+        "  FAIL fmha_rt/csrc/xla_ffi.c:151: fmha_last_error with 1 argument(s); include/fmha_rt.h declares 0",
+        "  FAIL launch program: fmha_rt/replay/program.py FORMAT = 0x3 but fmha_rt/csrc/program.h PROGRAM_FORMAT = 0x4",
     ])
 
 
@@ -100,14 +100,14 @@ def test_a_manifest_parameter_that_the_plan_does_not_pack_is_caught():
 def test_the_command_exits_1_naming_a_planted_mismatch(tmp_path, planted):
     root = source_copy(tmp_path)
     if planted:
-        plant(root / "fmha_rt" / "replay" / "xla_program.py", "MAX_LAUNCHES = 16", "MAX_LAUNCHES = 17")
+        plant(root / "fmha_rt" / "replay" / "program.py", "MAX_LAUNCHES = 16", "MAX_LAUNCHES = 17")
     env = dict(os.environ, PYTHONPATH=str(root), FMHA_RT_ASM_DIR=str(ROOT / "hsa"))
     done = subprocess.run([sys.executable, "-m", "fmha_rt", "check"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert "Traceback" not in done.stderr, done.stderr
     if planted:
         assert done.returncode == 1 and done.stdout.splitlines()[-1] == (
-            "  FAIL launch program: fmha_rt/replay/xla_program.py MAX_LAUNCHES = 0x11"
-            " but fmha_rt/csrc/xla_ffi.c MAX_LAUNCHES = 0x10")
+            "  FAIL launch program: fmha_rt/replay/program.py MAX_LAUNCHES = 0x11"
+            " but fmha_rt/csrc/program.h MAX_LAUNCHES = 0x10")
     else:
         assert done.returncode == 0 and "source ABI checks: all pass" in done.stdout, done.stdout

@@ -12,6 +12,7 @@ from fmha_rt.runtime import backend, executor
 from fmha_rt.plan import dispatch, portable as pp, v3
 from fmha_rt.plan import abi
 from fmha_rt.errors import FmhaValueError
+from fmha_rt.plan.operands import Operand, Operands
 from fmha_rt.plan.problem import AttentionProblem
 from fmha_rt.runtime.registry import SCRATCH_POINTERS, registry
 
@@ -182,20 +183,28 @@ def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
 
 def test_plan_is_the_portable_launch_with_the_v3_kernel_and_the_descriptors(v3_on):
     p = problem(window_right=0)
-    tensors = {name: pp_pointer(i) for i, name in enumerate(("q", "k", "v", "out", "lse", v3.DESCRIPTOR_REGION))}
-    tensors.update(q_strides=(300 * 8 * 128, 8 * 128, 128, 1), out_strides=(300 * 8 * 128, 8 * 128, 128, 1),
-                   k_strides=(300 * 2 * 128, 2 * 128, 128, 1), v_strides=(300 * 2 * 128, 2 * 128, 128, 1),
-                   lse_strides=(8 * 300, 300, 1))
+    rows, kv_rows = (300 * 8 * 128, 8 * 128, 128, 1), (300 * 2 * 128, 2 * 128, 128, 1)
+    strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * 300, 300, 1)}
+    tensors = pointed_operands(strides, [v3.DESCRIPTOR_REGION])
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
     (portable,) = pp.plan_fwd(p, "sm_90", tensors)
     assert launch.variant == v3.fwd_key("bf16", (128, 128))
     assert launch.grid == (3, 8, 2)
-    assert launch.args == {**portable.args, "global_scratch": tensors[v3.DESCRIPTOR_REGION]}
+    assert launch.args == {**portable.args, "global_scratch": tensors.regions[v3.DESCRIPTOR_REGION]}
     assert dispatch.plan_fwd(problem(seqlen_q=0, window_right=0), "sm_90", tensors) == []
 
 
 def pp_pointer(i):
     return fmha_rt.Pointer(0x7F0000000000 + (i << 24))
+
+
+def pointed_operands(strides: dict, regions) -> Operands:
+    """Operands of distinct stand-in addresses: the arrays of `strides` (name -> strides), then `regions`."""
+    operands = Operands()
+    for i, (name, st) in enumerate(strides.items()):
+        setattr(operands, name, Operand(name, pp_pointer(i), st))
+    operands.regions.update({name: pp_pointer(len(strides) + i) for i, name in enumerate(regions)})
+    return operands
 
 
 def allocations_of(rt, monkeypatch):
@@ -329,11 +338,10 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
 def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     p = problem(window_right=0)  # GQA 8/2
     workspace = dispatch.bwd_workspace(p, "sm_90")
-    names = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv") + tuple(r.name for r in workspace.regions)
-    tensors = {name: pp_pointer(i) for i, name in enumerate(names)}
     rows, kv_rows = (300 * 8 * 128, 8 * 128, 128, 1), (300 * 2 * 128, 2 * 128, 128, 1)
-    tensors.update({f"{n}_strides": rows for n in ("q", "out", "dout", "dq")}, lse_strides=(8 * 300, 300, 1))
-    tensors.update({f"{n}_strides": kv_rows for n in ("k", "v", "dk", "dv")})
+    strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * 300, 300, 1), "dout": rows,
+               "dq": rows, "dk": kv_rows, "dv": kv_rows}
+    tensors = pointed_operands(strides, [r.name for r in workspace.regions])
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
     assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
                                                        v3.dkdv_key("bf16", (128, 128)),
@@ -343,9 +351,9 @@ def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     portable = pp.plan_bwd(p, pp.INTERPRET_ARCH, tensors, pp.DQ_ATOMIC)
     assert [r.name for r in pp.bwd_workspace(p, pp.INTERPRET_ARCH, pp.DQ_ATOMIC).regions] == ["delta", "lse2", "dq_acc"]
     for launch, twin in zip(launches, portable):
-        assert launch.args == {**twin.args, **({"global_scratch": tensors[v3.DESCRIPTOR_REGION]}
+        assert launch.args == {**twin.args, **({"global_scratch": tensors.regions[v3.DESCRIPTOR_REGION]}
                                                if launch.variant.startswith("fmha_bwd_dkdv") else {})}
-    assert launches[1].grid == (3, 2, 2) and launches[1].args["DqAcc"] is tensors["dq_acc"]  # a program per kv head
+    assert launches[1].grid == (3, 2, 2) and launches[1].args["DqAcc"] is tensors.regions["dq_acc"]  # a program per kv head
     assert launches[1].args["kv_group_size"] == 4
 
 
