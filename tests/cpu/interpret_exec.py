@@ -18,7 +18,7 @@ import torch.multiprocessing
 from fmha_rt.plan import portable as pp
 from fmha_rt.plan import head_padding
 
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i32": torch.int32}
 _POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
                    "*i64": torch.int64, "*u8": torch.uint8}
 _RUN_TIMEOUT_S = 600
