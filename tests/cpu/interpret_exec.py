@@ -143,16 +143,19 @@ def forward(problem, inputs, arch=pp.INTERPRET_ARCH, out=None):
     return out, lse
 
 
-def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strategy=None, grads=None):
-    """Returns (dq, dk, dv, dbias or None), outputs poisoned with NaN before the run (or `grads` as given)."""
+def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strategy=None, grads=None, workspace=None):
+    """Returns (dq, dk, dv, dbias or None), outputs poisoned with NaN before the run (or `grads` as given).
+    `workspace`, a dict when given, receives the workspace regions' views as the kernels left them."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     if grads is None:
         grads = {"dq": poisoned(q.shape, q.dtype), "dk": poisoned(k.shape, k.dtype), "dv": poisoned(v.shape, v.dtype)}
     if problem.bias_grad:
         grads["dbias"] = poisoned(inputs["bias"].shape, inputs["bias"].dtype)
-    workspace = pp.bwd_workspace(problem, arch, dq_strategy)
+    regions = scratch_tensors(pp.bwd_workspace(problem, arch, dq_strategy))
+    if workspace is not None:
+        workspace.update(regions)
     tensors = with_strides(**inputs, **grads, out=out, lse=lse, dout=dout)
-    tensors.update(scratch_tensors(workspace))
+    tensors.update(regions)
     run_padded(lambda t: pp.plan_bwd(problem, arch, t, dq_strategy), problem, tensors, "bwd", arch)
     return grads["dq"], grads["dk"], grads["dv"], grads.get("dbias")
 

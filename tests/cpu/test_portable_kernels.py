@@ -101,6 +101,15 @@ MASK_CASES = {
     "fused_gqa_d64_causal_topleft": (1, 40, 56, 4, 2, 64, 64, (-1, 0), False, pp.DQ_FUSED),
     "fused_d128_causal_bottomright_sq_lt_sk": (2, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_FUSED),
     "fused_mqa_d32_sliding_window": (1, 45, 45, 3, 1, 32, 32, (7, 3), False, pp.DQ_FUSED),
+    # the ORDERED strategy: the persistent dK/dV pass adding dQ in key-block order (test_ordered_dq.py)
+    "ordered_mha_d64_nomask": (2, 48, 40, 2, 2, 64, 64, (-1, -1), False, pp.DQ_ORDERED),
+    "ordered_gqa_d40_causal_topleft": (1, 40, 56, 4, 2, 40, 40, (-1, 0), False, pp.DQ_ORDERED),
+    "ordered_mqa_d8_causal_bottomright_sq_gt_sk": (1, 56, 40, 3, 1, 8, 8, (-1, 0), True, pp.DQ_ORDERED),
+    "ordered_d128_causal_bottomright_sq_lt_sk": (1, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_ORDERED),
+    "ordered_d192_v128_sliding_window": (1, 45, 45, 2, 1, 192, 128, (7, 3), False, pp.DQ_ORDERED),
+    "ordered_gqa_d256_causal_flat_dkdv_loop": (1, 40, 48, 4, 2, 256, 256, (-1, 0), False, pp.DQ_ORDERED),
+    "ordered_d16_narrow_window_rows_masked": (1, 40, 20, 2, 2, 16, 16, (2, 1), False, pp.DQ_ORDERED),
+    "ordered_padded_d13_left_window_bottomright": (1, 50, 40, 2, 2, 13, 13, (16, -1), True, pp.DQ_ORDERED),
 }
 
 
@@ -179,12 +188,14 @@ def test_dropout_matches_reference_given_the_kernel_mask():
     _check_fwd_bwd(problem, inputs, gen, ref_extra={"dropout_p": DROP_P, "dropout_keep": keep})
 
 
+@pytest.mark.parametrize("strategy", [pp.DQ_FUSED, pp.DQ_ORDERED])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("extra", [{"bias_shape": "1HSS", "bias_grad": True}, {"alibi": "BH"},
                                    {"dropout_p": DROP_P}], ids=["bias", "alibi", "dropout"])
-def test_fused_backward_matches_reference_with_every_score_term(extra, heads):
+def test_fused_and_ordered_backwards_match_reference_with_every_score_term(extra, heads, strategy):
     """The FUSED strategy's dK/dV and dQ programs with each score term, in both forms of its key-block
-    programs (GQA: one loop over the group's (head, block) steps; MHA: the nest of one head)."""
+    programs (GQA: one loop over the group's (head, block) steps; MHA: the nest of one head); the ORDERED
+    strategy's persistent dK/dV pass likewise (GQA: the loop over the group's heads; MHA: one head)."""
     (hq, hk), b, sq, sk, d = heads, 2, 36, 48, 32
     problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True,
                                **extra)
@@ -201,7 +212,7 @@ def test_fused_backward_matches_reference_with_every_score_term(extra, heads):
         philox = {"philox_seed": 321, "philox_offset": 8}
         inputs.update(philox)
         ref_extra.update(dropout_p=DROP_P, dropout_keep=ie.dropout_mask(problem, philox).numpy())
-    _check_fwd_bwd(problem, inputs, gen, ref_extra=ref_extra, strategy=pp.DQ_FUSED)
+    _check_fwd_bwd(problem, inputs, gen, ref_extra=ref_extra, strategy=strategy)
 
 
 @pytest.mark.parametrize("heads,window,bottom_right", [((4, 2), (-1, 0), True), ((3, 3), (9, 4), False),
@@ -287,7 +298,7 @@ def _varlen_case(gen, lens_q, lens_k, hq, hk, d, gaps):
 
 @pytest.mark.parametrize("d", [32, 13])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC, pp.DQ_FUSED])
+@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC, pp.DQ_FUSED, pp.DQ_ORDERED])
 def test_varlen_with_empty_and_single_row_sequences(padded, strategy, d):
     lens_q, lens_k = [0, 1, 37, 20, 9], [6, 0, 44, 20, 1]
     hq, hk = 4, 2
@@ -350,16 +361,15 @@ def test_varlen_with_dropout_and_alibi():
 
 
 def test_deterministic_backward_with_a_bias_gradient_matches_reference():
-    """The DETERMINISTIC strategy (dQ without atomics) with dbias. Whether its repeats are bitwise equal
+    """The DETERMINISTIC strategy (dQ by programs of its own, no accumulator) with dbias. Whether its repeats are bitwise equal
     is a GPU question (the interpreter runs programs one at a time): tests/gpu/test_determinism.py."""
     b, sq, sk, hq, hk, d = 1, 40, 40, 4, 1, 32
     problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0,
                                bias_shape="11SS", bias_grad=True, deterministic=True)
-    assert pp.bwd_workspace(problem, pp.INTERPRET_ARCH).dq_strategy == pp.DQ_DETERMINISTIC
     gen = _gen(60)
     bias = _randn(gen, 1, 1, sq, sk)
     inputs = dict(_inputs(gen, b, sq, sk, hq, hk, d, d), bias=bias)
-    _check_fwd_bwd(problem, inputs, gen, ref_extra={"bias": _np(bias)})
+    _check_fwd_bwd(problem, inputs, gen, ref_extra={"bias": _np(bias)}, strategy=pp.DQ_DETERMINISTIC)
 
 
 # ------------------------------------------------------------------------- planning and variants
