@@ -116,8 +116,9 @@ SIGNATURES = {
         NARROW_COLUMNS constexpr, WIDE_ROWS constexpr, WIDE_COLUMNS constexpr, WIDEN constexpr"""),
 }
 KERNEL_SOURCE = {
-    "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd", "fmha_bwd_dkdv_ordered": "bwd",
-    "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
+    "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
+    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd",
+    "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 
 # ------------------------------------------------------------------------------------------- tiles
