@@ -22,7 +22,12 @@ The ATOMIC strategy (built for the interpreter, and for any arch where it measur
 fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
 atomics, then fmha_bwd_dq_convert scaling that workspace into dQ, then fmha_bwd_dbias.
 
-Why a separate dQ kernel for the deterministic strategy: it is bitwise reproducible by construction
+The ORDERED strategy (what deterministic calls run, beyond SINGLE's problems) is the ATOMIC one with
+fmha_bwd_dkdv_ordered for the dK/dV pass: persistent programs take (key block, key head, batch entry) items
+by ticket, and each adds its dQ shares with plain loads and stores, in key-block order (dq_order.py), so it
+is deterministic with the 5 block products of the atomic form.
+
+Why a separate dQ kernel for the DETERMINISTIC strategy: it is bitwise reproducible by construction
 (each dQ tile has one owner that accumulates in a fixed order), independent of the number of
 multiprocessors and of streams, runs under the CPU interpreter (unlike a serialised in-place
 accumulation, it needs no program to wait for another), and needs no dQ workspace at all. Its cost is
