@@ -22,6 +22,7 @@ import interpret_exec as ie
 from fmha_rt.errors import FmhaValueError
 from fmha_rt.plan import portable as pp
 from fmha_rt.plan.problem import AttentionProblem
+from fmha_rt.runtime.registry import SCRATCH_POINTERS, Registry
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SEED = 33
@@ -157,3 +158,23 @@ def test_a_forced_program_count_must_be_a_positive_integer(value, monkeypatch):
     monkeypatch.setenv(pp.BWD_PROGRAMS_ENV, value)
     with pytest.raises(FmhaValueError, match=pp.BWD_PROGRAMS_ENV):
         pp.ordered_programs(_problem(), "sm_90")
+
+
+# -------------------------------------------------------------------------------------------- code objects
+
+
+@pytest.mark.parametrize("arch", pp.BUILD_ARCHS)
+def test_every_ordered_code_object_is_built_and_agrees_with_its_signature(arch):
+    """The manifest holds every variant of the ORDERED strategy (the persistent dK/dV pass, the pre-pass and
+    the conversion it runs) with the signature's parameters in order, and each binary's own parameter table
+    agrees with the manifest's layout (Registry.image refuses one that does not)."""
+    reg = Registry(REPO / "hsa")
+    wanted = [v for v in pp.variants(arch) if v["function"] == "fmha_bwd_dkdv_ordered"
+              or v["key"].startswith(("fmha_bwd_preprocess_", "fmha_bwd_dq_convert_"))]
+    assert len([v for v in wanted if v["function"] == "fmha_bwd_dkdv_ordered"]) >= 60
+    for variant in wanted:
+        entry = reg.entry(arch, variant["key"])
+        names = [n for n, kind in variant["signature"].items() if kind != "constexpr"] + list(SCRATCH_POINTERS)
+        assert [p.name for p in entry.params] == names, variant["key"]
+        assert entry.traits["dq_strategy"] == pp.DQ_ORDERED or variant["function"] != "fmha_bwd_dkdv_ordered"
+        reg.image(entry)
