@@ -101,16 +101,13 @@ MASK_CASES = {
     "fused_gqa_d64_causal_topleft": (1, 40, 56, 4, 2, 64, 64, (-1, 0), False, pp.DQ_FUSED),
     "fused_d128_causal_bottomright_sq_lt_sk": (2, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_FUSED),
     "fused_mqa_d32_sliding_window": (1, 45, 45, 3, 1, 32, 32, (7, 3), False, pp.DQ_FUSED),
-    # the ORDERED strategy: the persistent dK/dV pass adding dQ in key-block order (test_ordered_dq.py)
-    "ordered_mha_d64_nomask": (2, 48, 40, 2, 2, 64, 64, (-1, -1), False, pp.DQ_ORDERED),
-    "ordered_gqa_d40_causal_topleft": (1, 40, 56, 4, 2, 40, 40, (-1, 0), False, pp.DQ_ORDERED),
-    "ordered_mqa_d8_causal_bottomright_sq_gt_sk": (1, 56, 40, 3, 1, 8, 8, (-1, 0), True, pp.DQ_ORDERED),
-    "ordered_d128_causal_bottomright_sq_lt_sk": (1, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_ORDERED),
-    "ordered_d192_v128_sliding_window": (1, 45, 45, 2, 1, 192, 128, (7, 3), False, pp.DQ_ORDERED),
-    "ordered_gqa_d256_causal_flat_dkdv_loop": (1, 40, 48, 4, 2, 256, 256, (-1, 0), False, pp.DQ_ORDERED),
-    "ordered_d16_narrow_window_rows_masked": (1, 40, 20, 2, 2, 16, 16, (2, 1), False, pp.DQ_ORDERED),
-    "ordered_padded_d13_left_window_bottomright": (1, 50, 40, 2, 2, 13, 13, (16, -1), True, pp.DQ_ORDERED),
 }
+# the ORDERED strategy (the persistent dK/dV pass adding dQ in key-block order, test_ordered_dq.py) on the
+# shapes and masks of these cases
+MASK_CASES.update({f"ordered_{name}": MASK_CASES[name][:-1] + (pp.DQ_ORDERED,) for name in (
+    "mha_d64_nomask", "gqa_d40_causal_topleft", "mqa_d8_causal_bottomright_sq_gt_sk",
+    "d128_causal_bottomright_sq_lt_sk", "d192_v128_sliding_window", "gqa_d256_causal_flat_dkdv_loop",
+    "d16_narrow_window_rows_masked", "padded_mqa_d13_causal_bottomright", "d32_left_window_bottomright")})
 
 
 @pytest.mark.parametrize("case", sorted(MASK_CASES))
