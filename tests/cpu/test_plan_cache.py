@@ -40,9 +40,12 @@ B, S, H, D = 2, 64, 4, 64
 @pytest.fixture(autouse=True)
 def two_launch_backward(monkeypatch):
     """These problems are small enough for the one-launch backward; the tests here replay the two-kernel
-    one (dQ, then dK/dV: patched pointers in two launches, logging, per-stream buffers), except
-    test_one_launch_backward_hit_launches_what_an_uncached_call_launches, which sets the limit back."""
+    one (dQ, then dK/dV: patched pointers in two launches, logging, per-stream buffers), also for
+    deterministic calls, which would take the ORDERED strategy, except
+    test_one_launch_backward_hit_launches_what_an_uncached_call_launches, which sets the limit back, and
+    test_a_cached_ordered_backward_zeroes_its_accumulator_and_counters_every_call."""
     monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)
+    monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC", frozenset())
 
 
 def unpack(key, packed):
@@ -213,6 +216,25 @@ def test_allocated_outputs_and_workspace_get_this_calls_addresses(rt, driver):
         assert dkdv["dS"] == launched["fmha_bwd_dbias_fp16"]["dS"] > dkdv["Delta"]
         # the stand-in's memset fails outside its allocations: dS is in this call's workspace, zeroed again
         assert [(dev, ptr) for dev, ptr, _ in rt.memsets] == [(0, dkdv["dS"])]
+    assert hits() == 2
+
+
+def test_a_cached_ordered_backward_zeroes_its_accumulator_and_counters_every_call(monkeypatch, rt, driver):
+    """The deterministic backward's ORDERED strategy from the cache: the pre-pass, the persistent dK/dV pass
+    and the conversion, with this call's pointers, and the dQ accumulator and the order counters zeroed
+    before every call (a hit's counters left at their last values would make the pass wait for ever)."""
+    monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
+    x = Inputs(rt)
+    for call in range(4):
+        rt.reset()
+        dq, dk, dv = fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, deterministic=True)
+        launched = {key: unpack(key, packed) for key, _, packed, _ in driver.take()}
+        assert [key.split("_fp16")[0] for key in launched] == ["fmha_bwd_preprocess", "fmha_bwd_dkdv",
+                                                               "fmha_bwd_dq_convert"]
+        dkdv = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dkdv_"))
+        convert = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dq_convert_"))
+        assert (convert["dQ"], dkdv["dK"], dkdv["dV"], convert["DqAcc"]) == (dq.ptr, dk.ptr, dv.ptr, dkdv["DqAcc"])
+        assert [(dev, ptr) for dev, ptr, _ in rt.memsets] == [(0, dkdv["DqAcc"]), (0, dkdv["DqOrder"])]
     assert hits() == 2
 
 
