@@ -22,8 +22,10 @@ from test_plan_cache import Inputs, bwd, call_inside_first_launch, fwd, hits, ru
 
 @pytest.fixture(autouse=True)
 def two_launch_backward(monkeypatch):
-    """The small problems here would take the one-launch backward: these tests want graphs of two nodes."""
+    """The small problems here would take the one-launch backward, and the deterministic ones the ORDERED
+    strategy (three launches): these tests want graphs of two nodes, the two-kernel backward's."""
     monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)
+    monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC", frozenset())
 
 
 def graphs_kept() -> int:
