@@ -179,7 +179,14 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 class BwdLauncher:
     """The backward of one problem: what it needs (workspace bytes, zeroing, dQ splits) is known on the
-    host from the problem alone; `run` launches it."""
+    host from the problem alone; `run` launches it.
+
+    dq_acc_splits: the fp32 dQ accumulators the workspace holds (zeroed), from the strategy the problem
+    plans, never from the device: 1 for the atomic strategy (added by atomics) and the ordered one (added in
+    key-block order, deterministic), 0 where dQ is written directly in its dtype. The workspace is bounded by
+    dq_acc_splits fp32 dQ ([B, Sq, Hq, ceil8(Dqk)]) + Delta and Lse2 (fp32 [B, Hq, ceil8(Sq)] each) + for
+    the ordered strategy 4 * (1 + B * Hq * ceil(Sq / block_m)) bytes of counters + dS (a bias gradient) +
+    the v3 family's TMA descriptors + the head-dim padding copies, each region rounded up to 256 bytes."""
 
     def __init__(self, problem: AttentionProblem, arch: str):
         self.problem, self.arch = problem, arch

@@ -18,6 +18,8 @@ HEAD_DIM_TILES = (32, 64, 128, 256)
 HEAD_DIM_PAIRS = ((32, 32), (64, 64), (128, 128), (256, 256), (256, 128))
 # The backward's dQ strategies: the names its variants carry in their traits and its workspace follows.
 DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_SINGLE = "atomic", "deterministic", "fused", "single"
+# ORDERED: the dK/dV pass adds dQ into one fp32 accumulator in key-block order (deterministic).
+DQ_ORDERED = "ordered"
 # Where each function's source lives (the portable family's; a family with its own source of a function
 # names that module in its variants).
 KERNEL_MODULES = {"fwd": "kernels.portable.fmha_fwd", "bwd": "kernels.portable.fmha_bwd",
@@ -46,6 +48,24 @@ _DROPOUT_ARGS = "drop_threshold i64, drop_scale fp32, philox_seed i64, philox_of
 _BIAS_STRIDES = "stride_bias_b i64, stride_bias_h i64, stride_bias_s i32, alibi_stride_b i32"
 _TILE = "BLOCK_M constexpr, BLOCK_N constexpr, BLOCK_DQK constexpr, BLOCK_DV constexpr"
 
+
+
+def _dkdv_signature(form: str) -> dict:
+    """fmha_bwd_dkdv's signature (form ''), or fmha_bwd_dkdv_ordered's ('ordered'): the same with the order
+    region after the dQ accumulator and the batch size after the dropout arguments, and no DQ_ATOMIC."""
+    ordered_form = form == "ordered"
+    return _signature(f"""
+        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32,
+        {"DqOrder *i32," if ordered_form else ""} Bias *T, dS *fp32, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
+        {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
+        stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
+        stride_delta_b i64, stride_delta_h i64, {_BIAS_STRIDES},
+        {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
+        {"batch i32," if ordered_form else ""} {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr,
+        {"" if ordered_form else "DQ_ATOMIC constexpr,"} FLAT_LOOP constexpr, GROUP_LOOP constexpr,
+        DP_FIRST constexpr""")
+
+
 SIGNATURES = {
     "fmha_fwd": _signature(f"""
         Q *T, K *T, V *T, Out *T, Lse *fp32, Bias *T, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
@@ -60,15 +80,10 @@ SIGNATURES = {
         Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, CuSeqlensQ *i32, SeqstartQ *i32, {_strides("o", "do")},
         lse_stride_b i64, lse_stride_h i64, stride_delta_b i64, stride_delta_h i64, seqlen_q i32,
         head_dim_v_div8 i32, is_varlen i32, has_seqstart i32, BLOCK_M constexpr, BLOCK_DV constexpr"""),
-    "fmha_bwd_dkdv": _signature(f"""
-        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32, Bias *T, dS *fp32,
-        Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
-        {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
-        stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
-        stride_delta_b i64, stride_delta_h i64, {_BIAS_STRIDES},
-        {_SHAPE_ARGS}, softmax_scale fp32, scale_log2 fp32, {_MASK_ARGS}, write_dbias i32, {_DROPOUT_ARGS},
-        {_TILE}, BIAS_KIND constexpr, DROPOUT constexpr, DQ_ATOMIC constexpr, FLAT_LOOP constexpr,
-        GROUP_LOOP constexpr, DP_FIRST constexpr"""),
+    "fmha_bwd_dkdv": _dkdv_signature(""),
+    # The ORDERED strategy's persistent dK/dV pass: its int32 order region (work-item ticket and one counter
+    # per dQ tile) and the batch size, from which it numbers its work items.
+    "fmha_bwd_dkdv_ordered": _dkdv_signature("ordered"),
     "fmha_bwd_dq": _signature(f"""
         Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, Bias *T, Alibi *fp32,
         PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "o", "do", "dq")},
@@ -102,7 +117,8 @@ SIGNATURES = {
 }
 KERNEL_SOURCE = {
     "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
-    "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
+    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd",
+    "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 
 # ------------------------------------------------------------------------------------------- tiles

@@ -2,16 +2,17 @@
 variant key (and tile) a family chose and returns one Launch. A family's plan_bwd composes them in its
 strategy's order: dQ first (which also writes Delta and Lse2), then dK/dV, for the deterministic
 strategy; the pre-pass (Delta), dK/dV adding into the fp32 dQ accumulator, then its conversion, for the
-atomic one; the pre-pass and the fused grid for the fused one; the fused grid alone for the single one;
+atomic one; the pre-pass, the persistent dK/dV pass adding dQ in key-block order, then the conversion, for the
+ordered one; the pre-pass and the fused grid for the fused one; the fused grid alone for the single one;
 then the bias gradient where the problem has one.
 
 The operands are a forward's plus dout, dq, dk, dv, optional dbias, and in their regions one address
-per region of the backward's workspace (layout.backward_workspace, by its name: delta, lse2, dq_acc, ds):
+per region of the backward's workspace (layout.backward_workspace, by its name: delta, lse2, dq_acc, dq_order, ds):
 the caller carves them out of one workspace buffer and zeroes the regions marked zero_init.
 """
 import math
 
-from .abi import DQ_ATOMIC, DQ_SINGLE, ROWS_TILE, ordered
+from .abi import DQ_ATOMIC, DQ_ORDERED, DQ_SINGLE, ROWS_TILE, ordered
 from .args import Args, Launch, cdiv, launch_grid
 from .layout import contiguous_strides
 
@@ -41,7 +42,7 @@ class BackwardArgs:
                           **self.mask, **self.rows["q"], **self.rows["k"], **self.rows["v"], **self.rows["do"],
                           "softmax_scale": p.softmax_scale, "scale_log2": p.softmax_scale * math.log2(math.e)}
         self.dq_acc = {"DqAcc": None, "stride_dqacc_b": 0, "stride_dqacc_s": 0, "stride_dqacc_h": 0}
-        if workspace.dq_strategy == DQ_ATOMIC:
+        if workspace.dq_strategy in (DQ_ATOMIC, DQ_ORDERED):
             st = contiguous_strides(workspace.region("dq_acc").shape)
             b, s, h = (0, st[0], st[1]) if p.varlen else st[:3]
             self.dq_acc = {"DqAcc": r("dq_acc"), "stride_dqacc_b": b, "stride_dqacc_s": s, "stride_dqacc_h": h}
@@ -81,6 +82,14 @@ def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
     args = ordered(key, "fmha_bwd_dkdv", {**b.attention, **b.dq_acc, **b.outputs})
     grid = launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem)
     return Launch(key, (grid[0], b.problem.heads_k, grid[2]), {**args, **(extra or {})})
+
+
+def dkdv_ordered(b: BackwardArgs, key, programs) -> Launch:
+    """dK and dV by `programs` persistent programs taking (key block, key head, batch entry) items in
+    turn, dQ added into the accumulator in key-block order (the zeroed order region dq_order)."""
+    args = {**b.attention, **b.dq_acc, **b.outputs, "DqOrder": b.args.operands.region("dq_order"),
+            "batch": b.problem.batch}
+    return Launch(key, (programs, 1, 1), ordered(key, "fmha_bwd_dkdv_ordered", args))
 
 
 def fused(b: BackwardArgs, key, kv_tile, q_tile) -> Launch:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from fmha_rt.errors import FmhaValueError
 
-from .abi import DQ_ATOMIC, DQ_SINGLE
+from .abi import DQ_ATOMIC, DQ_ORDERED, DQ_SINGLE
 
 WORKSPACE_ALIGN = 256
-ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "i32": 4}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ class Scratch:
 @dataclass(frozen=True)
 class Workspace(Scratch):
     dq_strategy: str
-    dq_splits: int  # fp32 dQ partial buffers (0: dQ is written directly in its dtype)
+    # fp32 dQ accumulators the backward adds into, then converts into dQ: 1 for ATOMIC (added by atomics) and
+    # ORDERED (added in key-block order), 0 where dQ is written directly in its dtype
+    dq_splits: int
 
 
 def ceil8(n: int) -> int:
@@ -111,7 +113,8 @@ def backward_workspace(problem, strategy, extra=()) -> Workspace:
 
     fp32: delta and lse2 [B, Hq, ceil8(Sq)] (Delta = rowsum(dO * O) and the LSE in the log2 domain, which the
     first pass writes for dK/dV; every strategy but SINGLE, whose programs keep their own; _delta_shape), dq_acc
-    [B, Sq, Hq, ceil8(Dqk)] (ATOMIC strategy, zeroed),
+    [B, Sq, Hq, ceil8(Dqk)] (ATOMIC and ORDERED strategies, zeroed; the ORDERED strategy's int32 counters come
+    in `extra`, their size depending on the family's tile),
     ds [B, Hq, Sq, ceil8(Sk)] (tensor bias with gradient, zeroed: masked blocks are never written).
     Then, in the problem's dtype, one '<name>_padded' buffer per tensor of padded_tensors(problem,
     'bwd') (head dims that are not multiples of 8).
@@ -119,14 +122,14 @@ def backward_workspace(problem, strategy, extra=()) -> Workspace:
     wanted = []
     if strategy != DQ_SINGLE:
         wanted += [("delta", _delta_shape(problem), False, "fp32"), ("lse2", _delta_shape(problem), False, "fp32")]
-    if strategy == DQ_ATOMIC:
+    if strategy in (DQ_ATOMIC, DQ_ORDERED):
         wanted.append(("dq_acc", _rows_shape(problem, padded_head_dim(problem.head_dim_qk)), True, "fp32"))
     if problem.bias_grad:
         wanted.append(("ds", _ds_shape(problem), True, "fp32"))
     wanted += list(extra)
     wanted += padding_regions(problem, "bwd")
     regions, total = lay_out(wanted)
-    return Workspace(regions, total, strategy, 1 if strategy == DQ_ATOMIC else 0)
+    return Workspace(regions, total, strategy, 1 if strategy in (DQ_ATOMIC, DQ_ORDERED) else 0)
 
 
 # ------------------------------------------------------------------------------ head-dim padding

@@ -11,10 +11,13 @@ powers of two, so 96 runs in the 128 tile and 192 in the 256 tile), with (256, 1
 query/value pair. A head dim that is not a multiple of 8 runs at layout.padded_head_dim(d) on copies
 that head_padding.py plans around these launches.
 """
+import os
+
 from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
 
 from . import backward, head_padding, layout
-from .abi import (BIAS_ALIBI, BIAS_KIND_NAMES, BIAS_NONE, BIAS_TENSOR, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_SINGLE,
+from .abi import (BIAS_ALIBI, BIAS_KIND_NAMES, BIAS_NONE, BIAS_TENSOR, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_ORDERED,
+                  DQ_SINGLE,
                   DTYPES, HEAD_DIM_PAIRS, HEAD_DIM_TILES, Tile, dq_convert_variant, head_dim_tiles, make_variant,
                   ordered, pair_name, preprocess_variant, problem_features)
 from .args import Args, Launch, cdiv, dropout_threshold, forward_launch, has_work, launch_grid
@@ -77,12 +80,28 @@ DBIAS_TILE = Tile(32, 64, 4, 1)
 MASK_TILE = Tile(32, 64, 4, 1)
 # Which dQ strategy a non-deterministic problem gets on each arch, and which strategies are built.
 # On the H200 the deterministic dQ kernel was never slower than fp32 atomics (NOTES.md: 301 vs 294
-# TFLOP/s dense, 224 vs 188 GQA causal at S=4k, D=128), so the shipped archs build only it; the
-# atomic path stays for the interpreter tests and for archs where it measures faster.
+# TFLOP/s dense, 224 vs 188 GQA causal at S=4k, D=128), so the shipped archs build no atomic dK/dV; the
+# atomic path stays for the interpreter tests and for archs where it measures faster. Every arch builds
+# the ORDERED strategy's persistent dK/dV pass (with the pre-pass and the conversion it shares with ATOMIC).
 DEFAULT_DQ_STRATEGY = {"sm_90": DQ_DETERMINISTIC, "gfx942": DQ_DETERMINISTIC, "gfx950": DQ_DETERMINISTIC,
                        INTERPRET_ARCH: DQ_ATOMIC}
-BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC,), "gfx942": (DQ_DETERMINISTIC,), "gfx950": (DQ_DETERMINISTIC,),
-                       INTERPRET_ARCH: (DQ_ATOMIC, DQ_DETERMINISTIC)}
+BUILT_DQ_STRATEGIES = {"sm_90": (DQ_DETERMINISTIC, DQ_ORDERED), "gfx942": (DQ_DETERMINISTIC, DQ_ORDERED),
+                       "gfx950": (DQ_DETERMINISTIC, DQ_ORDERED), INTERPRET_ARCH: (DQ_ATOMIC, DQ_DETERMINISTIC, DQ_ORDERED)}
+# The switch for deterministic calls: on these archs they take the ORDERED strategy (5 block products per
+# (query block, key block) pair, dQ added in key-block order) wherever the one-launch backward (SINGLE) does
+# not serve them; elsewhere, or with the strategy requested by name, FUSED or DETERMINISTIC (7 block
+# products, dQ recomputed by programs of its own) as before. Only the interpreter takes it by default until
+# it has run on a GPU: its tests there (tests/gpu/test_ordered_dq.py, which turn it on) and an A/B against
+# FUSED and DETERMINISTIC decide which GPU archs join (NOTES.md, the ORDERED strategy).
+ORDERED_FOR_DETERMINISTIC = frozenset({INTERPRET_ARCH})
+# Persistent programs of the ORDERED dK/dV pass, unless FMHA_RT_BWD_PROGRAMS forces a number: the
+# multiprocessors of the arch's parts (H100 SXM and H200: 132; MI300X: 304; MI355X: 256), two programs each
+# on sm_90, where two of the dK/dV tile's programs fit one (128 threads, at most 83 KB of shared memory at
+# head dims up to 128). Never more than the work items. Programs take items by ticket, so any number gives
+# the same bits and makes progress (kernels/portable/dq_order.py); too many only wait for a slot and find
+# the items taken.
+ORDERED_PROGRAMS = {"sm_90": 2 * 132, "gfx942": 304, "gfx950": 256, INTERPRET_ARCH: 1}
+BWD_PROGRAMS_ENV = "FMHA_RT_BWD_PROGRAMS"
 
 
 # The FUSED strategy (fmha_bwd_fused after the Delta/Lse2 pre-pass): (dK/dV tile, dQ tile) per head-dim
@@ -200,6 +219,11 @@ def single_head_dkdv(arch, pair) -> bool:
     return arch in DKDV_SINGLE_HEAD and pair not in DKDV_FLAT_LOOP.get(arch, ())
 
 
+# The dK/dV pass's function: fmha_bwd_dkdv (one program per key block), or for the ORDERED strategy the
+# persistent fmha_bwd_dkdv_ordered.
+DKDV_FUNCTIONS = {False: "fmha_bwd_dkdv", True: "fmha_bwd_dkdv_ordered"}
+
+
 def dq_key(dtype, pair, bias_kind, dropout):
     return f"fmha_bwd_dq_{dtype}_{pair_name(*pair)}_{_feature_name(bias_kind, dropout)}"
 
@@ -248,14 +272,14 @@ def _attention_variants(arch, dtype, pair, bias_kind, dropout):
     for strategy in BUILT_DQ_STRATEGIES[arch]:
         for single_head in (False, True) if single_head_dkdv(arch, pair) else (False,):
             constexprs, traits = tiled("bwd_main", tile)
-            out.append(make_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head), "fmha_bwd_dkdv",
-                                    dtype, tile, dict(constexprs, DQ_ATOMIC=strategy == DQ_ATOMIC,
-                                                      FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()),
-                                                      GROUP_LOOP=not single_head,
-                                                      DP_FIRST=(pair in DKDV_DP_FIRST.get(arch, ())
-                                                                and bias_kind == BIAS_NONE and not dropout),
-                                                      **features),
-                                    dict(traits, dq_strategy=strategy, deterministic=strategy == DQ_DETERMINISTIC,
+            constexprs.update(FLAT_LOOP=pair in DKDV_FLAT_LOOP.get(arch, ()), GROUP_LOOP=not single_head,
+                              DP_FIRST=pair in DKDV_DP_FIRST.get(arch, ()) and bias_kind == BIAS_NONE and not dropout,
+                              **features)
+            if strategy != DQ_ORDERED:  # the ordered pass is a function of its own, always adding dQ
+                constexprs["DQ_ATOMIC"] = strategy == DQ_ATOMIC
+            out.append(make_variant(dkdv_key(dtype, pair, bias_kind, dropout, strategy, single_head),
+                                    DKDV_FUNCTIONS[strategy == DQ_ORDERED], dtype, tile, constexprs,
+                                    dict(traits, dq_strategy=strategy, deterministic=strategy != DQ_ATOMIC,
                                          single_head=single_head)))
     tile = tile_for(arch, "bwd_dq", pair, bias_kind, dropout)
     constexprs, traits = tiled("bwd_dq", tile)
@@ -292,11 +316,12 @@ def variants(arch: str) -> list[dict]:
             for bias_kind in (BIAS_NONE, BIAS_TENSOR, BIAS_ALIBI):
                 for dropout in (False, True):
                     out.extend(_attention_variants(arch, dtype, pair, bias_kind, dropout))
+        accumulated = {DQ_ATOMIC, DQ_ORDERED} & set(BUILT_DQ_STRATEGIES[arch])
         for d in HEAD_DIM_TILES:
-            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch] or any(p[1] == d for p in FUSED_TILES.get(arch, {})):
+            if accumulated or any(p[1] == d for p in FUSED_TILES.get(arch, {})):
                 # the two-kernel strategy's dQ kernel computes Delta and Lse2 itself
                 out.append(preprocess_variant(preprocess_key(dtype, d), dtype, d))
-            if DQ_ATOMIC in BUILT_DQ_STRATEGIES[arch]:
+            if accumulated:
                 out.append(dq_convert_variant(dq_convert_key(dtype, d), dtype, d))
         out.append(make_variant(dbias_key(dtype), "fmha_bwd_dbias", dtype, DBIAS_TILE,
                                 {"BLOCK_M": DBIAS_TILE.block_m, "BLOCK_N": DBIAS_TILE.block_n},
@@ -319,13 +344,14 @@ def variant_map(arch: str) -> dict:
 
 
 def dq_strategy(problem, arch, requested=None) -> str:
-    """`requested` when given (FUSED, SINGLE or DETERMINISTIC for a deterministic problem); else SINGLE where
-    it is built for the problem and the problem has at most SINGLE_MAX_SCORES score elements, FUSED where
-    it is built and the keys reach FUSED_MIN_SEQLEN_K (both deterministic too), DETERMINISTIC when the
-    problem asks for it, or the arch's default."""
-    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_SINGLE):
-        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r}, {DQ_FUSED!r} or "
-                             f"{DQ_SINGLE!r}, got {requested!r}")
+    """`requested` when given (FUSED, SINGLE, ORDERED or DETERMINISTIC for a deterministic problem); else
+    SINGLE where it is built for the problem and the problem has at most SINGLE_MAX_SCORES score elements,
+    ORDERED for a deterministic problem on the archs of ORDERED_FOR_DETERMINISTIC, FUSED where it is built
+    and the keys reach FUSED_MIN_SEQLEN_K (all three deterministic too), DETERMINISTIC when the problem asks
+    for it, or the arch's default."""
+    if requested not in (None, DQ_ATOMIC, DQ_DETERMINISTIC, DQ_FUSED, DQ_SINGLE, DQ_ORDERED):
+        raise FmhaValueError(f"dq strategy must be {DQ_ATOMIC!r}, {DQ_DETERMINISTIC!r}, {DQ_FUSED!r}, "
+                             f"{DQ_SINGLE!r} or {DQ_ORDERED!r}, got {requested!r}")
     pair = head_dim_tiles(problem)
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     fused = fused_built(arch, pair, *problem_features(problem))
@@ -344,9 +370,11 @@ def dq_strategy(problem, arch, requested=None) -> str:
     scores = problem.batch * problem.heads_q * problem.seqlen_q * problem.seqlen_k
     if requested is None and single and scores <= SINGLE_MAX_SCORES:
         return DQ_SINGLE
+    if requested is None and problem.deterministic and arch in ORDERED_FOR_DETERMINISTIC:
+        requested = DQ_ORDERED
     if requested is None and fused and problem.seqlen_k >= FUSED_MIN_SEQLEN_K:
         return DQ_FUSED
-    if problem.deterministic:
+    if problem.deterministic and requested != DQ_ORDERED:
         if requested == DQ_ATOMIC:
             raise FmhaValueError("a deterministic backward cannot use the atomic dQ strategy")
         return DQ_DETERMINISTIC
@@ -360,8 +388,31 @@ def dq_strategy(problem, arch, requested=None) -> str:
 
 def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     """Workspace of plan_bwd and of the padding copies around it (layout.backward_workspace for the
-    strategy dq_strategy chooses)."""
-    return layout.backward_workspace(problem, dq_strategy(problem, arch, dq_strategy_request))
+    strategy dq_strategy chooses; for ORDERED, after the fp32 dQ accumulator, the int32 order region:
+    a work-item ticket and one counter per (batch entry, query head, query block of the dK/dV tile),
+    kernels/portable/dq_order.py)."""
+    strategy = dq_strategy(problem, arch, dq_strategy_request)
+    extra = []
+    if strategy == DQ_ORDERED:
+        block_m = tile_for(arch, "bwd_dkdv", head_dim_tiles(problem), *problem_features(problem)).block_m
+        counters = problem.batch * problem.heads_q * cdiv(problem.seqlen_q, block_m)
+        extra.append(("dq_order", (1 + counters,), True, "i32"))
+    return layout.backward_workspace(problem, strategy, extra)
+
+
+def ordered_programs(problem, arch) -> int:
+    """Programs of the ORDERED dK/dV pass: FMHA_RT_BWD_PROGRAMS when set (a positive integer, to test that
+    any number gives the same bits), else ORDERED_PROGRAMS[arch]; at most one per work item (key block,
+    key head, batch entry). Read at every plan: the plan cache does not key on it (clear it after a change)."""
+    forced = os.environ.get(BWD_PROGRAMS_ENV, "")
+    if forced:
+        if not (forced.isascii() and forced.isdigit() and int(forced) > 0):
+            raise FmhaValueError(f"{BWD_PROGRAMS_ENV}={forced!r}: expected a positive integer number of programs")
+        programs = int(forced)
+    else:
+        programs = ORDERED_PROGRAMS[arch]
+    block_n = tile_for(arch, "bwd_dkdv", head_dim_tiles(problem), *problem_features(problem)).block_n
+    return min(programs, cdiv(problem.seqlen_k, block_n) * problem.heads_k * problem.batch)
 
 
 def fwd_scratch(problem) -> layout.Scratch:
@@ -418,17 +469,20 @@ def plan_bwd(problem, arch, operands, dq_strategy_request=None) -> list:
     single_head = problem.heads_q == problem.heads_k and single_head_dkdv(arch, pair)
     args = backward.BackwardArgs(problem, operands, workspace)
     launches = []
-    if strategy in (DQ_ATOMIC, DQ_FUSED):
+    if strategy in (DQ_ATOMIC, DQ_FUSED, DQ_ORDERED):
         launches.append(backward.preprocess(args, preprocess_key(dtype, pair[1])))
     elif strategy == DQ_DETERMINISTIC:  # first: the dQ kernel writes the Delta and Lse2 that dK/dV reads
         launches.append(backward.dq(args, dq_key(dtype, pair, kind, dropout), tile_for(arch, "bwd_dq", pair, kind, dropout)))
     if strategy in (DQ_FUSED, DQ_SINGLE):
         kv, q = (FUSED_TILES if strategy == DQ_FUSED else SINGLE_TILES)[arch][pair]
         launches.append(backward.fused(args, fused_key(dtype, pair, kind, dropout, single_head, strategy), kv, q))
+    elif strategy == DQ_ORDERED:
+        launches.append(backward.dkdv_ordered(args, dkdv_key(dtype, pair, kind, dropout, strategy, single_head),
+                                              ordered_programs(problem, arch)))
     else:
         launches.append(backward.dkdv(args, dkdv_key(dtype, pair, kind, dropout, strategy, single_head),
                                       tile_for(arch, "bwd_dkdv", pair, kind, dropout).block_n))
-    if strategy == DQ_ATOMIC:
+    if strategy in (DQ_ATOMIC, DQ_ORDERED):
         launches.append(backward.dq_convert(args, dq_convert_key(dtype, pair[0])))
     if problem.bias_grad:
         launches.append(backward.dbias(args, dbias_key(dtype), DBIAS_TILE.block_m))

@@ -22,7 +22,12 @@ The ATOMIC strategy (built for the interpreter, and for any arch where it measur
 fmha_bwd_preprocess for Delta and Lse2, then fmha_bwd_dkdv adding dS @ K into a zeroed fp32 dQ workspace with
 atomics, then fmha_bwd_dq_convert scaling that workspace into dQ, then fmha_bwd_dbias.
 
-Why a separate dQ kernel for the deterministic strategy: it is bitwise reproducible by construction
+The ORDERED strategy (what deterministic calls run, beyond SINGLE's problems) is the ATOMIC one with
+fmha_bwd_dkdv_ordered for the dK/dV pass: persistent programs take (key block, key head, batch entry) items
+by ticket, and each adds its dQ shares with plain loads and stores, in key-block order (dq_order.py), so it
+is deterministic with the 5 block products of the atomic form.
+
+Why a separate dQ kernel for the DETERMINISTIC strategy: it is bitwise reproducible by construction
 (each dQ tile has one owner that accumulates in a fixed order), independent of the number of
 multiprocessors and of streams, runs under the CPU interpreter (unlike a serialised in-place
 accumulation, it needs no program to wait for another), and needs no dQ workspace at all. Its cost is
@@ -35,9 +40,16 @@ pre-pass's launch and its pass over O and dO.
 import triton
 import triton.language as tl
 
+from kernels.portable.dq_order import add_in_key_block_order, key_block_rank, next_item, order_counters
 from kernels.portable.fmha_common import (KIND_ALIBI, KIND_TENSOR, LOG2E, dropout_draws, dropout_row_counters,
                                           key_blocks, masked_block, philox_seed_offset, query_blocks, row_stats_start,
                                           scores, sequence_extent, unhoisted, visible, window_sides)
+
+# How a dK/dV program adds its dQ share (DQ_ADD): not at all (dQ has programs of its own), by fp32 atomics into
+# the zeroed accumulator (ATOMIC strategy), or in key-block order into it (ORDERED strategy, dq_order.py).
+DQ_ADD_NONE = tl.constexpr(0)
+DQ_ADD_ATOMIC = tl.constexpr(1)
+DQ_ADD_ORDERED = tl.constexpr(2)
 
 
 @triton.jit
@@ -81,13 +93,14 @@ def fmha_bwd_preprocess(
 
 @triton.jit
 def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_rows, dO_rows, Lse2_rows,
-                      Delta_rows, O_rows, DqAcc_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                      Delta_rows, O_rows, DqAcc_rows, Order_rows, Bias_rows, dS_rows, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                       stride_q_s, stride_do_s, stride_o_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2,
                       slope_log2, seed, philox_off, dropout_bh, seqlen_q, seqlen_k, drop_threshold, drop_scale,
                       write_dbias, needs_mask,
                       BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                      DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr,
-                      DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr):
+                      DQ_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
+                      DP_FIRST: tl.constexpr):
     """Adds one query block's share to dK, dV of the program's key block (scores transposed:
     keys are rows, queries columns). ROWS_COMPLETE: every row of the block exists (a mask-free block
     of the nested loops), so its loads need no row mask. That mask is the larger part of the loop's
@@ -151,30 +164,37 @@ def _dkdv_query_block(dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right, Q_ro
         if write_dbias:
             tl.store(dS_rows + m0_64 * stride_ds_s + offs_m[None, :] * stride_ds_s + keys[:, None], dsT,
                      mask=q_ok[None, :] & (keys < sk)[:, None])
-    if DQ_ATOMIC:
+    if DQ_ADD != DQ_ADD_NONE:
         dq = tl.dot(tl.trans(dsT).to(k.dtype), k)
-        tl.atomic_add(DqAcc_rows + m0_64 * stride_dqacc_s + offs_m[:, None] * stride_dqacc_s + offs_dqk[None, :],
-                      dq, mask=q_ok[:, None] & dqk_ok[None, :], sem="relaxed")
+        dq_ptrs = DqAcc_rows + m0_64 * stride_dqacc_s + offs_m[:, None] * stride_dqacc_s + offs_dqk[None, :]
+        if DQ_ADD == DQ_ADD_ATOMIC:
+            tl.atomic_add(dq_ptrs, dq, mask=q_ok[:, None] & dqk_ok[None, :], sem="relaxed")
+        else:
+            add_in_key_block_order(dq_ptrs, dq, q_ok[:, None] & dqk_ok[None, :], Order_rows + m0 // BLOCK_M,
+                                   key_block_rank(n0, m0, off, left, BLOCK_N))
     return dk, dv
 
 
 @triton.jit
 def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, stats_row0, sq, sk, off, left, right, Q, dO, Lse2,
-                     Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                      stride_o_b, stride_o_s, stride_o_h,
                      stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
                      stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, needs_mask,
-                     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
-                     DP_FIRST: tl.constexpr):
+                     BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROWS_COMPLETE: tl.constexpr, DELTA_INLINE: tl.constexpr,
+                     UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr):
     """_dkdv_query_block for query head h: the head's row pointers, then the block."""
     h64 = h.to(tl.int64)
     slope_log2 = 0.0
     if BIAS_KIND == KIND_ALIBI:
         slope_log2 = tl.load(Alibi + b64 * alibi_stride_b + h) * LOG2E
+    Order_rows = DqOrder  # None unless the dQ shares are added in key-block order
+    if DQ_ADD == DQ_ADD_ORDERED:
+        Order_rows = order_counters(DqOrder, b * num_heads_q + h, seqlen_q, BLOCK_M)
     return _dkdv_query_block(
         dk, dv, k, v, n0, keys, m0, sq, sk, off, left, right,
         Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h,
@@ -183,23 +203,23 @@ def _dkdv_head_block(dk, dv, k, v, n0, keys, m0, h, b, b64, q_row0, stats_row0, 
         Delta + b64 * stride_delta_b + h64 * stride_delta_h + stats_row0,
         Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h,
         DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s + h64 * stride_dqacc_h,
-        Bias + b64 * stride_bias_b + h64 * stride_bias_h, dS + b64 * stride_ds_b + h64 * stride_ds_h,
+        Order_rows, Bias + b64 * stride_bias_b + h64 * stride_bias_h, dS + b64 * stride_ds_b + h64 * stride_ds_h,
         offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
         stride_q_s, stride_do_s, stride_o_s, stride_dqacc_s, stride_bias_s, stride_ds_s, scale_log2, slope_log2,
         seed, philox_off, b * num_heads_q + h, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias,
-        needs_mask, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE, UNHOISTED, DP_FIRST)
+        needs_mask, BIAS_KIND, DROPOUT, DQ_ADD, BLOCK_M, BLOCK_N, ROWS_COMPLETE, DELTA_INLINE, UNHOISTED, DP_FIRST)
 
 
 @triton.jit
 def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64, q_row0, stats_row0, sq, sk, off, left,
-                     right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                     right, Q, dO, Lse2, Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                      stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                      stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                      stride_ds_b, stride_ds_h, stride_ds_s,
                      stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                      stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                      drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DQ_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr):
     """Query head h's share of the key block: the mask-free query blocks, then the masked ones, each
     loop body compiled for its case. Nothing is hoisted out of the two loops (disable_licm): hoisted
@@ -210,34 +230,35 @@ def _dkdv_head_loops(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, h, b, b64
     for blk in tl.range(full_lo, full_hi, disable_licm=not DELTA_INLINE):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, blk * BLOCK_M, h, b, b64, q_row0, stats_row0, sq, sk, off, left, right, Q, dO, Lse2,
-            Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
+            Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s,
             stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b,
             stride_dqacc_s, stride_dqacc_h,
             stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h,
             stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
-            seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ATOMIC,
-            BLOCK_N, True, DELTA_INLINE, UNHOISTED, DP_FIRST)
+            seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, False, BIAS_KIND, DROPOUT, DQ_ADD,
+            BLOCK_M, BLOCK_N, True, DELTA_INLINE, UNHOISTED, DP_FIRST)
     for t in tl.range(0, (full_lo - lo) + (hi - full_hi), disable_licm=not DELTA_INLINE):
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, masked_block(t, lo, full_lo, full_hi) * BLOCK_M, h, b, b64, q_row0,
-            stats_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk,
+            stats_row0, sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk,
             offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
             stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b,
             stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s,
             alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k, drop_threshold, drop_scale,
-            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED, DP_FIRST)
+            write_dbias, True, BIAS_KIND, DROPOUT, DQ_ADD, BLOCK_M, BLOCK_N, False, DELTA_INLINE, UNHOISTED,
+            DP_FIRST)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_group_size, b, b64, q_row0, stats_row0,
-                       sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk,
+                       sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk,
                        offs_dv, dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s,
                        stride_do_h, stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                        stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b,
                        stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q,
                        seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, BIAS_KIND: tl.constexpr,
-                       DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        MASKED: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr,
                        DP_FIRST: tl.constexpr):
     """The key block's mask-free query blocks (MASKED=False) or masked ones, of every query head of the
@@ -272,13 +293,13 @@ def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_
             blk = full_lo + i
         dk, dv = _dkdv_head_block(
             dk, dv, k, v, n0, keys, blk * BLOCK_M, g, b * num_heads_q + h0, 0, 0, 0, sq, sk, off, left, right,
-            Q_group, dO_group, Lse2_group, Delta_group, Out_group, DqAcc_group, Bias_group, dS_group, Alibi_group,
+            Q_group, dO_group, Lse2_group, Delta_group, Out_group, DqAcc_group, DqOrder, Bias_group, dS_group, Alibi_group,
             offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
             stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h, stride_o_b, stride_o_s,
             stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
             stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b, scale_log2,
             seed, philox_off, 1, seqlen_q, seqlen_k, drop_threshold, drop_scale, write_dbias, MASKED,
-            BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, not MASKED, DELTA_INLINE, UNHOISTED, DP_FIRST)
+            BIAS_KIND, DROPOUT, DQ_ADD, BLOCK_M, BLOCK_N, not MASKED, DELTA_INLINE, UNHOISTED, DP_FIRST)
         i += 1
         g = tl.where(i == blocks, g + 1, g)
         i = tl.where(i == blocks, 0, i)
@@ -288,7 +309,7 @@ def _dkdv_group_blocks(dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_
 @triton.jit
 def _dkdv_program(
     n_block, hk, b,
-    Q, K, V, dO, Lse2, Delta, Out, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    Q, K, V, dO, Lse2, Delta, Out, dK, dV, DqAcc, DqOrder, Bias, dS, Alibi, PhiloxSeedOffset,
     CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -306,7 +327,7 @@ def _dkdv_program(
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ATOMIC: tl.constexpr, FLAT_LOOP: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, DQ_ADD: tl.constexpr, FLAT_LOOP: tl.constexpr,
     GROUP_LOOP: tl.constexpr, DELTA_INLINE: tl.constexpr, UNHOISTED: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
     """dK and dV of key block n_block of kv head hk, batch entry b (fmha_bwd_dkdv, and the key-block
@@ -352,14 +373,14 @@ def _dkdv_program(
             blk = lo + (t - g * blocks_per_head)
             dk, dv = _dkdv_head_block(
                 dk, dv, k, v, n0, keys, blk * BLOCK_M, hk * kv_group_size + g, b, b64, q_row0, stats_row0, sq, sk, off,
-                left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
+                left, right, Q, dO, Lse2, Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv, dqk_ok, dv_ok,
                 stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                 stride_ds_b, stride_ds_h, stride_ds_s,
                 stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
                 drop_threshold, drop_scale, write_dbias, (blk < full_lo) | (blk >= full_hi),
-                BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_N, False, DELTA_INLINE, UNHOISTED, DP_FIRST)
+                BIAS_KIND, DROPOUT, DQ_ADD, BLOCK_M, BLOCK_N, False, DELTA_INLINE, UNHOISTED, DP_FIRST)
     elif UNHOISTED:
         # The fused grid's dK/dV programs (MHA: a group of one head): one loop over the group's mask-free
         # (head, block) steps, one over its masked ones. In the nest below, the fused object's register
@@ -369,12 +390,12 @@ def _dkdv_program(
         for masked in tl.static_range(2):
             dk, dv = _dkdv_group_blocks(
                 dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk, kv_group_size, b, b64, q_row0, stats_row0, sq,
-                sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
+                sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
                 dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                 stride_ds_b, stride_ds_h, stride_ds_s, stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
-                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
+                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ADD, BLOCK_M, BLOCK_N,
                 masked == 1, DELTA_INLINE, UNHOISTED, DP_FIRST)
     else:
         # Without GROUP_LOOP (Hq == Hk) the loop has one step, which the compiler folds away: no loop around
@@ -384,13 +405,13 @@ def _dkdv_program(
         for g in tl.range(0, kv_group_size if GROUP_LOOP else 1, disable_licm=GROUP_LOOP):
             dk, dv = _dkdv_head_loops(
                 dk, dv, k, v, n0, keys, lo, full_lo, full_hi, hi, hk * kv_group_size + g, b, b64, q_row0, stats_row0,
-                sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
+                sq, sk, off, left, right, Q, dO, Lse2, Delta, Out, DqAcc, DqOrder, Bias, dS, Alibi, offs_m, offs_dqk, offs_dv,
                 dqk_ok, dv_ok, stride_q_b, stride_q_s, stride_q_h, stride_do_b, stride_do_s, stride_do_h,
                 stride_o_b, stride_o_s, stride_o_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
                 stride_ds_b, stride_ds_h, stride_ds_s,
                 stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h,
                 stride_bias_s, alibi_stride_b, scale_log2, seed, philox_off, num_heads_q, seqlen_q, seqlen_k,
-                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ATOMIC, BLOCK_M, BLOCK_N,
+                drop_threshold, drop_scale, write_dbias, BIAS_KIND, DROPOUT, DQ_ADD, BLOCK_M, BLOCK_N,
                 DELTA_INLINE, UNHOISTED, DP_FIRST)
 
     tl.store(dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
@@ -426,7 +447,7 @@ def fmha_bwd_dkdv(
 ):
     _dkdv_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),  # dO stands in for Out, read only with DELTA_INLINE
-        Q, K, V, dO, Lse2, Delta, dO, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
+        Q, K, V, dO, Lse2, Delta, dO, dK, dV, DqAcc, None, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ, CuSeqlensK,
         SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h,
         stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s,
@@ -435,8 +456,59 @@ def fmha_bwd_dkdv(
         stride_bias_s, alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8,
         head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen,
         has_seqstart, write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ATOMIC, FLAT_LOOP, GROUP_LOOP, False, False,
-        DP_FIRST)
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ADD_ATOMIC if DQ_ATOMIC else DQ_ADD_NONE,
+        FLAT_LOOP, GROUP_LOOP, False, False, DP_FIRST)
+
+
+@triton.jit
+def fmha_bwd_dkdv_ordered(
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, DqOrder, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    stride_delta_b, stride_delta_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr, batch,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr, FLAT_LOOP: tl.constexpr,
+    GROUP_LOOP: tl.constexpr, DP_FIRST: tl.constexpr,
+):
+    """The ORDERED strategy's dK/dV pass, persistent: any number of programs take work items (key block,
+    key head, batch entry) by ticket until none is left, and each item's dQ shares go into the fp32
+    accumulator DqAcc in key-block order (dq_order.py: the order region DqOrder, and why every item
+    finishes). Items are numbered key block slowest, so that programs running at once mostly hold other
+    heads' items (no waiting), and the first key blocks, which see the most query blocks under a causal
+    mask, come first (longest first). Every output tile has one writer or one order of additions, so the
+    result does not depend on the number of programs or on timing."""
+    heads_k = num_heads_q // kv_group_size
+    slots = heads_k * batch
+    items = tl.cdiv(seqlen_k, BLOCK_N) * slots
+    item = next_item(DqOrder)
+    while item < items:
+        slot = item % slots
+        _dkdv_program(
+            item // slots, slot % heads_k, slot // heads_k,  # dO stands in for Out, as in fmha_bwd_dkdv
+            Q, K, V, dO, Lse2, Delta, dO, dK, dV, DqAcc, DqOrder, Bias, dS, Alibi, PhiloxSeedOffset, CuSeqlensQ,
+            CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s,
+            stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_do_b,
+            stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s,
+            stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_ds_b, stride_ds_h, stride_ds_s,
+            stride_delta_b, stride_delta_h, stride_bias_b, stride_bias_h, stride_bias_s, alibi_stride_b,
+            seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale,
+            scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart, write_dbias,
+            drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ADD_ORDERED, FLAT_LOOP, GROUP_LOOP,
+            False, False, DP_FIRST)
+        item = next_item(DqOrder)
 
 
 @triton.jit
@@ -658,13 +730,13 @@ def fmha_bwd_fused(
         hk = tl.program_id(1)
         b = tl.program_id(2)
     if pid < key_programs:
-        # dQ stands in for the atomic strategy's accumulator, which DQ_ATOMIC=False never touches
+        # dQ stands in for the atomic strategy's accumulator, which DQ_ADD_NONE never touches
         if DELTA_INLINE:
             rows_lse, rows_stride_b, rows_stride_h = Lse, lse_stride_b, lse_stride_h
         else:
             rows_lse, rows_stride_b, rows_stride_h = Lse2, stride_delta_b, stride_delta_h
         _dkdv_program(
-            pid, hk, b, Q, K, V, dO, rows_lse, Delta, Out, dK, dV, dQ, Bias, dS, Alibi, PhiloxSeedOffset,
+            pid, hk, b, Q, K, V, dO, rows_lse, Delta, Out, dK, dV, dQ, None, Bias, dS, Alibi, PhiloxSeedOffset,
             CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b,
             stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_do_h,
             stride_o_b, stride_o_s, stride_o_h, stride_dk_b,
@@ -673,7 +745,7 @@ def fmha_bwd_fused(
             alibi_stride_b, seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
             softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
             write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, False, GROUP_LOOP, DELTA_INLINE,
+            BLOCK_M1, BLOCK_N1, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, DQ_ADD_NONE, False, GROUP_LOOP, DELTA_INLINE,
             GROUP_LOOP or not DELTA_INLINE, not DELTA_INLINE)
     else:
         query_programs = tl.cdiv(seqlen_q, BLOCK_M2)

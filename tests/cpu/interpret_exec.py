@@ -19,7 +19,7 @@ from fmha_rt.plan import portable as pp
 from fmha_rt.plan import head_padding
 from fmha_rt.plan.operands import Operands, Philox
 
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i32": torch.int32}
 _POINTER_DTYPES = {"*fp16": torch.float16, "*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
                    "*i64": torch.int64, "*u8": torch.uint8}
 _RUN_TIMEOUT_S = 600
@@ -144,15 +144,18 @@ def forward(problem, inputs, arch=pp.INTERPRET_ARCH, out=None):
     return out, lse
 
 
-def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strategy=None, grads=None):
-    """Returns (dq, dk, dv, dbias or None), outputs poisoned with NaN before the run (or `grads` as given)."""
+def backward(problem, inputs, out, lse, dout, arch=pp.INTERPRET_ARCH, dq_strategy=None, grads=None, workspace=None):
+    """Returns (dq, dk, dv, dbias or None), outputs poisoned with NaN before the run (or `grads` as given).
+    `workspace`, a dict when given, receives the workspace regions' views as the kernels left them."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     if grads is None:
         grads = {"dq": poisoned(q.shape, q.dtype), "dk": poisoned(k.shape, k.dtype), "dv": poisoned(v.shape, v.dtype)}
     if problem.bias_grad:
         grads["dbias"] = poisoned(inputs["bias"].shape, inputs["bias"].dtype)
-    workspace = pp.bwd_workspace(problem, arch, dq_strategy)
-    operands = operands_of(**inputs, **grads, out=out, lse=lse, dout=dout, **scratch_tensors(workspace))
+    regions = scratch_tensors(pp.bwd_workspace(problem, arch, dq_strategy))
+    if workspace is not None:
+        workspace.update(regions)
+    operands = operands_of(**inputs, **grads, out=out, lse=lse, dout=dout, **regions)
     run_padded(lambda o: pp.plan_bwd(problem, arch, o, dq_strategy), problem, operands, "bwd", arch)
     return grads["dq"], grads["dk"], grads["dv"], grads.get("dbias")
 

@@ -259,7 +259,7 @@ def test_a_valid_call_reaches_the_launch_with_a_complete_plan(monkeypatch):
 
 
 def test_workspace_sizes_match_hand_computed_values(monkeypatch):
-    """delta and lse2 are fp32 [B, Hq, ceil8(Sq)], each rounded up to 256 bytes; the deterministic dQ needs
+    """delta and lse2 are fp32 [B, Hq, ceil8(Sq)], each rounded up to 256 bytes; the two-kernel dQ needs
     nothing more. The one-launch backward (small problems) keeps Delta and Lse2 in its programs and
     needs no workspace at all, unless a bias gradient asks for dS."""
     q, k, v = qkv(B=3, Sq=100, Sk=64, Hq=4, Hk=4)
@@ -270,7 +270,13 @@ def test_workspace_sizes_match_hand_computed_values(monkeypatch):
     assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 0
     monkeypatch.setattr(portable, "SINGLE_MAX_SCORES", -1)  # the two-kernel backward
     assert fmha_rt.bwd_workspace_bytes(q, k, v) == 2 * -(-3 * 4 * 104 * 4 // 256) * 256 == 10240
-    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 10240
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 10240  # dQ by programs of its own
+    # deterministic with the ORDERED strategy switched on: its fp32 dQ [B, Sq, Hq, 64] and int32 counters, one
+    # per (batch entry, query head, query block of the 32-row sm_90 dK/dV tile) and one, rounded up to 256 bytes
+    monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
+    dq_acc = 3 * 100 * 4 * 64 * 4
+    assert 4 * (1 + 3 * 4 * 4) <= 256
+    assert fmha_rt.bwd_workspace_bytes(q, k, v, deterministic=True) == 10240 + dq_acc + 256
     # a tensor bias with gradient adds dS (the one-launch backward takes no bias)
     assert fmha_rt.bwd_workspace_bytes(q, k, v, bias=bias) == 10240 + ds_bytes
 

@@ -217,6 +217,25 @@ def test_allocated_outputs_and_workspace_get_this_calls_addresses(rt, driver):
     assert hits() == 2
 
 
+def test_a_cached_ordered_backward_zeroes_its_accumulator_and_counters_every_call(monkeypatch, rt, driver):
+    """The deterministic backward's ORDERED strategy from the cache: the pre-pass, the persistent dK/dV pass
+    and the conversion, with this call's pointers, and the dQ accumulator and the order counters zeroed
+    before every call (a hit's counters left at their last values would make the pass wait for ever)."""
+    monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
+    x = Inputs(rt)
+    for call in range(4):
+        rt.reset()
+        dq, dk, dv = fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, deterministic=True)
+        launched = {key: unpack(key, packed) for key, _, packed, _ in driver.take()}
+        assert [key.split("_fp16")[0] for key in launched] == ["fmha_bwd_preprocess", "fmha_bwd_dkdv",
+                                                               "fmha_bwd_dq_convert"]
+        dkdv = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dkdv_"))
+        convert = next(a for k, a in launched.items() if k.startswith("fmha_bwd_dq_convert_"))
+        assert (convert["dQ"], dkdv["dK"], dkdv["dV"], convert["DqAcc"]) == (dq.ptr, dk.ptr, dv.ptr, dkdv["DqAcc"])
+        assert [(dev, ptr) for dev, ptr, _ in rt.memsets] == [(0, dkdv["DqAcc"]), (0, dkdv["DqOrder"])]
+    assert hits() == 2
+
+
 def test_torch_tensors_take_the_fast_signature_and_hit(monkeypatch, rt, driver, torch_as_cuda):
     """torch tensors (CPU tensors posing as CUDA ones) are keyed by the shim (describe.c); a hit launches what
     the uncached call launches, and a tensor of other strides misses."""

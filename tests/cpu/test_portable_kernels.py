@@ -103,6 +103,12 @@ MASK_CASES = {
     "fused_d128_causal_bottomright_sq_lt_sk": (2, 24, 70, 2, 2, 128, 128, (-1, 0), True, pp.DQ_FUSED),
     "fused_mqa_d32_sliding_window": (1, 45, 45, 3, 1, 32, 32, (7, 3), False, pp.DQ_FUSED),
 }
+# the ORDERED strategy (the persistent dK/dV pass adding dQ in key-block order, test_ordered_dq.py) on the
+# shapes and masks of these cases
+MASK_CASES.update({f"ordered_{name}": MASK_CASES[name][:-1] + (pp.DQ_ORDERED,) for name in (
+    "mha_d64_nomask", "gqa_d40_causal_topleft", "mqa_d8_causal_bottomright_sq_gt_sk",
+    "d128_causal_bottomright_sq_lt_sk", "d192_v128_sliding_window", "gqa_d256_causal_flat_dkdv_loop",
+    "d16_narrow_window_rows_masked", "padded_mqa_d13_causal_bottomright", "d32_left_window_bottomright")})
 
 
 @pytest.mark.parametrize("case", sorted(MASK_CASES))
@@ -180,12 +186,14 @@ def test_dropout_matches_reference_given_the_kernel_mask():
     _check_fwd_bwd(problem, inputs, gen, ref_extra={"dropout_p": DROP_P, "dropout_keep": keep})
 
 
+@pytest.mark.parametrize("strategy", [pp.DQ_FUSED, pp.DQ_ORDERED])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("extra", [{"bias_shape": "1HSS", "bias_grad": True}, {"alibi": "BH"},
                                    {"dropout_p": DROP_P}], ids=["bias", "alibi", "dropout"])
-def test_fused_backward_matches_reference_with_every_score_term(extra, heads):
+def test_fused_and_ordered_backwards_match_reference_with_every_score_term(extra, heads, strategy):
     """The FUSED strategy's dK/dV and dQ programs with each score term, in both forms of its key-block
-    programs (GQA: one loop over the group's (head, block) steps; MHA: the nest of one head)."""
+    programs (GQA: one loop over the group's (head, block) steps; MHA: the nest of one head); the ORDERED
+    strategy's persistent dK/dV pass likewise (GQA: the loop over the group's heads; MHA: one head)."""
     (hq, hk), b, sq, sk, d = heads, 2, 36, 48, 32
     problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0, bottom_right=True,
                                **extra)
@@ -202,7 +210,7 @@ def test_fused_backward_matches_reference_with_every_score_term(extra, heads):
         philox = {"philox_seed": 321, "philox_offset": 8}
         inputs.update(philox)
         ref_extra.update(dropout_p=DROP_P, dropout_keep=ie.dropout_mask(problem, philox).numpy())
-    _check_fwd_bwd(problem, inputs, gen, ref_extra=ref_extra, strategy=pp.DQ_FUSED)
+    _check_fwd_bwd(problem, inputs, gen, ref_extra=ref_extra, strategy=strategy)
 
 
 @pytest.mark.parametrize("heads,window,bottom_right", [((4, 2), (-1, 0), True), ((3, 3), (9, 4), False),
@@ -288,7 +296,7 @@ def _varlen_case(gen, lens_q, lens_k, hq, hk, d, gaps):
 
 @pytest.mark.parametrize("d", [32, 13])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC, pp.DQ_FUSED])
+@pytest.mark.parametrize("strategy", [pp.DQ_ATOMIC, pp.DQ_DETERMINISTIC, pp.DQ_FUSED, pp.DQ_ORDERED])
 def test_varlen_with_empty_and_single_row_sequences(padded, strategy, d):
     lens_q, lens_k = [0, 1, 37, 20, 9], [6, 0, 44, 20, 1]
     hq, hk = 4, 2
@@ -351,16 +359,15 @@ def test_varlen_with_dropout_and_alibi():
 
 
 def test_deterministic_backward_with_a_bias_gradient_matches_reference():
-    """The DETERMINISTIC strategy (dQ without atomics) with dbias. Whether its repeats are bitwise equal
+    """The DETERMINISTIC strategy (dQ by programs of its own, no accumulator) with dbias. Whether its repeats are bitwise equal
     is a GPU question (the interpreter runs programs one at a time): tests/gpu/test_determinism.py."""
     b, sq, sk, hq, hk, d = 1, 40, 40, 4, 1, 32
     problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "fp16", window_left=-1, window_right=0,
                                bias_shape="11SS", bias_grad=True, deterministic=True)
-    assert pp.bwd_workspace(problem, pp.INTERPRET_ARCH).dq_strategy == pp.DQ_DETERMINISTIC
     gen = _gen(60)
     bias = _randn(gen, 1, 1, sq, sk)
     inputs = dict(_inputs(gen, b, sq, sk, hq, hk, d, d), bias=bias)
-    _check_fwd_bwd(problem, inputs, gen, ref_extra={"bias": _np(bias)})
+    _check_fwd_bwd(problem, inputs, gen, ref_extra={"bias": _np(bias)}, strategy=pp.DQ_DETERMINISTIC)
 
 
 # ------------------------------------------------------------------------- planning and variants
@@ -468,16 +475,18 @@ def test_two_kernel_dkdv_issues_dp_first_only_where_listed():
 
 
 def test_fused_backward_is_chosen_where_it_measured_faster():
-    """sm_90: D=128 without bias or dropout, from FUSED_MIN_SEQLEN_K keys, deterministic or not, for MHA
+    """sm_90: D=128 without bias or dropout, from FUSED_MIN_SEQLEN_K keys, for MHA
     (the `_mha` kernel) and GQA/MQA (the kernel with the loop over the group's heads); below that length,
     at other head dims and with any bias or dropout the two-kernel strategy. Asking for it where it is
-    not built names what is."""
+    not built names what is. Deterministic calls take it where ORDERED_FOR_DETERMINISTIC leaves them."""
     long, short = pp.FUSED_MIN_SEQLEN_K, pp.FUSED_MIN_SEQLEN_K - 1
 
     def strategy(seqlen_k, d=128, heads_k=4, **extra):
         return pp.dq_strategy(AttentionProblem(2, 512, seqlen_k, 4, heads_k, d, d, "bf16", **extra), "sm_90")
 
-    assert strategy(long) == strategy(long, deterministic=True) == pp.DQ_FUSED
+    assert strategy(long) == pp.DQ_FUSED and strategy(long, deterministic=True) == pp.DQ_ORDERED
+    assert pp.dq_strategy(AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16", deterministic=True), "sm_90",
+                          pp.DQ_FUSED) == pp.DQ_FUSED
     assert strategy(long, d=96) == pp.DQ_FUSED  # padded to the 128 tile
     assert strategy(long, heads_k=2) == strategy(long, heads_k=1) == pp.DQ_FUSED
     for other in (strategy(short), strategy(short, heads_k=2), strategy(long, d=64), strategy(long, alibi="H"),

@@ -16,7 +16,7 @@ torch = require("torch")
 
 import fmha_rt
 from error_bounds import assert_close, assert_lse_close
-from fmha_rt.plan import v3
+from fmha_rt.plan import portable, v3
 from gpu_tensors import attention_f64, generator, rand, seed_of
 from repeat_runs import assert_bitwise, reference_run, repeat, repeat_from_threads
 
@@ -36,14 +36,23 @@ class Case:
     kernel_prefix: str  # of one of the call's kernels: the path the case is about
     deterministic: bool = True  # the backward's option; the forward is always deterministic
     v3_everywhere: bool = False  # FMHA_RT_V3=1: the v3 family serves every call it can
+    # deterministic calls take the ORDERED dQ strategy (turned on for the case in
+    # portable.ORDERED_FOR_DETERMINISTIC); off, the default: two kernels, or FUSED from 4096 keys
+    ordered: bool = True
 
 
 CASES = [
     Case("portable_fwd_d64_gqa", "fwd", 2, 512, 4, 2, 64, "portable", "fmha_fwd_bf16_d64"),
     Case("v3_fwd_d128_4096_keys_default", "fwd", 1, 4096, 4, 2, 128, "v3", "fmha_fwd_v3_bf16_d128"),
-    Case("portable_bwd_two_kernels_gqa", "bwd", 2, 512, 4, 2, 64, "portable", "fmha_bwd_dkdv_bf16_d64"),
+    Case("portable_bwd_two_kernels_gqa", "bwd", 2, 512, 4, 2, 64, "portable",
+         "fmha_bwd_dkdv_bf16_d64_nobias_nodrop_deterministic", ordered=False),
+    Case("portable_bwd_ordered_gqa", "bwd", 2, 512, 4, 2, 64, "portable",
+         "fmha_bwd_dkdv_bf16_d64_nobias_nodrop_ordered"),
+    Case("portable_bwd_ordered_d128_4096_keys", "bwd", 1, 4096, 2, 1, 128, "portable",
+         "fmha_bwd_dkdv_bf16_d128_nobias_nodrop_ordered"),
     Case("portable_bwd_one_launch", "bwd", 2, 256, 4, 4, 64, "portable", "fmha_bwd_single_bf16_d64"),
-    Case("portable_bwd_fused_4096_keys", "bwd", 1, 4096, 2, 1, 128, "portable", "fmha_bwd_fused_bf16_d128"),
+    Case("portable_bwd_fused_4096_keys", "bwd", 1, 4096, 2, 1, 128, "portable", "fmha_bwd_fused_bf16_d128",
+         ordered=False),
     Case("v3_bwd_d128", "bwd", 1, 1024, 4, 2, 128, "v3", "fmha_bwd_dkdv_v3_bf16_d128", deterministic=False,
          v3_everywhere=True),
 ]
@@ -51,10 +60,14 @@ CASES = [
 
 @pytest.fixture
 def v3_mode(monkeypatch):
-    """Sets the v3 family's mode for a test (as FMHA_RT_V3 would) and clears the plan cache around it."""
-    def set_mode(everywhere):
+    """Sets the v3 family's mode for a test (as FMHA_RT_V3 would), and whether deterministic calls take the
+    ORDERED strategy, and clears the plan cache around it."""
+    def set_mode(everywhere, ordered=True):
         if everywhere:
             monkeypatch.setattr(v3, "MODE", "all")
+        # every arch it is built for, or none
+        monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC",
+                            frozenset(portable.BUILT_DQ_STRATEGIES) if ordered else frozenset())
         fmha_rt.clear_plan_cache()
 
     yield set_mode
@@ -111,7 +124,7 @@ def check_repeats(case, snapshots, first, want):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_repeats_on_a_side_stream_and_from_8_threads(case, v3_mode):
-    v3_mode(case.v3_everywhere)
+    v3_mode(case.v3_everywhere, case.ordered)
     call, specs, want = prepare(case)
     first = reference_run(call, specs)
     check_against_float64(case, first, want)
