@@ -474,17 +474,19 @@ def test_two_kernel_dkdv_issues_dp_first_only_where_listed():
     assert any(v["constexprs"].get("DP_FIRST") for v in pp.variant_map(pp.INTERPRET_ARCH).values())
 
 
-def test_fused_backward_is_chosen_where_it_measured_faster():
+def test_fused_backward_is_chosen_where_it_measured_faster(monkeypatch):
     """sm_90: D=128 without bias or dropout, from FUSED_MIN_SEQLEN_K keys, for MHA
     (the `_mha` kernel) and GQA/MQA (the kernel with the loop over the group's heads); below that length,
     at other head dims and with any bias or dropout the two-kernel strategy. Asking for it where it is
-    not built names what is. Deterministic calls take it where ORDERED_FOR_DETERMINISTIC leaves them."""
+    not built names what is. Deterministic calls take it too, unless ORDERED_FOR_DETERMINISTIC names sm_90."""
     long, short = pp.FUSED_MIN_SEQLEN_K, pp.FUSED_MIN_SEQLEN_K - 1
 
     def strategy(seqlen_k, d=128, heads_k=4, **extra):
         return pp.dq_strategy(AttentionProblem(2, 512, seqlen_k, 4, heads_k, d, d, "bf16", **extra), "sm_90")
 
-    assert strategy(long) == pp.DQ_FUSED and strategy(long, deterministic=True) == pp.DQ_ORDERED
+    assert strategy(long) == strategy(long, deterministic=True) == pp.DQ_FUSED
+    monkeypatch.setattr(pp, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
+    assert strategy(long, deterministic=True) == pp.DQ_ORDERED
     assert pp.dq_strategy(AttentionProblem(2, 512, long, 4, 4, 128, 128, "bf16", deterministic=True), "sm_90",
                           pp.DQ_FUSED) == pp.DQ_FUSED
     assert strategy(long, d=96) == pp.DQ_FUSED  # padded to the 128 tile
