@@ -239,23 +239,21 @@ class FmhaRtAdapter(Adapter):
 
 
 class FmhaRtV3Adapter(FmhaRtAdapter):
-    """fmha_rt with the v3 family running everything it serves (fmha_rt/plan/v3.py, mode 'all'), beside
-    the default in one run; no deterministic rows: deterministic calls keep the portable kernels."""
-
-    deterministic_mode = None
+    """fmha_rt with the v3 family running everything it serves (fmha_rt/plan/v3.py, mode 'all', and its
+    ORDERED backward for deterministic calls), beside the default in one run."""
 
     @contextlib.contextmanager
     def context(self):
         from fmha_rt.plan import v3
 
         # The plan cache does not key on the mode: plans cached under the other one go.
-        was = v3.MODE
+        was = v3.MODE, v3.ORDERED_FOR_DETERMINISTIC
         self.rt.clear_plan_cache()
-        v3.MODE = "all"
+        v3.MODE, v3.ORDERED_FOR_DETERMINISTIC = "all", frozenset(v3.ARCHS)
         try:
             yield
         finally:
-            v3.MODE = was
+            v3.MODE, v3.ORDERED_FOR_DETERMINISTIC = was
             self.rt.clear_plan_cache()
 
 

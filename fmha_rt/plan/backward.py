@@ -84,12 +84,13 @@ def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
     return Launch(key, (grid[0], b.problem.heads_k, grid[2]), {**args, **(extra or {})})
 
 
-def dkdv_ordered(b: BackwardArgs, key, programs) -> Launch:
-    """dK and dV by `programs` persistent programs taking (key block, key head, batch entry) items in
-    turn, dQ added into the accumulator in key-block order (the zeroed order region dq_order)."""
+def dkdv_ordered(b: BackwardArgs, key, programs, extra=None) -> Launch:
+    """dK and dV by `programs` programs taking (key block, key head, batch entry) items in turn (by ticket:
+    the portable pass is persistent, the v3 one has a program per item), dQ added into the accumulator in
+    key-block order (the zeroed order region dq_order); `extra` as for dkdv."""
     args = {**b.attention, **b.dq_acc, **b.outputs, "DqOrder": b.args.operands.region("dq_order"),
             "batch": b.problem.batch}
-    return Launch(key, (programs, 1, 1), ordered(key, "fmha_bwd_dkdv_ordered", args))
+    return Launch(key, (programs, 1, 1), {**ordered(key, "fmha_bwd_dkdv_ordered", args), **(extra or {})})
 
 
 def fused(b: BackwardArgs, key, kv_tile, q_tile) -> Launch:

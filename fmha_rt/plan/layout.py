@@ -132,6 +132,13 @@ def backward_workspace(problem, strategy, extra=()) -> Workspace:
     return Workspace(regions, total, strategy, 1 if strategy in (DQ_ATOMIC, DQ_ORDERED) else 0)
 
 
+def dq_order_region(problem, block_m) -> tuple:
+    """The ORDERED strategy's int32 order region (name, shape, zero_init, dtype), zeroed: a work-item ticket
+    and one counter per (batch entry, query head, query block of `block_m` rows, the dK/dV kernel's tile),
+    as kernels/portable/dq_order.py lays it out."""
+    return ("dq_order", (1 + problem.batch * problem.heads_q * -(-problem.seqlen_q // block_m),), True, "i32")
+
+
 # ------------------------------------------------------------------------------ head-dim padding
 
 

@@ -394,9 +394,8 @@ def bwd_workspace(problem, arch, dq_strategy_request=None) -> Workspace:
     strategy = dq_strategy(problem, arch, dq_strategy_request)
     extra = []
     if strategy == DQ_ORDERED:
-        block_m = tile_for(arch, "bwd_dkdv", head_dim_tiles(problem), *problem_features(problem)).block_m
-        counters = problem.batch * problem.heads_q * cdiv(problem.seqlen_q, block_m)
-        extra.append(("dq_order", (1 + counters,), True, "i32"))
+        extra.append(layout.dq_order_region(problem, tile_for(arch, "bwd_dkdv", head_dim_tiles(problem),
+                                                                *problem_features(problem)).block_m))
     return layout.backward_workspace(problem, strategy, extra)
 
 

@@ -9,21 +9,22 @@ of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's wo
 
 The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same
 one), MHA, GQA and MQA, no mask, causal and sliding windows in either alignment, batch and varlen; not
-score terms or dropout. The backward serves the same calls where they are not deterministic: it is the
-portable atomic strategy (pre-pass, dK/dV with dQ added into a zeroed
-fp32 accumulator, conversion of dQ) with the v3 dK/dV kernel, and the pre-pass and conversion built under
-this family's keys. MODE says where it runs: 'measured' (the default) where the benchmark showed it
-faster than the portable family, 'all' everywhere it serves, 'off' nowhere (FMHA_RT_V3 unset, '1', '0';
-read at import, `refresh_mode()` re-reads it); the plan cache does not key on the mode, so clear it
-after changing it.
+score terms or dropout. The backward serves those calls in the 64 and 128 tiles: non-deterministic ones
+by the portable atomic strategy (pre-pass, dK/dV with dQ added into a zeroed fp32 accumulator,
+conversion of dQ) with the v3 dK/dV kernel and the pre-pass and conversion built under this family's
+keys; deterministic ones, on the archs of ORDERED_FOR_DETERMINISTIC, by the ORDERED strategy (the same
+passes, dQ added in key-block order by fmha_bwd_dkdv_ordered). MODE says where it runs: 'measured' (the
+default) where the benchmark showed it faster than the portable family, 'all' everywhere it serves, 'off'
+nowhere (FMHA_RT_V3 unset, '1', '0'; read at import, `refresh_mode()` re-reads it); the plan cache does not
+key on the mode, so clear it after changing it.
 """
 import os
 
 from . import backward
-from .abi import (BIAS_NONE, DQ_ATOMIC, DTYPES, Tile, dq_convert_variant, head_dim_tiles, make_variant, pair_name,
+from .abi import (BIAS_NONE, DQ_ATOMIC, DQ_ORDERED, DTYPES, Tile, dq_convert_variant, head_dim_tiles, make_variant, pair_name,
                   preprocess_variant, problem_features)
 from .args import forward_launch, has_work
-from .layout import Scratch, Workspace, backward_workspace, fwd_scratch as padding_scratch
+from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd_scratch as padding_scratch
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
@@ -41,7 +42,7 @@ BWD_TILE = Tile(64, 128, 4, 1)
 BWD_PAIRS = ((64, 64), (128, 128))
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
-GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 896}
+GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 896, "fmha_bwd_dkdv_ordered": 896}
 GLOBAL_SCRATCH_ALIGN = 128
 DESCRIPTOR_REGION = "tma_descriptors"
 
@@ -65,6 +66,11 @@ MEASURED_FWD_MIN_SEQLEN_K = 4096
 # takes it from 16384 keys, the longest measured, as nothing between 4k and 16k was measured.
 MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 4096, (64, 64): 16384}
 MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
+# Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
+# batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
+# of their own: NOTES.md, v3.4), at every length. Nowhere until it has run on a GPU: tests/gpu switch it
+# on for themselves, and an A/B against the portable deterministic backward decides.
+ORDERED_FOR_DETERMINISTIC = frozenset()
 
 
 def refresh_mode() -> None:
@@ -77,8 +83,10 @@ def fwd_key(dtype, pair):
     return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}"
 
 
-def dkdv_key(dtype, pair):
-    return f"fmha_bwd_dkdv_v3_{dtype}_{pair_name(*pair)}"
+def dkdv_key(dtype, pair, strategy=DQ_ATOMIC):
+    """The dK/dV variants: 'fmha_bwd_dkdv_v3_...' (ATOMIC), 'fmha_bwd_dkdv_ordered_v3_...' (ORDERED)."""
+    form = "_ordered" if strategy == DQ_ORDERED else ""
+    return f"fmha_bwd_dkdv{form}_v3_{dtype}_{pair_name(*pair)}"
 
 
 def preprocess_key(dtype, dv_tile):
@@ -110,14 +118,17 @@ def variants(arch: str) -> list[dict]:
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair in BWD_PAIRS:
-            constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
-                          "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "DQ_ATOMIC": True,
-                          "FLAT_LOOP": False, "GROUP_LOOP": True, "DP_FIRST": False}
-            traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
-                          block_n=BWD_TILE.block_n, dq_strategy=DQ_ATOMIC, deterministic=False,
-                          single_head=False, **{"pass": "bwd_main"})
-            out.append(_gluon(make_variant(dkdv_key(dtype, pair), "fmha_bwd_dkdv", dtype, BWD_TILE, constexprs,
-                                           traits, module=KERNEL_MODULES["bwd"]), "fmha_bwd_dkdv"))
+            for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
+                constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
+                              "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
+                              "GROUP_LOOP": True, "DP_FIRST": False}
+                if strategy == DQ_ATOMIC:  # the ordered function always adds dQ
+                    constexprs["DQ_ATOMIC"] = True
+                traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
+                              block_n=BWD_TILE.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
+                              single_head=False, **{"pass": "bwd_main"})
+                out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, BWD_TILE, constexprs,
+                                               traits, module=KERNEL_MODULES["bwd"]), function))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
@@ -135,13 +146,17 @@ def serves_fwd(problem, arch) -> bool:
 
 
 def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
-    """Whether the v3 backward runs `problem` on `arch` in the current MODE (non-deterministic calls alone;
-    a request for another dQ strategy keeps the portable family)."""
+    """Whether the v3 backward runs `problem` on `arch` in the current MODE: non-deterministic calls by
+    the ATOMIC strategy, deterministic ones by the ORDERED strategy where ORDERED_FOR_DETERMINISTIC
+    holds the arch; a request for another dQ strategy keeps the portable family."""
     pair = head_dim_tiles(problem)
-    if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, DQ_ATOMIC)
-            or problem.deterministic or problem.dtype not in DTYPES or pair not in BWD_PAIRS
+    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
+    if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, strategy)
+            or problem.dtype not in DTYPES or pair not in BWD_PAIRS
             or problem_features(problem) != (BIAS_NONE, False)):
         return False
+    if problem.deterministic:
+        return arch in ORDERED_FOR_DETERMINISTIC
     if MODE == "all":
         return True
     min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
@@ -166,25 +181,37 @@ def _programs(problem) -> int:
     return blocks * problem.heads_q * problem.batch
 
 
+def _bwd_programs(problem) -> int:
+    """The dK/dV programs: one per (key block, key head, batch entry), in both strategies."""
+    return -(-problem.seqlen_k // BWD_TILE.block_n) * problem.heads_k * problem.batch
+
+
 def bwd_workspace(problem) -> Workspace:
-    """The workspace of a backward the v3 family serves: the portable atomic strategy's regions (Delta,
-    Lse2, the zeroed fp32 dQ accumulator), one region for the dK/dV programs' descriptors, then the
-    padding buffers."""
-    programs = -(-problem.seqlen_k // BWD_TILE.block_n) * problem.heads_k * problem.batch
-    return backward_workspace(problem, DQ_ATOMIC, _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * programs, problem))
+    """The workspace of a backward the v3 family serves: the portable atomic or ordered strategy's
+    regions (Delta, Lse2, the zeroed fp32 dQ accumulator; for ORDERED the zeroed order region at this
+    family's 64-row query blocks), one region for the dK/dV programs' descriptors, then the padding
+    buffers."""
+    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
+    order = [dq_order_region(problem, BWD_TILE.block_m)] if strategy == DQ_ORDERED else []
+    descriptors = _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * _bwd_programs(problem), problem)
+    return backward_workspace(problem, strategy, order + descriptors)
 
 
 def plan_bwd(problem, operands) -> list:
-    """The launches of a backward the v3 family serves: the atomic strategy (pre-pass, dK/dV adding into
-    the fp32 dQ accumulator, conversion of dQ) with this family's kernels; operands as backward.py
-    describes them, with the regions of bwd_workspace."""
+    """The launches of a backward the v3 family serves: pre-pass, dK/dV adding into the fp32 dQ
+    accumulator (ATOMIC, or ORDERED for a deterministic call), conversion of dQ, with this family's
+    kernels; operands as backward.py describes them, with the regions of bwd_workspace."""
     if not has_work(problem):
         return []
     pair = head_dim_tiles(problem)
-    args = backward.BackwardArgs(problem, operands, bwd_workspace(problem))
+    workspace = bwd_workspace(problem)
+    args = backward.BackwardArgs(problem, operands, workspace)
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
-    return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])),
-            backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch),
+    if workspace.dq_strategy == DQ_ORDERED:
+        main = backward.dkdv_ordered(args, dkdv_key(problem.dtype, pair, DQ_ORDERED), _bwd_programs(problem), scratch)
+    else:
+        main = backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch)
+    return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
 
 

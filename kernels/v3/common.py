@@ -1,8 +1,10 @@
 """What the v3 kernels share: the portable family's scalar and mask helpers, compiled as Gluon
 functions (their bodies are scalar loads, arithmetic and broadcasts), the TMA descriptors of a sequence
-of a [B, S, H, D] or varlen [total, H, D] array (one head, or every head), and the bulk TMA addition."""
+of a [B, S, H, D] or varlen [total, H, D] array (one head, or every head), the bulk TMA addition, and the
+waits and fences that order bulk additions against other programs."""
 from triton._C.libtriton import ir
 from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
@@ -41,3 +43,25 @@ def tma_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
     Triton 3.6 builds the operation for Gluon but gives it no function, hence this one."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def bulk_writes_wait(PENDING: gl.constexpr, token):
+    """Waits until at most PENDING of this thread's bulk groups (0 or 2) are unfinished, their writes to
+    global memory included: tma.store_wait waits only until their shared-memory sources are read. Returns
+    `token` (an int32 scalar), so that calls can be chained. Threads that issued no bulk group pass at once."""
+    gl.static_assert((PENDING == 0) | (PENDING == 2), "bulk_writes_wait takes 0 or 2 pending groups")
+    if PENDING == 0:
+        out = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, $1;", "=r,r", [token], gl.int32,
+                                        False, 1)
+    else:
+        out = gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; mov.b32 $0, $1;", "=r,r", [token], gl.int32,
+                                        False, 1)
+    return out
+
+
+@gluon.jit
+def fence_async_global(token):
+    """Orders this thread's global memory accesses in the generic proxy (loads, atomics) against those of
+    the async proxy (TMA copies and reductions) in both directions. Returns `token`, as above."""
+    return gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [token], gl.int32, False, 1)

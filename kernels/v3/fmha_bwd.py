@@ -18,6 +18,13 @@ group. Three partitions:
   reduction;
 - a loader (1 warp): K and V of the program once, then Q and dO of each (query head, query block)
   through a ring of STAGES buffers that both consumers release.
+The ORDERED form (fmha_bwd_dkdv_ordered, deterministic) differs in two places. A program takes its (key
+block, key head, batch entry) from a ticket, key block slowest, and its dQ tiles are added in key-block
+order (kernels/portable/dq_order.py: the protocol, and why every program finishes): the consumers leave
+their dQ halves in shared memory, and a fourth partition, the dQ writer (1 warp), waits for the tile's
+counter to reach this key block's rank, adds both halves by bulk TMA reductions, frees the buffers once
+they are read, and counts the key block in once the additions are complete, one step later, so that the
+round trip to memory overlaps the next step.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
 device in Triton's global scratch (seven a program), with the sequence's rows and the head dims as bounds.
 """
@@ -28,8 +35,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (heads_descriptor, query_blocks, row_stats_start, rows_descriptor, sequence_extent,
-                               tma_add_shared_to_global, visible, window_sides)
+from kernels.portable import dq_order
+from kernels.v3.common import (bulk_writes_wait, fence_async_global, heads_descriptor, query_blocks, row_stats_start,
+                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, window_sides)
+
+key_block_rank = gluon.jit(dq_order.key_block_rank.fn)
+order_counters = gluon.jit(dq_order.order_counters.fn)
 
 STAGES = gl.constexpr(2)  # Q/dO ring depth
 
@@ -52,11 +63,11 @@ def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv
 
 @gluon.jit
 def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
-          ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
+          ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
           lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
-          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
+          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr):
     """Step t: one query block of one query head of the group against this consumer's keys. dK and dV
-    accumulate, dQ gets its share."""
+    accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -104,6 +115,12 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     mbarrier.arrive(ds_empty.index(buf))
     mbarrier.arrive(q_empty.index(stage))
+    if ORDERED:  # the writer adds the tile when its turn comes; it must have read the previous one
+        mbarrier.wait(dq_empty, (t & 1) ^ 1)
+        dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full)
+        return dk, dv
     # dQ goes to the accumulator through shared memory, one bulk TMA addition of the tile (the memory
     # system adds; rows past the sequence and columns past the head dim are clipped by the descriptor):
     # element-wise atomics, 16 a thread a step, held the warps until the LSU queue drained them (NOTES.md,
@@ -117,10 +134,10 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
+              ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
               dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-              softmax_scale,
-              BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
+              softmax_scale, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
+              BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DQK, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -135,8 +152,9 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
         dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty, ds_full,
-                       ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0, lo, blocks, full_lo,
-                       full_hi, sq, sk, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK)
+                       ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0, lo,
+                       blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK,
+                       ORDERED)
     if n_steps > 0:
         # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
         last = n_steps - 1
@@ -150,6 +168,48 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     tma.async_copy_shared_to_global(dk_desc, [n0 + c * HALF_N, 0], dk_out)
     tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _release(counter, token):
+    """Counts this key block in at `counter` once this thread's bulk additions before it are complete (the
+    caller waited for them): the async proxy's writes ordered before the releasing increment, which the
+    warp's lane 0 makes after the barrier."""
+    token = fence_async_global(token)
+    gl.thread_barrier()
+    gl.atomic_add(counter, 1, sem="release")
+    return token
+
+
+@gluon.jit
+def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, Counters, counters_per_head, h0, n0, lo, blocks, n_steps, off, left,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
+    """The ORDERED form's dQ writer: step t's tile, once both consumers have left their halves and the
+    tile's counter equals this key block's rank, goes to the accumulator by two bulk TMA reductions. The
+    counter is released one step later, after the next tile's reductions are issued, once these are
+    complete: the wait for completion overlaps the next step instead of adding to it. Holding it that
+    long cannot deadlock: only larger key blocks (later tickets) wait for this one."""
+    token = n0
+    previous = Counters
+    for t in range(n_steps):
+        g = t // blocks
+        block = lo + t - g * blocks
+        m0 = block * BLOCK_M
+        counter = Counters + g * counters_per_head + block
+        rank = key_block_rank(n0, m0, off, left, BLOCK_N)
+        while gl.atomic_add(counter, 0, sem="acquire") != rank:  # the smaller key blocks are in
+            pass
+        token = fence_async_global(token)  # their additions are seen by ours
+        mbarrier.wait(dq_full, t & 1)
+        tma_add_shared_to_global(dq_desc, [m0, h0 + g, 0], dq_smem.index(0))
+        tma_add_shared_to_global(dq_desc, [m0, h0 + g, BLOCK_DQK // 2], dq_smem.index(1))
+        tma.store_wait(0)  # read: the consumers may write the next tile
+        mbarrier.arrive(dq_empty)
+        if t > 0:
+            token = _release(previous, bulk_writes_wait(2, token))  # all but this step's two are complete
+        previous = counter
+    if n_steps > 0:
+        _release(previous, bulk_writes_wait(0, token))
 
 
 @gluon.jit
@@ -174,13 +234,74 @@ def fmha_bwd_dkdv(
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
     GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
 ):
+    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
+    _dkdv_program(
+        gl.program_id(0), gl.program_id(1), gl.program_id(2), None,
+        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
+        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
+        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
+        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
+        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False)
+
+
+@gluon.jit
+def fmha_bwd_dkdv_ordered(
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, DqOrder, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    stride_delta_b, stride_delta_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr, batch,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, FLAT_LOOP: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+):
+    """The deterministic form: one program per work item (key block, key head, batch entry), which it
+    takes by ticket, key block slowest (dq_order.py: longest first under a causal mask, and the order that
+    lets every program finish); its dQ tiles go into the accumulator in key-block order."""
+    gl.static_assert(GROUP_LOOP, "the v3 backward loops over the group's heads")
+    heads_k = num_heads_q // kv_group_size
+    slots = heads_k * batch
+    item = gl.atomic_add(DqOrder, 1, sem="relaxed")
+    slot = item % slots
+    _dkdv_program(
+        item // slots, slot % heads_k, slot // heads_k, DqOrder,
+        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
+        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
+        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
+        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
+        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True)
+
+
+@gluon.jit
+def _dkdv_program(
+    n_block, hk, b, DqOrder,
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr,
+):
+    """Key block n_block of key head hk of batch entry b (the module docstring); DqOrder the order region
+    of the ORDERED form, None otherwise."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
-    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
     HALF_N: gl.constexpr = BLOCK_N // 2
-    n_block = gl.program_id(0)
-    hk = gl.program_id(1)
-    b = gl.program_id(2)
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     n0 = n_block * BLOCK_N
@@ -252,15 +373,36 @@ def fmha_bwd_dkdv(
         mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ products are done
 
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
-    gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                     ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc, dv_desc, n0,
-                     lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
-        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                     ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc, dv_desc, n0,
-                     lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-                     BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV)),
-        (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-                   n0, lo, blocks, h0, n_steps, BLOCK_M)),
-    ], [4, 1], [240, 24])
+    if ORDERED:
+        dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(dq_full, count=2)  # both consumers' halves are in
+        mbarrier.init(dq_empty, count=1)  # the writer has read them
+        counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
+        gl.warp_specialize([
+            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                         ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
+                         dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                         scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                         ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
+                         dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                         scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
+                       n0, lo, blocks, h0, n_steps, BLOCK_M)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo,
+                          blocks, n_steps, off, left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
+        ], [4, 1, 1], [240, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                         ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
+                         dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                         softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                         ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
+                         dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                         softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
+                       n0, lo, blocks, h0, n_steps, BLOCK_M)),
+        ], [4, 1], [240, 24])

@@ -32,6 +32,8 @@ CASES = {
     "atomic_interpret": (_problem(d=32), pp.INTERPRET_ARCH, pp.DQ_ATOMIC, "portable"),
     "fused_interpret": (_problem(sk=4096, d=32, hk=8), pp.INTERPRET_ARCH, pp.DQ_FUSED, "portable"),
     "v3_atomic": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16"), "sm_90", pp.DQ_ATOMIC, "v3"),
+    "v3_ordered": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16", deterministic=True), "sm_90", pp.DQ_ORDERED,
+                   "v3"),
 }
 
 
@@ -44,7 +46,7 @@ def test_the_launcher_reports_what_its_workspace_holds(case, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     problem, arch, strategy, family = CASES[case]
     if strategy == pp.DQ_ORDERED:  # switched on for the case's arch (by default only the interpreter's)
-        monkeypatch.setattr(pp, "ORDERED_FOR_DETERMINISTIC", frozenset({arch}))
+        monkeypatch.setattr(v3 if family == "v3" else pp, "ORDERED_FOR_DETERMINISTIC", frozenset({arch}))
     launcher = fmha_rt.BwdLauncher(problem, arch)
     ws = launcher.workspace
     assert ws.dq_strategy == strategy and v3.serves_bwd(problem, arch) == (family == "v3")

@@ -30,7 +30,8 @@ SEED = 33
 
 
 def _rank_cases():
-    """Masks and tiles: every alignment and window kind at sequence lengths around the tile sizes."""
+    """Masks and tiles: every alignment and window kind at sequence lengths around the tile sizes, and the v3
+    backward's tile (64 query rows, 128 keys: kernels/v3/fmha_bwd.py's ORDERED form uses the same helpers)."""
     rng = random.Random(SEED)
     windows = [(-1, -1), (-1, 0), (0, 0), (7, 3), (16, -1), (2, 1), (0, 40), (-1, 5)]
     cases = []
@@ -38,6 +39,10 @@ def _rank_cases():
         left, right = rng.choice(windows)
         cases.append((rng.choice([1, 15, 16, 17, 40, 64, 100]), rng.choice([0, 1, 16, 31, 40, 70, 129]), left, right,
                       rng.random() < 0.5, rng.choice([16, 32, 64]), rng.choice([16, 32, 64])))
+    for _ in range(40):
+        left, right = rng.choice(windows + [(100, 0), (200, 70)])
+        cases.append((rng.choice([1, 63, 64, 65, 200, 300]), rng.choice([1, 127, 128, 129, 300, 520]), left, right,
+                      rng.random() < 0.5, 64, 128))
     return cases
 
 

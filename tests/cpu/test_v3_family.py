@@ -36,6 +36,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
+    gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128)}
     rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128)})
     assert set(variants) == set(gluon) | set(rows)
@@ -54,15 +55,16 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
 def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch):
     monkeypatch.delenv("FMHA_RT_ASM_DIR", raising=False)
     entries = [e for e in registry().kernels_for("sm_90") if e.family == v3.FAMILY]
-    assert sorted(e.key for e in entries) == sorted(v["key"] for v in v3.variants("sm_90"))
+    functions = {v["key"]: v["function"] for v in v3.variants("sm_90")}
+    assert sorted(e.key for e in entries) == sorted(functions)
     for e in entries:
         assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
-        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3")):
+        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3", "fmha_bwd_dkdv_ordered_v3")):
             # the build checked the compiler's figure against the plan's; the manifest records it
-            function = "fmha_fwd" if e.key.startswith("fmha_fwd") else "fmha_bwd_dkdv"
-            assert e.traits["global_scratch"] == v3.GLOBAL_SCRATCH[function]
+            assert e.traits["global_scratch"] == v3.GLOBAL_SCRATCH[functions[e.key]]
             assert e.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
-            assert e.threads == 12 * 32  # two consumer warpgroups and a loader warp, in whole warpgroups
+            # two consumer warpgroups, a loader warp (and the ordered form's dQ writer), in whole warpgroups
+            assert e.threads == 12 * 32
         else:
             assert "global_scratch" not in e.traits
 
@@ -285,8 +287,12 @@ def test_the_bench_runs_the_v3_family_beside_the_default(monkeypatch):
                  head_dim=128, causal=False)
     for pass_name in ("fwd", "bwd"):
         assert peers.unsupported(adapter, grid.Point(pass_name=pass_name, **point)) is None
-    # deterministic calls keep the portable kernels: the default's rows already time them
-    assert peers.unsupported(adapter, grid.Point(pass_name="bwd_det", **point)) == "no deterministic mode"
+    # deterministic rows time the ORDERED form where the family serves them
+    assert peers.unsupported(adapter, grid.Point(pass_name="bwd_det", **point)) is None
+    monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset())
+    with adapter.context():
+        assert v3.ORDERED_FOR_DETERMINISTIC == frozenset(v3.ARCHS)
+    assert v3.ORDERED_FOR_DETERMINISTIC == frozenset()
 
 
 # ----------------------------------------------------------------------------------------- backward
@@ -335,13 +341,18 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0
 
 
-def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
-    p = problem(window_right=0)  # GQA 8/2
-    workspace = dispatch.bwd_workspace(p, "sm_90")
+def backward_operands(workspace) -> Operands:
+    """A backward's operands for problem(): GQA 8/2, 300 rows, head dim 128; the regions of `workspace`."""
     rows, kv_rows = (300 * 8 * 128, 8 * 128, 128, 1), (300 * 2 * 128, 2 * 128, 128, 1)
     strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * 300, 300, 1), "dout": rows,
                "dq": rows, "dk": kv_rows, "dv": kv_rows}
-    tensors = pointed_operands(strides, [r.name for r in workspace.regions])
+    return pointed_operands(strides, [r.name for r in workspace.regions])
+
+
+def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
+    p = problem(window_right=0)  # GQA 8/2
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    tensors = backward_operands(workspace)
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
     assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
                                                        v3.dkdv_key("bf16", (128, 128)),
@@ -393,3 +404,86 @@ def test_a_served_backward_hits_the_plan_cache_with_what_an_uncached_call_launch
     # the workspace is the caller's (workspace_alloc): every byte, the descriptors' address included, is the same
     assert driver.take() == expected
 
+
+
+# ------------------------------------------------------------------------- the deterministic (ORDERED) backward
+
+
+@pytest.fixture
+def ordered_on(monkeypatch):
+    monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
+
+
+@pytest.mark.parametrize("case", BWD_SERVED)
+def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, ordered_on, monkeypatch):
+    """At every length in the measured mode (no measurement limits it yet), by request of ORDERED or of
+    nothing; a request for another strategy, another arch or the 'off' mode keeps the portable family."""
+    monkeypatch.setattr(v3, "MODE", "measured")
+    p = problem(**BWD_SERVED[case], deterministic=True)
+    assert v3.serves_bwd(p, "sm_90") and v3.serves_bwd(p, "sm_90", pp.DQ_ORDERED)
+    assert dispatch.bwd_workspace(p, "sm_90").dq_strategy == pp.DQ_ORDERED
+    for request in (pp.DQ_ATOMIC, pp.DQ_FUSED, pp.DQ_DETERMINISTIC):
+        assert not v3.serves_bwd(p, "sm_90", request)
+    assert not v3.serves_bwd(p, "gfx942")
+    non_deterministic = problem(**BWD_SERVED[case])
+    assert not v3.serves_bwd(non_deterministic, "sm_90", pp.DQ_ORDERED)
+    monkeypatch.setattr(v3, "MODE", "off")
+    assert not v3.serves_bwd(p, "sm_90")
+    monkeypatch.setattr(v3, "MODE", "all")
+    monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset())
+    assert not v3.serves_bwd(p, "sm_90")  # off by default, whatever the mode
+
+
+@pytest.mark.parametrize("case", ["bias", "dropout", "head dim 256"])
+def test_the_ordered_form_leaves_what_the_family_does_not_serve(case, ordered_on):
+    p = problem(**BWD_NOT_SERVED[case], deterministic=True)
+    assert not v3.serves_bwd(p, "sm_90")
+
+
+def test_the_ordered_workspace_has_counters_for_the_families_query_blocks(ordered_on):
+    """Delta, Lse2, one zeroed fp32 dQ, then the zeroed int32 order region: a ticket and one counter per
+    (batch entry, query head, 64-row query block), then the descriptors and the padding."""
+    p = problem(heads_k=2, head_dim_qk=100, head_dim_v=100, deterministic=True)
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    assert workspace.dq_strategy == pp.DQ_ORDERED and workspace.dq_splits == 1
+    names = [r.name for r in workspace.regions]
+    assert names[:5] == ["delta", "lse2", "dq_acc", "dq_order", v3.DESCRIPTOR_REGION] and names[5:]
+    order = workspace.region("dq_order")
+    assert order.zero_init and order.dtype == "i32"
+    assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / v3.BWD_TILE.block_m))
+    descriptors = workspace.region(v3.DESCRIPTOR_REGION)
+    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv_ordered"] * math.ceil(300 / 128) * 2 * 2
+
+
+def test_the_ordered_plan_is_the_portable_ordered_launch_with_a_program_per_item(ordered_on):
+    p = problem(window_right=0, deterministic=True)  # GQA 8/2
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    tensors = backward_operands(workspace)
+    launches = dispatch.plan_bwd(p, "sm_90", tensors)
+    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
+                                                       v3.dkdv_key("bf16", (128, 128), pp.DQ_ORDERED),
+                                                       v3.dq_convert_key("bf16", 128)]
+    # the portable ORDERED plan's arguments (built for the interpreter), plus the descriptors
+    portable = pp.plan_bwd(p, pp.INTERPRET_ARCH, tensors, pp.DQ_ORDERED)
+    for launch, twin in zip(launches, portable):
+        assert launch.args == {**twin.args, **({"global_scratch": tensors.regions[v3.DESCRIPTOR_REGION]}
+                                               if launch.variant.startswith("fmha_bwd_dkdv") else {})}
+    main = launches[1]
+    assert main.grid == (3 * 2 * 2, 1, 1)  # key blocks x key heads x batch entries: a program per item
+    assert main.args["DqOrder"] is tensors.regions["dq_order"] and main.args["batch"] == 2
+
+
+def test_a_deterministic_backward_launches_the_ordered_form_and_zeroes_its_counters(monkeypatch, rt, driver,
+                                                                                   ordered_on):
+    x = Inputs(rt, hq=8, hk=2)
+    fmha_rt.mha_bwd(x.dout, x.q, x.k, x.v, x.out, x.lse, dq=x.dq, dk=x.dk, dv=x.dv, deterministic=True,
+                    workspace_alloc=lambda n, z: x.workspace)
+    launched = driver.take()
+    assert [key for key, *_ in launched] == [v3.preprocess_key("fp16", 64), v3.dkdv_key("fp16", (64, 64), pp.DQ_ORDERED),
+                                             v3.dq_convert_key("fp16", 64)]
+    info = fmha_rt.last_launch_info()
+    assert info["family"] == v3.FAMILY
+    dkdv = unpack(launched[1][0], launched[1][2])
+    zeroed = [ptr for _, ptr, _ in rt.memsets]
+    assert dkdv["DqAcc"] in zeroed and dkdv["DqOrder"] in zeroed  # both start at zero: sums and counters
+    assert dkdv["global_scratch"] % v3.GLOBAL_SCRATCH_ALIGN == 0

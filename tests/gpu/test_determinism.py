@@ -39,6 +39,8 @@ class Case:
     # deterministic calls take the ORDERED dQ strategy (turned on for the case in
     # portable.ORDERED_FOR_DETERMINISTIC); off, the default: two kernels, or FUSED from 4096 keys
     ordered: bool = True
+    # deterministic calls the v3 family serves take its ORDERED form (v3.ORDERED_FOR_DETERMINISTIC)
+    v3_ordered: bool = False
 
 
 CASES = [
@@ -55,6 +57,10 @@ CASES = [
          ordered=False),
     Case("v3_bwd_d128", "bwd", 1, 1024, 4, 2, 128, "v3", "fmha_bwd_dkdv_v3_bf16_d128", deterministic=False,
          v3_everywhere=True),
+    Case("v3_bwd_ordered_d128_gqa", "bwd", 2, 1024, 8, 2, 128, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d128",
+         v3_ordered=True),
+    Case("v3_bwd_ordered_d64_4096_keys", "bwd", 1, 4096, 4, 4, 64, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d64",
+         v3_ordered=True),
 ]
 
 
@@ -62,12 +68,13 @@ CASES = [
 def v3_mode(monkeypatch):
     """Sets the v3 family's mode for a test (as FMHA_RT_V3 would), and whether deterministic calls take the
     ORDERED strategy, and clears the plan cache around it."""
-    def set_mode(everywhere, ordered=True):
+    def set_mode(everywhere, ordered=True, v3_ordered=False):
         if everywhere:
             monkeypatch.setattr(v3, "MODE", "all")
         # every arch it is built for, or none
         monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC",
                             frozenset(portable.BUILT_DQ_STRATEGIES) if ordered else frozenset())
+        monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if v3_ordered else frozenset())
         fmha_rt.clear_plan_cache()
 
     yield set_mode
@@ -124,7 +131,7 @@ def check_repeats(case, snapshots, first, want):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_repeats_on_a_side_stream_and_from_8_threads(case, v3_mode):
-    v3_mode(case.v3_everywhere, case.ordered)
+    v3_mode(case.v3_everywhere, case.ordered, case.v3_ordered)
     call, specs, want = prepare(case)
     first = reference_run(call, specs)
     check_against_float64(case, first, want)

@@ -3,7 +3,8 @@ accumulator in key-block order, so its bits must not depend on timing nor on the
 programs (FMHA_RT_BWD_PROGRAMS forces one). Every case: a run checked against float64 at bf16, then 10
 runs on a side stream for each forced program count and the default, each bitwise equal to the first run
 (outputs re-poisoned with NaN before every run: tests/gpu/repeat_runs.py). Streams and threads: the ORDERED
-cases of test_determinism.py."""
+cases of test_determinism.py. Both families: the portable persistent pass, and the v3 form (a program per
+work item, whose grid no setting changes: its cases repeat the runs alone) on the cases it serves."""
 import pytest
 
 from gpu_presence import require
@@ -13,7 +14,7 @@ torch = require("torch")
 import fmha_rt
 from error_bounds import assert_close
 from fmha_rt import reference
-from fmha_rt.plan import portable
+from fmha_rt.plan import portable, v3
 from fmha_rt.plan.problem import AttentionProblem
 from fmha_rt.runtime import backend
 from gpu_tensors import f64, generator, rand, seed_of, varlen_inputs
@@ -34,13 +35,19 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def ordered_everywhere(monkeypatch):
-    """Deterministic calls take the ORDERED strategy on every arch it is built for (by default only the
-    interpreter does, until it is measured on GPUs)."""
+# the v3 form serves head dims up to 128
+V3_CASES = sorted(name for name, case in CASES.items() if case[5] <= 128)
+
+
+@pytest.fixture
+def family(request, monkeypatch):
+    """Deterministic calls take the ORDERED strategy of the family (by default only the interpreter's
+    portable one does, until it is measured on GPUs): the portable one on every arch it is built for, with
+    the v3 form off, or the v3 form where it serves."""
     monkeypatch.setattr(portable, "ORDERED_FOR_DETERMINISTIC", frozenset(portable.BUILT_DQ_STRATEGIES))
+    monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if request.param == "v3" else frozenset())
     fmha_rt.clear_plan_cache()
-    yield
+    yield request.param
     fmha_rt.clear_plan_cache()
 
 
@@ -59,14 +66,23 @@ def programs(monkeypatch):
     fmha_rt.clear_plan_cache()
 
 
-def ran_ordered():
+def ran_ordered(family):
     info = fmha_rt.last_launch_info()
-    assert info["family"] == "portable" and any(k.startswith("fmha_bwd_dkdv_") and k.endswith(("_ordered", "_ordered_mha"))
-                                                for k in info["kernels"]), info
+    if family == "v3":
+        assert info["family"] == "v3" and any(k.startswith("fmha_bwd_dkdv_ordered_v3_") for k in info["kernels"]), info
+    else:
+        assert info["family"] == "portable" and any(k.startswith("fmha_bwd_dkdv_") and k.endswith(("_ordered", "_ordered_mha"))
+                                                    for k in info["kernels"]), info
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_same_bits_over_runs_and_program_counts(name, programs):
+def program_counts(family):
+    """The forced program counts a family's cases go through (the v3 form has one program per item)."""
+    return PROGRAMS if family == "portable" else (None,)
+
+
+@pytest.mark.parametrize("name, family", [(name, "portable") for name in sorted(CASES)] + [(name, "v3") for name in V3_CASES],
+                         indirect=["family"])
+def test_same_bits_over_runs_and_program_counts(name, family, programs):
     b, sq, sk, hq, hk, d, window, bottom_right = CASES[name]
     gen = generator(seed_of(name))
     q = rand((b, sq, hq, d), torch.bfloat16, gen)
@@ -81,11 +97,11 @@ def test_same_bits_over_runs_and_program_counts(name, programs):
     def call(outputs, stream):
         dq, dk, dv = outputs
         fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, deterministic=True, stream=stream, **opts)
-        ran_ordered()
+        ran_ordered(family)
 
     specs = [(t.shape, t.dtype) for t in (q, k, v)]
     first = None
-    for count in PROGRAMS:
+    for count in program_counts(family):
         programs(count)
         if count is not None:
             assert portable.ordered_programs(problem, arch) == count
@@ -98,7 +114,8 @@ def test_same_bits_over_runs_and_program_counts(name, programs):
         assert_bitwise(f"{name} programs={count}", [run] + repeat(call, specs, torch.cuda.Stream(), RUNS), first)
 
 
-def test_varlen_with_empty_and_single_token_sequences(programs):
+@pytest.mark.parametrize("family", ["portable", "v3"], indirect=True)
+def test_varlen_with_empty_and_single_token_sequences(family, programs):
     lens_q, lens_k = [37, 0, 1, 128, 64, 300], [50, 3, 1, 128, 0, 290]
     cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, 4, 2, 64, seed=seed_of("ordered varlen"))
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
@@ -109,11 +126,11 @@ def test_varlen_with_empty_and_single_token_sequences(programs):
         dq, dk, dv = outputs
         fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, *args, dq=dq, dk=dk, dv=dv, deterministic=True,
                                stream=stream, **opts)
-        ran_ordered()
+        ran_ordered(family)
 
     specs = [(t.shape, t.dtype) for t in (q, k, v)]
     first = None
-    for count in PROGRAMS:
+    for count in program_counts(family):
         programs(count)
         run = reference_run(call, specs)
         if first is None:
