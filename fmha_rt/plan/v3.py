@@ -29,14 +29,16 @@ from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd
 FAMILY = "v3"
 ARCHS = ("sm_90",)
 KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
-# 128 query rows a program (two consumer warpgroups of 64); the default partition's 4 warps (the
-# kernel's 12 in all come from its warp_specialize: a second consumer warpgroup and a loader warp). Keys
-# come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring of K and V fill 192 KiB of the
-# 227 KiB a program may have, and each consumer's 64 x 256 fp32 accumulator takes 128 of its 240 registers.
-FWD_TILES = {(64, 64): Tile(128, 128, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1)}
+# 64 query rows a consumer warpgroup: 128 a program (two consumers) at head dims 128 and 256, 192 (three)
+# at 64; the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
+# consumers and a loader warp). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
+# of K and V fill 192 KiB of the 227 KiB a program may have, and each consumer's 64 x 256 fp32
+# accumulator takes 128 of its 240 registers. At D=64 three consumers hold 160 registers each.
+FWD_TILES = {(64, 64): Tile(192, 64, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1)}
 FWD_PAIRS = tuple(FWD_TILES)
-FWD_BLOCK_M = 128
-assert all(tile.block_m == FWD_BLOCK_M for tile in FWD_TILES.values())
+# Whether a tile's consumers take turns at their softmax (kernels/v3/fmha_fwd.py, SOFTMAX_TURNS): on in the
+# tiles not yet measured, off in the 128 tile, whose objects stay those measured until an A/B decides.
+FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True}
 # 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
 BWD_TILE = Tile(64, 128, 4, 1)
 BWD_PAIRS = ((64, 64), (128, 128))
@@ -113,8 +115,11 @@ def variants(arch: str) -> list[dict]:
         for pair, tile in FWD_TILES.items():
             constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False}
+            if FWD_SOFTMAX_TURNS[pair]:  # a build choice beyond the signature's constexprs
+                constexprs["SOFTMAX_TURNS"] = True
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
-                          block_n=tile.block_n, deterministic=True, **{"pass": "fwd"})
+                          block_n=tile.block_n, deterministic=True, softmax_turns=FWD_SOFTMAX_TURNS[pair],
+                          **{"pass": "fwd"})
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair in BWD_PAIRS:
@@ -176,8 +181,12 @@ def _descriptor_region(nbytes, problem) -> list:
     return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if has_work(problem) else []
 
 
+def _fwd_block_m(problem) -> int:
+    return FWD_TILES[head_dim_tiles(problem)].block_m
+
+
 def _programs(problem) -> int:
-    blocks = -(-problem.seqlen_q // FWD_BLOCK_M)
+    blocks = -(-problem.seqlen_q // _fwd_block_m(problem))
     return blocks * problem.heads_q * problem.batch
 
 
@@ -222,4 +231,4 @@ def plan_fwd(problem, operands) -> list:
         return []
     key = fwd_key(problem.dtype, head_dim_tiles(problem))
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
-    return [forward_launch(key, problem, operands, FWD_BLOCK_M, scratch)]
+    return [forward_launch(key, problem, operands, _fwd_block_m(problem), scratch)]

@@ -4,12 +4,14 @@ and asynchronous warpgroup MMAs (wgmma), the structure of FlashAttention-3's for
 It takes the portable forward's arguments (fmha_rt/plan/portable.py, SIGNATURES["fmha_fwd"]), so one
 plan serves both families, and serves the calls without score terms or dropout: BIAS_KIND 0, DROPOUT
 False (the unused arguments are never read). One program per (BLOCK_M query rows, query head, batch
-entry), in three partitions:
-- two consumers (the default partition and a worker, 4 warps each: one warpgroup), BLOCK_M / 2 query
-  rows each; a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before the softmax of key
-  block j, so the two overlap, then O += P_j V_j with P_j from registers;
-- a loader (1 warp, 24 registers): TMA copies of the two Q tiles, then K and V through a ring of
-  STAGES buffers, each released by both consumers.
+entry), in partitions:
+- BLOCK_M / 64 consumers (the default partition and workers, 4 warps each: one warpgroup), 64 query
+  rows each: two at head dims 128 and 256, three at 64 (FlashAttention-3's 192-row tile: with 64 x 64
+  accumulators one consumer's products are short, and a third keeps the tensor cores fed while the
+  others run their exponentials); a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before
+  the softmax of key block j, so the two overlap, then O += P_j V_j with P_j from registers;
+- a loader (1 warp, 24 registers): TMA copies of the consumers' Q tiles, then K and V through a ring of
+  STAGES buffers, each released by every consumer.
 Tensor descriptors are made on the device, per (sequence, head), so their bounds are the sequence's and
 the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Making them takes
 Triton's global scratch memory (manifest `global_scratch`, per program), which the runtime provides.
@@ -28,8 +30,7 @@ from kernels.v3.common import key_blocks, masked_block, rows_descriptor, sequenc
 
 STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) fill 128 KiB beside Q's 32 KiB (D=128), 64 KiB (D=256)
 LN2 = gl.constexpr(0.6931471805599453)
-
-
+ROWS = gl.constexpr(64)  # query rows of one consumer: one warpgroup's wgmma M
 
 
 @gluon.jit
@@ -41,10 +42,10 @@ def _key_block(t, n_free, lo, full_lo, full_hi):
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-            m0, n_blocks, n_free, lo, full_lo, full_hi, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    for c in gl.static_range(2):
+            m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr):
+    for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + c * HALF_M, 0], q_ready.index(c), q_smem.index(c))
+        tma.async_copy_global_to_shared(q_desc, [m0 + c * ROWS, 0], q_ready.index(c), q_smem.index(c))
     for t in range(n_blocks):
         stage = t % STAGES
         free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
@@ -73,25 +74,51 @@ def _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, Lse_rows,
-              m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr):
+def _softmax_in_turn(t, c: gl.constexpr, turn, turn_sums, s, m_i, l_i, masked, n0, rows, off, left, right, sk,
+                     scale_log2, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
+                     TURNS: gl.constexpr):
+    """_softmax_step of key block t; with TURNS, consumer c runs it after consumer c - 1 has run its own
+    (consumer 0 after the last consumer's of block t - 1) and then passes the turn on: one consumer's
+    exponentials at a time, while the others' products keep the tensor cores busy. Without turns the
+    consumers drift into step with each other, exponentials together and products together.
+
+    The row sums go to shared memory (`turn_sums`, never read) before the turn is passed: ptxas moves the
+    exponentials, which nothing else between here and P V reads, below the mbarrier arrive; the sums
+    depend on every exponential, and the arrive (a release) cannot pass the store."""
+    if TURNS:
+        if c == 0:
+            mbarrier.wait(turn.index(0), (t & 1) ^ 1)  # a fresh barrier's previous phase counts as complete
+        else:
+            mbarrier.wait(turn.index(c), t & 1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log2, s_layout,
+                                       BLOCK_N)
+    if TURNS:
+        turn_sums.slice(c * ROWS, ROWS).store(l_i)
+        mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
+    return p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+              o_desc,
+              Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+              BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows = m0 + c * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    rows = m0 + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     q = q_smem.index(c)
     dtype: gl.constexpr = v_smem.dtype
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF_M, BLOCK_DV], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(c), 0)
     if n_blocks > 0:
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout),
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
@@ -101,10 +128,10 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
             # S_{t+1} on the tensor core while block t's softmax runs on the other units
             mbarrier.wait(k_ready.index(nxt), ((t + 1) // STAGES) & 1)
             s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)),
-                                   gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t >= n_free, n0, rows, off, left, right, sk, scale_log2,
-                                               s_layout, BLOCK_N)
+            p, alpha, m_i, l_i = _softmax_in_turn(t, c, turn, turn_sums, s, m_i, l_i, t >= n_free, n0, rows, off, left,
+                                                  right, sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             mbarrier.wait(v_ready.index(stage), (t // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
@@ -113,8 +140,8 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
             mbarrier.arrive(k_empty.index(nxt))
         last = n_blocks - 1
         n0 = _key_block(last, n_free, lo, full_lo, full_hi) * BLOCK_N
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last >= n_free, n0, rows, off, left, right, sk, scale_log2,
-                                           s_layout, BLOCK_N)
+        p, alpha, m_i, l_i = _softmax_in_turn(last, c, turn, turn_sums, s, m_i, l_i, last >= n_free, n0, rows, off, left,
+                                              right, sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last % STAGES), acc,
@@ -128,7 +155,7 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
     o_smem = q  # Q is no longer read: its tile takes O on its way out
     o_smem.store(out.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [m0 + c * HALF_M, 0], o_smem)
+    tma.async_copy_shared_to_global(o_desc, [m0 + c * ROWS, 0], o_smem)
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     gl.store(Lse_rows + rows, lse, mask=rows < sq)
     tma.store_wait(0)
@@ -149,11 +176,14 @@ def fmha_fwd(
     scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, SOFTMAX_TURNS: gl.constexpr = False,
 ):
+    """SOFTMAX_TURNS (a build choice of the tile, not an argument): the consumers take turns at their
+    softmax (_softmax_in_turn)."""
     gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS
+    gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "two or three consumer warpgroups")
     # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
     m_block = gl.num_programs(0) - 1 - gl.program_id(0)
     h = gl.program_id(1)
@@ -177,13 +207,13 @@ def fmha_fwd(
     dqk = head_dim_qk_div8 * 8
     dv = head_dim_v_div8 * 8
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_DQK], dtype)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_DV], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DQK], dtype)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_desc = rows_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, h64, stride_q_h, sq, dqk, [HALF_M, BLOCK_DQK],
+    q_desc = rows_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, h64, stride_q_h, sq, dqk, [ROWS, BLOCK_DQK],
                              q_layout)
-    o_desc = rows_descriptor(Out, b64, stride_o_b, q_row0, stride_o_s, h64, stride_o_h, sq, dv, [HALF_M, BLOCK_DV],
+    o_desc = rows_descriptor(Out, b64, stride_o_b, q_row0, stride_o_s, h64, stride_o_h, sq, dv, [ROWS, BLOCK_DV],
                              o_layout)
     k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
                              k_layout)
@@ -192,30 +222,54 @@ def fmha_fwd(
     Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
 
     gl.static_assert(BLOCK_DQK == BLOCK_DV, "O's tile reuses Q's")
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_DQK], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_DQK], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DQK], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
+    # SOFTMAX_TURNS's barriers and row sums (_softmax_in_turn); unused, they take no memory
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn_sums = gl.allocate_shared_memory(gl.float32, [4 * ROWS],  # a power of two, room for every consumer
+                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    if SOFTMAX_TURNS:  # one barrier a consumer: the turn passed on to it
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.init(turn.index(c), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, Lse_rows,
-                     m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-                     HALF_M, BLOCK_N, BLOCK_DV)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, Lse_rows,
-                     m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-                     HALF_M, BLOCK_N, BLOCK_DV)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                   m0, n_blocks, n_free, lo, full_lo, full_hi, HALF_M, BLOCK_N)),
-    ], [4, 1], [240, 24])
+    # A consumer thread's registers (setmaxnreg): what the register file leaves beside the loader's warpgroup
+    # at 24 a thread (2 x 128 x 240 or 3 x 128 x 160, plus 128 x 24, within 65536).
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                       m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                       m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+        ], [4, 4, 1], [160, 160, 24])

@@ -63,8 +63,10 @@ def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch)
             # the build checked the compiler's figure against the plan's; the manifest records it
             assert e.traits["global_scratch"] == v3.GLOBAL_SCRATCH[functions[e.key]]
             assert e.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
-            # two consumer warpgroups, a loader warp (and the ordered form's dQ writer), in whole warpgroups
-            assert e.threads == 12 * 32
+            # a warpgroup a consumer (two, three in the forward's 192-row tile), then the loader warp (and the
+            # ordered backward's dQ writer) in one more: whole warpgroups
+            consumers = e.traits["block_m"] // 64 if e.key.startswith("fmha_fwd") else 2
+            assert e.threads == (consumers + 1) * 128
         else:
             assert "global_scratch" not in e.traits
 
@@ -145,11 +147,34 @@ def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served
     assert not v3.serves_bwd(p, "gfx942")
 
 
-def test_the_forward_tiles_take_64_keys_a_block_at_head_dim_256():
+def test_the_forward_tiles_take_192_rows_and_64_keys_at_head_dim_64_and_64_keys_at_256():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
-    for pair, block_n in (((64, 64), 128), ((128, 128), 128), ((256, 256), 64)):
+    for pair, tile in (((64, 64), (192, 64)), ((128, 128), (128, 128)), ((256, 256), (128, 64))):
         constexprs = variants[v3.fwd_key("bf16", pair)]["constexprs"]
-        assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (v3.FWD_BLOCK_M, block_n)
+        assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == tile
+
+
+def test_softmax_turns_are_a_build_choice_of_each_forward_tile():
+    """On where FWD_SOFTMAX_TURNS says (a constexpr beyond the signature's, recorded in the traits); the 128
+    tile keeps the measured objects, built without it."""
+    assert set(v3.FWD_SOFTMAX_TURNS) == set(v3.FWD_TILES)
+    assert v3.FWD_SOFTMAX_TURNS[(128, 128)] is False
+    variants = {v["key"]: v for v in v3.variants("sm_90")}
+    for dtype in pp.DTYPES:
+        for pair, turns in v3.FWD_SOFTMAX_TURNS.items():
+            v = variants[v3.fwd_key(dtype, pair)]
+            assert v["constexprs"].get("SOFTMAX_TURNS", False) is turns and v["traits"]["softmax_turns"] is turns
+
+
+def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_forward(v3_on):
+    p = problem(head_dim_qk=64, head_dim_v=64)  # 300 rows: two programs of 192 a (head, batch entry)
+    rows, kv_rows = (300 * 8 * 64, 8 * 64, 64, 1), (300 * 2 * 64, 2 * 64, 64, 1)
+    strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * 300, 300, 1)}
+    tensors = pointed_operands(strides, [v3.DESCRIPTOR_REGION])
+    (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
+    assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (2, 8, 2)
+    descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
+    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * 2 * 8 * 2
 
 
 @pytest.mark.parametrize("case", NOT_SERVED)
