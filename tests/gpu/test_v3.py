@@ -57,6 +57,8 @@ CASES = [
     ("d64_window_br", 1, 100, 257, 2, 2, 64, 64, {"window": (16, 16), "causal_alignment": "bottom_right"}),
     ("d64_128", 1, 256, 384, 2, 2, 64, 128, {"causal": True}),
     ("d56_short", 3, 17, 9, 2, 1, 56, 56, {}),
+    # the 64 tile's three consumers taking turns over many key blocks, a partial last 192-row block
+    ("d64_causal_gqa_long", 1, 1100, 1100, 8, 2, 64, 64, {"causal": True}),
     ("d128_large_scale", 1, 512, 512, 2, 2, 128, 128, {"softmax_scale": 0.3}),
     # the 256 tile: the forward alone is v3's (the backward stays portable)
     ("d256", 2, 512, 700, 2, 2, 256, 256, {}),
