@@ -7,16 +7,16 @@ never need: Triton's `global_scratch`, the memory in which each program makes it
 (GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
 of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
 
-The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same
-one), MHA, GQA and MQA, no mask, causal and sliding windows in either alignment, batch and varlen; not
-score terms or dropout. The backward serves those calls in the 64 and 128 tiles: non-deterministic ones
-by the portable atomic strategy (pre-pass, dK/dV with dQ added into a zeroed fp32 accumulator,
-conversion of dQ) with the v3 dK/dV kernel and the pre-pass and conversion built under this family's
-keys; deterministic ones, on the archs of ORDERED_FOR_DETERMINISTIC, by the ORDERED strategy (the same
-passes, dQ added in key-block order by fmha_bwd_dkdv_ordered). MODE says where it runs: 'measured' (the
-default) where the benchmark showed it faster than the portable family, 'all' everywhere it serves, 'off'
-nowhere (FMHA_RT_V3 unset, '1', '0'; read at import, `refresh_mode()` re-reads it); the plan cache does not
-key on the mode, so clear it after changing it.
+The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same one,
+or 256 for queries and keys with 128 for values: 192/128), MHA, GQA and MQA, no mask, causal and sliding
+windows in either alignment, batch and varlen; not score terms or dropout. The backward serves those calls
+in the 64 and 128 tiles: non-deterministic ones by the portable atomic strategy (pre-pass, dK/dV with dQ
+added into a zeroed fp32 accumulator, conversion of dQ) with the v3 dK/dV kernel and the pre-pass and
+conversion built under this family's keys; deterministic ones, on the archs of ORDERED_FOR_DETERMINISTIC, by
+the ORDERED strategy (the same passes, dQ added in key-block order by fmha_bwd_dkdv_ordered). MODE says
+where it runs: 'measured' (the default) where the benchmark showed it faster than the portable family, 'all'
+everywhere it serves, 'off' nowhere (FMHA_RT_V3 unset, '1', '0'; read at import, `refresh_mode()` re-reads
+it); the plan cache does not key on the mode, so clear it after changing it.
 """
 import os
 
@@ -33,12 +33,14 @@ KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 # at 64; the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
 # consumers and a loader warp). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
 # of K and V fill 192 KiB of the 227 KiB a program may have, and each consumer's 64 x 256 fp32
-# accumulator takes 128 of its 240 registers. At D=64 three consumers hold 160 registers each.
-FWD_TILES = {(64, 64): Tile(192, 64, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1)}
+# accumulator takes 128 of its 240 registers; the (256, 128) pair (192/128 heads) takes the same tile, O in
+# the first half of Q's tiles. At D=64 three consumers hold 160 registers each.
+FWD_TILES = {(64, 64): Tile(192, 64, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1),
+             (256, 128): Tile(128, 64, 4, 1)}
 FWD_PAIRS = tuple(FWD_TILES)
 # Whether a tile's consumers take turns at their softmax (kernels/v3/fmha_fwd.py, SOFTMAX_TURNS): on in the
 # tiles not yet measured, off in the 128 tile, whose objects stay those measured until an A/B decides.
-FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True}
+FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True, (256, 128): True}
 # 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
 BWD_TILE = Tile(64, 128, 4, 1)
 BWD_PAIRS = ((64, 64), (128, 128))

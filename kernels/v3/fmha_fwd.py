@@ -152,7 +152,11 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
-    o_smem = q  # Q is no longer read: its tile takes O on its way out
+    # Q is no longer read: its tile takes O on its way out (in its first bytes where O is narrower)
+    if BLOCK_DV == q.shape[1]:
+        o_smem = q
+    else:
+        o_smem = q._reinterpret(dtype, [ROWS, BLOCK_DV], o_desc.layout)
     o_smem.store(out.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [m0 + c * ROWS, 0], o_smem)
@@ -221,7 +225,7 @@ def fmha_fwd(
                              v_layout)
     Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
 
-    gl.static_assert(BLOCK_DQK == BLOCK_DV, "O's tile reuses Q's")
+    gl.static_assert(BLOCK_DV <= BLOCK_DQK, "O's tile reuses Q's")
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_DQK], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DQK], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)

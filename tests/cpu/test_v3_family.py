@@ -95,10 +95,10 @@ SERVED = {
     "Dqk 64, Dv 128 (the 128 tile)": dict(head_dim_qk=64, head_dim_v=128),
     "head dim 256": dict(head_dim_qk=256, head_dim_v=256),
     "head dim 192 (256 tile)": dict(head_dim_qk=192, head_dim_v=192),
+    "192/128 (the 256/128 pair)": dict(head_dim_qk=192, head_dim_v=128),
 }
 NOT_SERVED = {
     "head dim 32": dict(head_dim_qk=32, head_dim_v=32),
-    "192/128": dict(head_dim_qk=192, head_dim_v=128),
     "bias": dict(bias_shape="1HSS"),
     "alibi": dict(alibi="H"),
     "dropout": dict(dropout_p=0.1),
@@ -149,7 +149,7 @@ def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served
 
 def test_the_forward_tiles_take_192_rows_and_64_keys_at_head_dim_64_and_64_keys_at_256():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
-    for pair, tile in (((64, 64), (192, 64)), ((128, 128), (128, 128)), ((256, 256), (128, 64))):
+    for pair, tile in (((64, 64), (192, 64)), ((128, 128), (128, 128)), ((256, 256), (128, 64)), ((256, 128), (128, 64))):
         constexprs = variants[v3.fwd_key("bf16", pair)]["constexprs"]
         assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == tile
 

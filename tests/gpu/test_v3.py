@@ -64,6 +64,8 @@ CASES = [
     ("d256", 2, 512, 700, 2, 2, 256, 256, {}),
     ("d256_causal_gqa", 2, 333, 333, 4, 2, 256, 256, {"causal": True}),
     ("d192_window_br", 1, 200, 450, 2, 1, 192, 192, {"window": (50, 10), "causal_alignment": "bottom_right"}),
+    # the 256/128 pair: O narrower than Q, in the first half of Q's shared-memory tile
+    ("d192_128_causal_gqa", 2, 300, 300, 4, 2, 192, 128, {"causal": True}),
 ]
 
 
