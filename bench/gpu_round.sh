@@ -11,7 +11,7 @@
 #                several sets separated by ';' run one after the other, each with its own record (ab1.json, ...)
 #   AB_ROUNDS    rounds of the A/B (default 2)
 #   GRID=0       skip the grid; TESTS=0 skip the GPU tests; OVERHEAD=0 skip the host-overhead run
-#   HDIMS        the grid's head dims (default "64 128 256"); a grid split in two runs (HDIMS="64 128", then
+#   HDIMS        the grid's head dims (default "64 128 192 256"); a grid split in two runs (HDIMS="64 128", then
 #                HDIMS=256 OUT=other) merges with `python -m fmha_rt bench --report A/grid/results.json
 #                B/grid/results.json --out merged`, every ratio still within its own run
 #   GRID_ROUNDS  rounds of the grid (default 5, a multiple of its 5 implementations)
@@ -46,7 +46,7 @@ if [ $# -ge 2 ]; then
 fi
 if [ "${GRID:-1}" != 0 ]; then
   # shellcheck disable=SC2086
-  python3 -m fmha_rt bench --dtype bf16 --hdim ${HDIMS:-64 128 256} --seqlen 1k 4k 16k --causal both \
+  python3 -m fmha_rt bench --dtype bf16 --hdim ${HDIMS:-64 128 192 256} --seqlen 1k 4k 16k --causal both \
     --pass fwd bwd bwd_det --gqa 1 --varlen 0 --impl fmha_rt fa4 sdpa_cudnn sdpa_flash flex --no-extras \
     --repeats "${GRID_REPEATS:-10}" --rounds "${GRID_ROUNDS:-5}" --out "$OUT/grid" \
     > "$OUT/grid.log" 2>&1 || { tail -20 "$OUT/grid.log"; exit 1; }

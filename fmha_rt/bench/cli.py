@@ -67,7 +67,8 @@ def build_parser():
     pick = parser.add_argument_group("what to run (each flag narrows the full sweep)")
     pick.add_argument("--dtype", nargs="+", choices=grid.DTYPES)
     pick.add_argument("--hdim", nargs="+", type=int, choices=grid.HEAD_DIMS, metavar="D",
-                      help=f"head dims, from {', '.join(map(str, grid.HEAD_DIMS))}")
+                      help=f"head dims, from {', '.join(map(str, grid.HEAD_DIMS))} "
+                           f"({', '.join(f'{d}: {d}/{dv}' for d, dv in grid.VALUE_HEAD_DIMS.items())}, queries/values)")
     pick.add_argument("--seqlen", nargs="+", type=parse_seqlen, choices=grid.SEQLENS, metavar="S",
                       help="sequence lengths, from " + ", ".join(f"{s // 1024}k" if s >= 1024 else str(s)
                                                                  for s in grid.SEQLENS))

@@ -25,25 +25,27 @@ standard grid sweeps has Sq == Sk, where the two differ by (S + 1) / S.
 PASSES = ("fwd", "bwd", "bwd_det")
 
 
-def forward_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal):
-    """FLOPs of one attention forward by the convention above."""
-    full = 4 * batch * heads_q * seqlen_q * seqlen_k * head_dim
+def forward_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal, head_dim_v=None):
+    """FLOPs of one attention forward by the convention above: 2 (Q K^T) + 2 (P V) per score and head-dim
+    element, with the values' head dim where it differs (None: head_dim)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    full = 2 * batch * heads_q * seqlen_q * seqlen_k * (head_dim + dv)
     return full // 2 if causal else full
 
 
-def pass_flops(pass_name, batch, heads_q, seqlen_q, seqlen_k, head_dim, causal):
+def pass_flops(pass_name, batch, heads_q, seqlen_q, seqlen_k, head_dim, causal, head_dim_v=None):
     """FLOPs of one call of `pass_name` ("fwd", "bwd" or "bwd_det"); a deterministic backward does
     the same arithmetic as the plain one."""
     if pass_name not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
-    fwd = forward_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal)
+    fwd = forward_flops(batch, heads_q, seqlen_q, seqlen_k, head_dim, causal, head_dim_v)
     # 2.5 x forward, kept an exact integer: a forward count is always even.
     return fwd if pass_name == "fwd" else fwd * 5 // 2
 
 
-def varlen_pass_flops(pass_name, seqlens, heads_q, head_dim, causal):
+def varlen_pass_flops(pass_name, seqlens, heads_q, head_dim, causal, head_dim_v=None):
     """FLOPs of a packed variable-length batch: the sum over its sequences (each attends to itself)."""
-    return sum(pass_flops(pass_name, 1, heads_q, s, s, head_dim, causal) for s in seqlens)
+    return sum(pass_flops(pass_name, 1, heads_q, s, s, head_dim, causal, head_dim_v) for s in seqlens)
 
 
 def tflops(flops, milliseconds):

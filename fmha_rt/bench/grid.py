@@ -1,7 +1,9 @@
 """The points the benchmark sweeps, and the filters the command line applies to them.
 
-Every point holds the work per call fixed: B * S = 16k tokens and Hq * D = 2048 (a 2048-wide model), so
-a longer sequence means a smaller batch and a larger head dim means fewer heads. Three kinds of rows:
+Every point holds the work per call fixed: B * S = 16k tokens and Hq * Dv = 2048 (a 2048-wide model), so
+a longer sequence means a smaller batch and a larger head dim means fewer heads. The value head dim Dv is
+the head dim D but at D = 192, which stands for the 192/128 shape of latent-attention models (queries and
+keys 192 wide, values 128; 16 heads). Three kinds of rows:
 
 - dense:  every (dtype, D, S, causal, pass);
 - gqa:    grouped-query attention, Hq / Hk = 8 at D = 128, over the same sequence lengths;
@@ -17,7 +19,8 @@ from . import flops
 TOTAL_TOKENS = 16 * 1024
 MODEL_WIDTH = 2048
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)
+VALUE_HEAD_DIMS = {192: 128}  # the grid's head dims whose values are narrower than queries and keys
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 PASSES = flops.PASSES
 KINDS = ("dense", "gqa", "varlen")
@@ -47,6 +50,12 @@ class Point:
     head_dim: int
     causal: bool
     seqlens: tuple = None
+    head_dim_v: int = None  # None: head_dim
+
+    @property
+    def dv(self):
+        """The value (and output) head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def backward(self):
@@ -63,22 +72,25 @@ class Point:
     def flops(self):
         if self.varlen:
             return flops.varlen_pass_flops(self.pass_name, self.seqlens, self.heads_q, self.head_dim,
-                                           self.causal)
+                                           self.causal, self.dv)
         return flops.pass_flops(self.pass_name, self.batch, self.heads_q, self.seqlen_q, self.seqlen_k,
-                                self.head_dim, self.causal)
+                                self.head_dim, self.causal, self.dv)
 
     def fields(self):
         """The point as the JSON keys of a result row."""
         row = {"kind": self.kind, "pass": self.pass_name, "dtype": self.dtype, "B": self.batch,
                "Hq": self.heads_q, "Hk": self.heads_k, "Sq": self.seqlen_q, "Sk": self.seqlen_k,
                "D": self.head_dim, "causal": self.causal}
+        if self.dv != self.head_dim:
+            row["Dv"] = self.dv
         if self.varlen:
             row["seqlens"] = list(self.seqlens)
         return row
 
     def label(self):
         heads = f"H={self.heads_q}" if self.heads_q == self.heads_k else f"H={self.heads_q}/{self.heads_k}"
-        shape = f"B={self.batch} S={self.seqlen_q} {heads} D={self.head_dim}"
+        dims = f"{self.head_dim}/{self.dv}" if self.dv != self.head_dim else f"{self.head_dim}"
+        shape = f"B={self.batch} S={self.seqlen_q} {heads} D={dims}"
         return f"{self.kind} {self.pass_name} {self.dtype} {shape}{' causal' if self.causal else ''}"
 
 
@@ -115,12 +127,21 @@ def _shapes(kind, head_dims, seqlens):
         # GQA rows exist at one head dim only; a filter that leaves it out leaves them out.
         return [_dense_shape(GQA_HEAD_DIM, s, GQA_RATIO) for s in seqlens] if GQA_HEAD_DIM in head_dims else []
     lengths = varlen_seqlens()
-    heads = [MODEL_WIDTH // d for d in head_dims]
-    return [dict(batch=len(lengths), heads_q=h, heads_k=h, seqlen_q=max(lengths), seqlen_k=max(lengths),
-                 head_dim=d, seqlens=lengths) for d, h in zip(head_dims, heads)]
+    return [dict(batch=len(lengths), heads_q=_heads(d), heads_k=_heads(d), seqlen_q=max(lengths),
+                 seqlen_k=max(lengths), seqlens=lengths, **_head_dims(d)) for d in head_dims]
+
+
+def _head_dims(head_dim):
+    """The Point fields of a grid head dim: head_dim, and head_dim_v where the values are narrower."""
+    dv = VALUE_HEAD_DIMS.get(head_dim)
+    return {"head_dim": head_dim} if dv is None else {"head_dim": head_dim, "head_dim_v": dv}
+
+
+def _heads(head_dim):
+    return MODEL_WIDTH // VALUE_HEAD_DIMS.get(head_dim, head_dim)
 
 
 def _dense_shape(head_dim, seqlen, group):
-    heads = MODEL_WIDTH // head_dim
+    heads = _heads(head_dim)
     return dict(batch=TOTAL_TOKENS // seqlen, heads_q=heads, heads_k=heads // group, seqlen_q=seqlen,
-                seqlen_k=seqlen, head_dim=head_dim)
+                seqlen_k=seqlen, **_head_dims(head_dim))

@@ -68,11 +68,12 @@ def make_case(point, device, seed):
     else:
         lead_q, lead_k = (point.batch, point.seqlen_q), (point.batch, point.seqlen_k)
 
-    def normal(lead, heads):
-        return torch.randn(*lead, heads, point.head_dim, generator=gen, device=device, dtype=dtype)
+    def normal(lead, heads, dim):
+        return torch.randn(*lead, heads, dim, generator=gen, device=device, dtype=dtype)
 
-    q, k, v = normal(lead_q, point.heads_q), normal(lead_k, point.heads_k), normal(lead_k, point.heads_k)
-    dout = normal(lead_q, point.heads_q) if point.backward else None
+    q, k = normal(lead_q, point.heads_q, point.head_dim), normal(lead_k, point.heads_k, point.head_dim)
+    v = normal(lead_k, point.heads_k, point.dv)
+    dout = normal(lead_q, point.heads_q, point.dv) if point.backward else None
     cu_seqlens = None
     if point.varlen:
         offsets = [0]

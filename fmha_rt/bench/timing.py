@@ -62,10 +62,11 @@ def working_set_bytes(point):
     tokens_q = sum(point.seqlens) if point.varlen else point.batch * point.seqlen_q
     tokens_k = sum(point.seqlens) if point.varlen else point.batch * point.seqlen_k
     q_bytes = tokens_q * point.heads_q * point.head_dim * ELEMENT_BYTES
-    kv_bytes = 2 * tokens_k * point.heads_k * point.head_dim * ELEMENT_BYTES
+    out_bytes = tokens_q * point.heads_q * point.dv * ELEMENT_BYTES  # out, and dout for a backward
+    kv_bytes = tokens_k * point.heads_k * (point.head_dim + point.dv) * ELEMENT_BYTES
     lse_bytes = tokens_q * point.heads_q * LSE_BYTES
-    forward = 2 * q_bytes + kv_bytes + lse_bytes
-    return forward + 2 * q_bytes + kv_bytes if point.backward else forward
+    forward = q_bytes + out_bytes + kv_bytes + lse_bytes
+    return forward + q_bytes + out_bytes + kv_bytes if point.backward else forward
 
 
 def copies_needed(bytes_per_copy, l2_bytes=DEFAULT_L2_BYTES):

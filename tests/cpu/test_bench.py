@@ -25,6 +25,15 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # ---- FLOPs ----------------------------------------------------------------------------------------
 
+def test_flops_count_the_values_head_dim_where_it_differs():
+    # Q K^T at 192 and P V at 128: 2 * (192 + 128) per score element
+    assert flops.forward_flops(1, 16, 1024, 1024, 192, causal=False, head_dim_v=128) == 2 * 16 * 1024 * 1024 * 320
+    assert flops.pass_flops("bwd", 1, 16, 1024, 1024, 192, True, 128) == 2 * 16 * 1024 * 1024 * 320 // 2 * 5 // 2
+    point = grid.Point(kind="dense", pass_name="fwd", dtype="bf16", batch=1, heads_q=16, heads_k=16, seqlen_q=1024,
+                       seqlen_k=1024, head_dim=192, causal=False, head_dim_v=128)
+    assert point.flops() == 2 * 16 * 1024 * 1024 * 320 and point.fields()["Dv"] == 128 and "D=192/128" in point.label()
+
+
 def test_forward_flops_match_hand_computed_values():
     # 4 * 2 * 3 * 128 * 128 * 64 = 25_165_824
     assert flops.forward_flops(2, 3, 128, 128, 64, causal=False) == 25_165_824
@@ -78,17 +87,20 @@ def test_tflops_unit():
 def test_full_grid_holds_tokens_and_width_fixed():
     points = grid.build_grid()
     by_kind = {kind: [p for p in points if p.kind == kind] for kind in grid.KINDS}
-    assert len(by_kind["dense"]) == 2 * 3 * 6 * 2 * 3
+    assert len(by_kind["dense"]) == 2 * 4 * 6 * 2 * 3  # dtypes, head dims, lengths, masks, passes
     assert len(by_kind["gqa"]) == 2 * 6 * 2 * 3
-    assert len(by_kind["varlen"]) == 2 * 3 * 2 * 3
+    assert len(by_kind["varlen"]) == 2 * 4 * 2 * 3
     for p in by_kind["dense"] + by_kind["gqa"]:
         assert p.batch * p.seqlen_q == 16384 and p.seqlen_q == p.seqlen_k
-        assert p.heads_q * p.head_dim == 2048
+        assert p.heads_q * p.dv == 2048
     assert all(p.heads_q == p.heads_k for p in by_kind["dense"])
     assert all(p.heads_q // p.heads_k == 8 and p.head_dim == 128 for p in by_kind["gqa"])
     for p in by_kind["varlen"]:
         assert sum(p.seqlens) == 16384 and p.batch == len(p.seqlens) and p.seqlen_q == max(p.seqlens)
-        assert p.heads_q * p.head_dim == 2048
+        assert p.heads_q * p.dv == 2048
+    # D=192 is the latent-attention shape: values 128 wide, 16 heads; every other head dim is square
+    assert {(p.head_dim, p.dv, p.heads_q) for p in points if p.head_dim == 192} == {(192, 128, 16)}
+    assert all(p.dv == p.head_dim for p in points if p.head_dim != 192)
 
 
 def test_varlen_lengths_are_fixed_bounded_and_sum_to_16k():
@@ -144,7 +156,7 @@ def parse_error(capsys, argv):
 
 def test_bad_hdim_is_a_clear_argparse_error(capsys):
     err = parse_error(capsys, ["--hdim", "96"])
-    assert "argument --hdim: invalid choice: 96 (choose from 64, 128, 256)" in err
+    assert "argument --hdim: invalid choice: 96 (choose from 64, 128, 192, 256)" in err
     assert "Traceback" not in err
 
 
