@@ -11,10 +11,30 @@ per region of the backward's workspace (layout.backward_workspace, by its name: 
 the caller carves them out of one workspace buffer and zeroes the regions marked zero_init.
 """
 import math
+import os
+
+from fmha_rt.errors import FmhaValueError
 
 from .abi import DQ_ATOMIC, DQ_ORDERED, DQ_SINGLE, ROWS_TILE, ordered
 from .args import Args, Launch, cdiv, launch_grid
 from .layout import contiguous_strides
+
+
+# A debug setting for the ORDERED strategy: how many of its dK/dV programs may run at once (the portable
+# pass's persistent programs; the v3 pass's programs a launch, its items going in waves of this many). The
+# bits must be the same for every value.
+BWD_PROGRAMS_ENV = "FMHA_RT_BWD_PROGRAMS"
+
+
+def forced_programs():
+    """FMHA_RT_BWD_PROGRAMS as a positive integer, None where it is unset. Read at every plan: the plan
+    cache does not key on it (clear it after a change)."""
+    forced = os.environ.get(BWD_PROGRAMS_ENV, "")
+    if not forced:
+        return None
+    if not (forced.isascii() and forced.isdigit() and int(forced) > 0):
+        raise FmhaValueError(f"{BWD_PROGRAMS_ENV}={forced!r}: expected a positive integer number of programs")
+    return int(forced)
 
 
 class BackwardArgs:

@@ -11,7 +11,6 @@ powers of two, so 96 runs in the 128 tile and 192 in the 256 tile), with (256, 1
 query/value pair. A head dim that is not a multiple of 8 runs at layout.padded_head_dim(d) on copies
 that head_padding.py plans around these launches.
 """
-import os
 
 from fmha_rt.errors import FmhaNotImplementedError, FmhaValueError
 
@@ -101,7 +100,7 @@ ORDERED_FOR_DETERMINISTIC = frozenset({INTERPRET_ARCH})
 # the same bits and makes progress (kernels/portable/dq_order.py); too many only wait for a slot and find
 # the items taken.
 ORDERED_PROGRAMS = {"sm_90": 2 * 132, "gfx942": 304, "gfx950": 256, INTERPRET_ARCH: 1}
-BWD_PROGRAMS_ENV = "FMHA_RT_BWD_PROGRAMS"
+BWD_PROGRAMS_ENV = backward.BWD_PROGRAMS_ENV
 
 
 # The FUSED strategy (fmha_bwd_fused after the Delta/Lse2 pre-pass): (dK/dV tile, dQ tile) per head-dim
@@ -403,13 +402,7 @@ def ordered_programs(problem, arch) -> int:
     """Programs of the ORDERED dK/dV pass: FMHA_RT_BWD_PROGRAMS when set (a positive integer, to test that
     any number gives the same bits), else ORDERED_PROGRAMS[arch]; at most one per work item (key block,
     key head, batch entry). Read at every plan: the plan cache does not key on it (clear it after a change)."""
-    forced = os.environ.get(BWD_PROGRAMS_ENV, "")
-    if forced:
-        if not (forced.isascii() and forced.isdigit() and int(forced) > 0):
-            raise FmhaValueError(f"{BWD_PROGRAMS_ENV}={forced!r}: expected a positive integer number of programs")
-        programs = int(forced)
-    else:
-        programs = ORDERED_PROGRAMS[arch]
+    programs = backward.forced_programs() or ORDERED_PROGRAMS[arch]
     block_n = tile_for(arch, "bwd_dkdv", head_dim_tiles(problem), *problem_features(problem)).block_n
     return min(programs, cdiv(problem.seqlen_k, block_n) * problem.heads_k * problem.batch)
 

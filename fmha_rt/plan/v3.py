@@ -219,10 +219,15 @@ def plan_bwd(problem, operands) -> list:
     args = backward.BackwardArgs(problem, operands, workspace)
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
     if workspace.dq_strategy == DQ_ORDERED:
-        main = backward.dkdv_ordered(args, dkdv_key(problem.dtype, pair, DQ_ORDERED), _bwd_programs(problem), scratch)
+        # a program per item; FMHA_RT_BWD_PROGRAMS=P launches them in waves of P (the ticket goes on across
+        # launches), so that at most P run at once
+        items = _bwd_programs(problem)
+        wave = backward.forced_programs() or items
+        key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
+        main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
-        main = backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch)
-    return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), main,
+        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch)]
+    return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
 
 

@@ -498,6 +498,24 @@ def test_the_ordered_plan_is_the_portable_ordered_launch_with_a_program_per_item
     assert main.args["DqOrder"] is tensors.regions["dq_order"] and main.args["batch"] == 2
 
 
+def test_a_forced_program_count_launches_the_ordered_items_in_waves(ordered_on, monkeypatch):
+    """FMHA_RT_BWD_PROGRAMS=P: at most P programs at once, as launches of P programs that go on taking
+    tickets (12 items: 5 + 5 + 2); the same kernel and arguments in each, the same workspace."""
+    p = problem(window_right=0, deterministic=True)  # 3 key blocks x 2 key heads x 2 batch entries
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    tensors = backward_operands(workspace)
+    whole = dispatch.plan_bwd(p, "sm_90", tensors)
+    monkeypatch.setenv(pp.BWD_PROGRAMS_ENV, "5")
+    assert dispatch.bwd_workspace(p, "sm_90") == workspace
+    waves = dispatch.plan_bwd(p, "sm_90", tensors)
+    assert [launch.grid for launch in waves[1:-1]] == [(5, 1, 1), (5, 1, 1), (2, 1, 1)]
+    assert all(launch.variant == whole[1].variant and launch.args == whole[1].args for launch in waves[1:-1])
+    assert waves[0] == whole[0] and waves[-1] == whole[-1]
+    monkeypatch.setenv(pp.BWD_PROGRAMS_ENV, "0")
+    with pytest.raises(FmhaValueError, match=pp.BWD_PROGRAMS_ENV):
+        dispatch.plan_bwd(p, "sm_90", tensors)
+
+
 def test_a_deterministic_backward_launches_the_ordered_form_and_zeroes_its_counters(monkeypatch, rt, driver,
                                                                                    ordered_on):
     x = Inputs(rt, hq=8, hk=2)

@@ -4,7 +4,7 @@ programs (FMHA_RT_BWD_PROGRAMS forces one). Every case: a run checked against fl
 runs on a side stream for each forced program count and the default, each bitwise equal to the first run
 (outputs re-poisoned with NaN before every run: tests/gpu/repeat_runs.py). Streams and threads: the ORDERED
 cases of test_determinism.py. Both families: the portable persistent pass, and the v3 form (a program per
-work item, whose grid no setting changes: its cases repeat the runs alone) on the cases it serves."""
+work item, launched in waves of the forced count) on the cases it serves."""
 import pytest
 
 from gpu_presence import require
@@ -75,9 +75,6 @@ def ran_ordered(family):
                                                     for k in info["kernels"]), info
 
 
-def program_counts(family):
-    """The forced program counts a family's cases go through (the v3 form has one program per item)."""
-    return PROGRAMS if family == "portable" else (None,)
 
 
 @pytest.mark.parametrize("name, family", [(name, "portable") for name in sorted(CASES)] + [(name, "v3") for name in V3_CASES],
@@ -101,9 +98,9 @@ def test_same_bits_over_runs_and_program_counts(name, family, programs):
 
     specs = [(t.shape, t.dtype) for t in (q, k, v)]
     first = None
-    for count in program_counts(family):
+    for count in PROGRAMS:
         programs(count)
-        if count is not None:
+        if count is not None and family == "portable":
             assert portable.ordered_programs(problem, arch) == count
         run = reference_run(call, specs)
         if first is None:
@@ -130,7 +127,7 @@ def test_varlen_with_empty_and_single_token_sequences(family, programs):
 
     specs = [(t.shape, t.dtype) for t in (q, k, v)]
     first = None
-    for count in program_counts(family):
+    for count in PROGRAMS:
         programs(count)
         run = reference_run(call, specs)
         if first is None:
