@@ -99,9 +99,32 @@ def _softmax_in_turn(t, c: gl.constexpr, turn, turn_sums, s, m_i, l_i, masked, n
 
 
 @gluon.jit
+def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
+          rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+          o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr):
+    """Key block t of the loop: S_{t+1} on the tensor core while block t's softmax runs on the other units,
+    then O += P_t V_t. Returns S_{t+1} and the running (O, row max, row sum)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    stage = t % STAGES
+    nxt = (t + 1) % STAGES
+    mbarrier.wait(k_ready.index(nxt), ((t + 1) // STAGES) & 1)
+    s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+    n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
+    p, alpha, m_i, l_i = _softmax_in_turn(t, c, turn, turn_sums, s, m_i, l_i, t >= n_free, n0, rows, off, left, right,
+                                          sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    mbarrier.wait(v_ready.index(stage), (t // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_smem.index(stage), acc, is_async=True)
+    acc, s_next = warpgroup_mma_wait(0, deps=(acc, s_next))
+    mbarrier.arrive(v_empty.index(stage))
+    mbarrier.arrive(k_empty.index(nxt))
+    return s_next, acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-              o_desc,
-              Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+              o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
               BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -123,21 +146,9 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
         for t in range(n_blocks - 1):
-            stage = t % STAGES
-            nxt = (t + 1) % STAGES
-            # S_{t+1} on the tensor core while block t's softmax runs on the other units
-            mbarrier.wait(k_ready.index(nxt), ((t + 1) // STAGES) & 1)
-            s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)),
-                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
-            p, alpha, m_i, l_i = _softmax_in_turn(t, c, turn, turn_sums, s, m_i, l_i, t >= n_free, n0, rows, off, left,
-                                                  right, sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            mbarrier.wait(v_ready.index(stage), (t // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
-            acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
-            mbarrier.arrive(v_empty.index(stage))
-            mbarrier.arrive(k_empty.index(nxt))
+            s, acc, m_i, l_i = _step(t, s, acc, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                     turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi,
+                                     scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, TURNS)
         last = n_blocks - 1
         n0 = _key_block(last, n_free, lo, full_lo, full_hi) * BLOCK_N
         p, alpha, m_i, l_i = _softmax_in_turn(last, c, turn, turn_sums, s, m_i, l_i, last >= n_free, n0, rows, off, left,
