@@ -44,6 +44,10 @@ FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True, (256, 
 # 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
 BWD_TILE = Tile(64, 128, 4, 1)
 BWD_PAIRS = ((64, 64), (128, 128))
+# Whether the atomic dK/dV programs walk the key blocks slowest (kernels/v3/fmha_bwd.py, KEY_BLOCK_SLOWEST: the
+# longest causal programs first, against GQA 4k causal's late start, NOTES.md v3.2), a build choice of each
+# tile; off in both, whose objects are the measured ones, until the A/B of NOTES.md v3.5 decides.
+BWD_KEY_BLOCK_SLOWEST = {(64, 64): False, (128, 128): False}
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
 GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 896, "fmha_bwd_dkdv_ordered": 896}
@@ -129,8 +133,10 @@ def variants(arch: str) -> list[dict]:
                 constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
-                if strategy == DQ_ATOMIC:  # the ordered function always adds dQ
+                if strategy == DQ_ATOMIC:  # the ordered function always adds dQ (its tickets go key block slowest)
                     constexprs["DQ_ATOMIC"] = True
+                    if BWD_KEY_BLOCK_SLOWEST[pair]:  # a build choice beyond the signature's constexprs
+                        constexprs["KEY_BLOCK_SLOWEST"] = True
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
                               block_n=BWD_TILE.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})

@@ -232,11 +232,25 @@ def fmha_bwd_dkdv(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, KEY_BLOCK_SLOWEST: gl.constexpr = False,
 ):
+    """KEY_BLOCK_SLOWEST (a build choice, not an argument): the programs, which the hardware starts in the
+    order of their linear index, walk the key blocks slowest, as the ORDERED form's tickets do, so that
+    under a causal mask the first key blocks of every head, the longest programs, start first; otherwise
+    the key block is the grid's fastest dimension (a head's key blocks start together)."""
     gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
+    if KEY_BLOCK_SLOWEST:
+        slots = gl.num_programs(1) * gl.num_programs(2)  # (key head, batch entry) pairs
+        item = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        n_block = item // slots
+        hk = item % slots % gl.num_programs(1)
+        b = item % slots // gl.num_programs(1)
+    else:
+        n_block = gl.program_id(0)
+        hk = gl.program_id(1)
+        b = gl.program_id(2)
     _dkdv_program(
-        gl.program_id(0), gl.program_id(1), gl.program_id(2), None,
+        n_block, hk, b, None,
         Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
         stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
