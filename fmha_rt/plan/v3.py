@@ -28,7 +28,7 @@ from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
-KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
+KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd", "bwd_wide": "kernels.v3.fmha_bwd_wide"}
 # 64 query rows a consumer warpgroup: 128 a program (two consumers) at head dims 128 and 256, 192 (three)
 # at 64; the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
 # consumers and a loader warp). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
@@ -41,12 +41,20 @@ FWD_PAIRS = tuple(FWD_TILES)
 # Whether a tile's consumers take turns at their softmax (kernels/v3/fmha_fwd.py, SOFTMAX_TURNS): on in the
 # tiles not yet measured, off in the 128 tile, whose objects stay those measured until an A/B decides.
 FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True, (256, 128): True}
-# 128 keys a program (two consumer warpgroups of 64), 64 query rows a step.
-BWD_TILE = Tile(64, 128, 4, 1)
-BWD_PAIRS = ((64, 64), (128, 128))
+# The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
+# kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
+# the head dims (kernels/v3/fmha_bwd_wide.py), in the 256 tiles, where a consumer could not hold whole dK
+# and dV rows. The ORDERED (deterministic) form is built in the narrow tiles only.
+BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
+             (256, 128): Tile(64, 64, 4, 1)}
+BWD_PAIRS = tuple(BWD_TILES)
+BWD_WIDE_PAIRS = ((256, 256), (256, 128))
+ORDERED_PAIRS = tuple(pair for pair in BWD_PAIRS if pair not in BWD_WIDE_PAIRS)
+BWD_BLOCK_M = 64
+assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
 # Whether the atomic dK/dV programs walk the key blocks slowest (kernels/v3/fmha_bwd.py, KEY_BLOCK_SLOWEST: the
 # longest causal programs first, against GQA 4k causal's late start, NOTES.md v3.2), a build choice of each
-# tile; off in both, whose objects are the measured ones, until the A/B of NOTES.md v3.5 decides.
+# narrow tile; off in both, whose objects are the measured ones, until the A/B in NOTES.md decides.
 BWD_KEY_BLOCK_SLOWEST = {(64, 64): False, (128, 128): False}
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
@@ -128,20 +136,24 @@ def variants(arch: str) -> list[dict]:
                           **{"pass": "fwd"})
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
-        for pair in BWD_PAIRS:
-            for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
-                constexprs = {"BLOCK_M": BWD_TILE.block_m, "BLOCK_N": BWD_TILE.block_n, "BLOCK_DQK": pair[0],
+        for pair, tile in BWD_TILES.items():
+            wide = pair in BWD_WIDE_PAIRS
+            forms = ((DQ_ATOMIC, "fmha_bwd_dkdv"),) if wide else ((DQ_ATOMIC, "fmha_bwd_dkdv"),
+                                                                  (DQ_ORDERED, "fmha_bwd_dkdv_ordered"))
+            for strategy, function in forms:
+                constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
                 if strategy == DQ_ATOMIC:  # the ordered function always adds dQ (its tickets go key block slowest)
                     constexprs["DQ_ATOMIC"] = True
-                    if BWD_KEY_BLOCK_SLOWEST[pair]:  # a build choice beyond the signature's constexprs
+                    if BWD_KEY_BLOCK_SLOWEST.get(pair):  # a build choice beyond the signature's constexprs
                         constexprs["KEY_BLOCK_SLOWEST"] = True
-                traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=BWD_TILE.block_m,
-                              block_n=BWD_TILE.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
+                traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
+                              block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
-                out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, BWD_TILE, constexprs,
-                                               traits, module=KERNEL_MODULES["bwd"]), function))
+                module = KERNEL_MODULES["bwd_wide" if wide else "bwd"]
+                out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, tile, constexprs,
+                                               traits, module=module), function))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
@@ -169,7 +181,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
             or problem_features(problem) != (BIAS_NONE, False)):
         return False
     if problem.deterministic:
-        return arch in ORDERED_FOR_DETERMINISTIC
+        return arch in ORDERED_FOR_DETERMINISTIC and pair in ORDERED_PAIRS
     if MODE == "all":
         return True
     min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
@@ -200,7 +212,7 @@ def _programs(problem) -> int:
 
 def _bwd_programs(problem) -> int:
     """The dK/dV programs: one per (key block, key head, batch entry), in both strategies."""
-    return -(-problem.seqlen_k // BWD_TILE.block_n) * problem.heads_k * problem.batch
+    return -(-problem.seqlen_k // BWD_TILES[head_dim_tiles(problem)].block_n) * problem.heads_k * problem.batch
 
 
 def bwd_workspace(problem) -> Workspace:
@@ -209,7 +221,7 @@ def bwd_workspace(problem) -> Workspace:
     family's 64-row query blocks), one region for the dK/dV programs' descriptors, then the padding
     buffers."""
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
-    order = [dq_order_region(problem, BWD_TILE.block_m)] if strategy == DQ_ORDERED else []
+    order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
     descriptors = _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * _bwd_programs(problem), problem)
     return backward_workspace(problem, strategy, order + descriptors)
 
@@ -232,7 +244,7 @@ def plan_bwd(problem, operands) -> list:
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
-        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILE.block_n, scratch)]
+        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILES[pair].block_n, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
 

@@ -46,8 +46,10 @@ STAGES = gl.constexpr(2)  # Q/dO ring depth
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-            n0, lo, blocks, h0, n_steps, BLOCK_M: gl.constexpr):
+def load_keys_and_query_blocks(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
+                               q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M: gl.constexpr):
+    """The loader partition (fmha_bwd_wide.py's too): K and V of the program once, then Q and dO of each
+    step through the ring of STAGES buffers."""
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_ready, v_smem)
@@ -402,8 +404,8 @@ def _dkdv_program(
                          ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
                          dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
                          scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
-            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-                       n0, lo, blocks, h0, n_steps, BLOCK_M)),
+            (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
+                                          q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo,
                           blocks, n_steps, off, left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
         ], [4, 1, 1], [240, 24, 24])
@@ -417,6 +419,6 @@ def _dkdv_program(
                          ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
                          dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
                          softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
-            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-                       n0, lo, blocks, h0, n_steps, BLOCK_M)),
+            (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
+                                          q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
         ], [4, 1], [240, 24])

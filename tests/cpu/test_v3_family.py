@@ -36,18 +36,23 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
-    gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
-    rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128)}
-    rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128)})
+    gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.ORDERED_PAIRS})
+    rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
+    rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128, 256)})
     assert set(variants) == set(gluon) | set(rows)
     assert not set(variants) & {v["key"] for v in pp.variants("sm_90")}
     for key, function in gluon.items():
         v = variants[key]
-        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILE, {}, {})  # any tile: same signature
+        # any tile: the same signature
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {})
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
         assert v["global_scratch"] == v3.GLOBAL_SCRATCH[function]
         assert v["constexprs"]["BIAS_KIND"] == pp.BIAS_NONE and v["constexprs"]["DROPOUT"] is False
+        if function.startswith("fmha_bwd_dkdv"):  # the 256 tiles' backward is a kernel of its own
+            wide = (v["traits"]["head_dim_qk_tile"], v["traits"]["head_dim_v_tile"]) in v3.BWD_WIDE_PAIRS
+            assert v["module"] == ("kernels.v3.fmha_bwd_wide" if wide else "kernels.v3.fmha_bwd")
+    assert v3.ORDERED_PAIRS == ((64, 64), (128, 128))
     for key, function in rows.items():  # the portable family's kernels, built under this family's keys
         assert variants[key]["module"] == "kernels.portable.fmha_bwd" and "language" not in variants[key]
 
@@ -169,7 +174,7 @@ def test_softmax_turns_are_a_build_choice_of_each_forward_tile():
 def test_the_backwards_key_block_order_is_a_build_choice_of_each_tile(monkeypatch):
     """Off by default (the measured objects); where switched on, a constexpr beyond the signature's on the
     atomic dK/dV variant alone (the ordered one takes key blocks slowest by ticket)."""
-    assert set(v3.BWD_KEY_BLOCK_SLOWEST) == set(v3.BWD_PAIRS) and not any(v3.BWD_KEY_BLOCK_SLOWEST.values())
+    assert set(v3.BWD_KEY_BLOCK_SLOWEST) == set(v3.ORDERED_PAIRS) and not any(v3.BWD_KEY_BLOCK_SLOWEST.values())
     monkeypatch.setitem(v3.BWD_KEY_BLOCK_SLOWEST, (128, 128), True)
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     assert variants[v3.dkdv_key("bf16", (128, 128))]["constexprs"]["KEY_BLOCK_SLOWEST"] is True
@@ -340,12 +345,13 @@ BWD_SERVED = {
     "fp16 D=64 window bottom-right": dict(heads_k=8, dtype="fp16", head_dim_qk=64, head_dim_v=64, window_left=32,
                                           window_right=8, bottom_right=True),
     "varlen head dim 100": dict(heads_k=8, varlen=True, total_q=700, total_k=900, head_dim_qk=100, head_dim_v=100),
+    "head dim 256 (the wide kernel)": dict(heads_k=8, head_dim_qk=256, head_dim_v=256),
+    "192/128 GQA causal (the wide kernel)": dict(head_dim_qk=192, head_dim_v=128, window_right=0),
 }
 BWD_NOT_SERVED = {
     "deterministic": dict(heads_k=8, deterministic=True),
     "bias": dict(heads_k=8, bias_shape="1HSS", bias_grad=True),
     "dropout": dict(heads_k=8, dropout_p=0.1),
-    "head dim 256": dict(heads_k=8, head_dim_qk=256, head_dim_v=256),
 }
 
 
@@ -363,6 +369,24 @@ def test_the_backward_leaves_the_rest_to_the_portable_family(case, v3_on):
     p = problem(**BWD_NOT_SERVED[case])
     assert not v3.serves_bwd(p, "sm_90")
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
+
+
+def test_the_wide_backward_plan_has_a_program_per_64_keys(v3_on):
+    """The 256 tiles: the atomic strategy's launches, the dK/dV kernel of fmha_bwd_wide.py by blocks of 64
+    keys, and descriptors for each of its programs."""
+    p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * 5 * 2 * 2
+    rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
+    out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
+    strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
+               "dq": rows, "dk": kv_rows, "dv": v_rows}
+    tensors = pointed_operands(strides, [r.name for r in workspace.regions])
+    launches = dispatch.plan_bwd(p, "sm_90", tensors)
+    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
+                                                       v3.dkdv_key("bf16", (256, 128)),
+                                                       v3.dq_convert_key("bf16", 256)]
+    assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
 
 
 def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
@@ -450,7 +474,7 @@ def ordered_on(monkeypatch):
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
 
 
-@pytest.mark.parametrize("case", BWD_SERVED)
+@pytest.mark.parametrize("case", [case for case in BWD_SERVED if "wide" not in case])
 def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, ordered_on, monkeypatch):
     """At every length in the measured mode (no measurement limits it yet), by request of ORDERED or of
     nothing; a request for another strategy, another arch or the 'off' mode keeps the portable family."""
@@ -470,10 +494,14 @@ def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, order
     assert not v3.serves_bwd(p, "sm_90")  # off by default, whatever the mode
 
 
-@pytest.mark.parametrize("case", ["bias", "dropout", "head dim 256"])
-def test_the_ordered_form_leaves_what_the_family_does_not_serve(case, ordered_on):
-    p = problem(**BWD_NOT_SERVED[case], deterministic=True)
+@pytest.mark.parametrize("changes", [dict(bias_shape="1HSS", bias_grad=True), dict(dropout_p=0.1),
+                                     dict(head_dim_qk=256, head_dim_v=256), dict(head_dim_qk=192, head_dim_v=128)],
+                         ids=["bias", "dropout", "head dim 256", "192/128"])
+def test_the_ordered_form_leaves_what_the_family_does_not_serve(changes, ordered_on):
+    """Bias and dropout, and the 256 tiles: the wide kernel has no ordered form."""
+    p = problem(heads_k=8, deterministic=True, **changes)
     assert not v3.serves_bwd(p, "sm_90")
+    assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
 
 
 def test_the_ordered_workspace_has_counters_for_the_families_query_blocks(ordered_on):
@@ -486,7 +514,7 @@ def test_the_ordered_workspace_has_counters_for_the_families_query_blocks(ordere
     assert names[:5] == ["delta", "lse2", "dq_acc", "dq_order", v3.DESCRIPTOR_REGION] and names[5:]
     order = workspace.region("dq_order")
     assert order.zero_init and order.dtype == "i32"
-    assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / v3.BWD_TILE.block_m))
+    assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / v3.BWD_BLOCK_M))
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
     assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv_ordered"] * math.ceil(300 / 128) * 2 * 2
 

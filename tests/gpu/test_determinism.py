@@ -59,6 +59,8 @@ CASES = [
          ordered=False),
     Case("v3_bwd_d128", "bwd", 1, 1024, 4, 2, 128, "v3", "fmha_bwd_dkdv_v3_bf16_d128", deterministic=False,
          v3_everywhere=True),
+    Case("v3_bwd_wide_d256_gqa", "bwd", 1, 1024, 4, 2, 256, "v3", "fmha_bwd_dkdv_v3_bf16_d256", deterministic=False,
+         v3_everywhere=True),
     Case("v3_bwd_ordered_d128_gqa", "bwd", 2, 1024, 8, 2, 128, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d128",
          v3_ordered=True),
     Case("v3_bwd_ordered_d64_4096_keys", "bwd", 1, 4096, 4, 4, 64, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d64",

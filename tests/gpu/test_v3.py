@@ -60,7 +60,7 @@ CASES = [
     # the 64 tile's three consumers taking turns over many key blocks, a partial last 192-row block
     ("d64_causal_gqa_long", 1, 1100, 1100, 8, 2, 64, 64, {"causal": True}),
     ("d128_large_scale", 1, 512, 512, 2, 2, 128, 128, {"softmax_scale": 0.3}),
-    # the 256 tile: the forward alone is v3's (the backward stays portable)
+    # the 256 tiles: the backward is the wide kernel (two consumers sharing 64 keys, each with half the head dims)
     ("d256", 2, 512, 700, 2, 2, 256, 256, {}),
     ("d256_causal_gqa", 2, 333, 333, 4, 2, 256, 256, {"causal": True}),
     ("d192_window_br", 1, 200, 450, 2, 1, 192, 192, {"window": (50, 10), "causal_alignment": "bottom_right"}),
@@ -82,8 +82,7 @@ def test_forward_and_backward_match_reference(dtype_name, case):
     assert_close("out", out, ro)
     assert_lse_close("lse", lse, rl)
     dout = rand(out.shape, dtype, gen)
-    served = max(Dqk, Dv) <= 128  # v3's backward tiles: 64 and 128
-    dq, dk, dv = backward(dout, q, k, v, out, lse, family=v3.FAMILY if served else "portable", **opts)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, **opts)
     rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
     for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
         assert_close(n, got, want)
@@ -102,11 +101,12 @@ def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     assert_lse_close("lse", lse, rl)
 
 
-def test_varlen_with_empty_and_single_token_sequences():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_varlen_with_empty_and_single_token_sequences(head_dim):
     def ran_in_v3():
         assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
 
-    varlen_round_trip([37, 0, 1, 300, 64], [50, 3, 1, 129, 0], 4, 2, 128, seed=15, after_each_call=ran_in_v3)
+    varlen_round_trip([37, 0, 1, 300, 64], [50, 3, 1, 129, 0], 4, 2, head_dim, seed=15, after_each_call=ran_in_v3)
 
 
 def test_the_deterministic_backward_stays_portable_and_agrees():

@@ -1,0 +1,256 @@
+"""Hopper attention backward for wide heads (family v3, the 256 tiles), dK and dV with dQ added into an fp32
+accumulator, written in Gluon: the atomic strategy of kernels/v3/fmha_bwd.py for head dims up to 256.
+
+Why a kernel of its own: fmha_bwd.py gives each consumer warpgroup 64 keys with their whole dK and dV
+rows, which at D=256 are 2 x 64 x 256 fp32, 256 registers a thread. Here the two consumers share one
+block of 64 keys and split the head dims instead: consumer c accumulates dK[:, half c] and dV[:, half c]
+(2 x 64 x 128 fp32: 128 registers). The products over the whole head dim are not repeated but divided:
+a step (one query block of 64 rows of one query head of the group) goes
+
+- consumer 0: S = Q K^T, P = exp2(S - Lse2) (masked on edge blocks), P to shared memory;
+- consumer 1: dP = dO V^T, then, once P is in, dS = P (dP - Delta), dS to shared memory;
+- both: dV[:, half] += P^T dO[:, half], dK[:, half] += dS^T Q[:, half] (from shared memory), and
+  dQ[:, half] = dS K[:, half] in four [64, 32] quarters, each added to the accumulator by one bulk TMA
+  reduction through a [64, 32] fp32 buffer of the consumer's own.
+
+P and dS have one buffer each: consumer 0 writes the next P once both consumers' products have read the
+last (an mbarrier of count 2), consumer 1 the next dS likewise. Q and dO come through a ring of STAGES
+buffers by (row, query head, dim) descriptors that serve the group, K and V once, all by the loader of
+fmha_bwd.py. dK (times the softmax scale) and dV leave through the shared memory of K and V by TMA.
+
+It takes the portable dK/dV kernel's arguments (SIGNATURES["fmha_bwd_dkdv"]) and serves what
+fmha_bwd.py serves (no score terms or dropout, not deterministic). Shared memory at D=256: K and V 64 KiB,
+the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+import triton.language as tl
+
+from kernels.v3.common import (heads_descriptor, query_blocks, row_stats_start, rows_descriptor, sequence_extent,
+                               tma_add_shared_to_global, visible, window_sides)
+from kernels.v3.fmha_bwd import STAGES, load_keys_and_query_blocks
+
+DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
+
+
+@gluon.jit
+def _row_stat(Rows_head0, g, stride_delta_h, m0, sq, other, layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The step's per-query statistic (Lse2 or Delta of query head g of the group), a row vector."""
+    queries = m0 + gl.arange(0, BLOCK_M, layout=layout)
+    return gl.load(Rows_head0 + g.to(gl.int64) * stride_delta_h + queries, mask=queries < sq, other=other)
+
+
+@gluon.jit
+def _add_dq(c: gl.constexpr, ds_smem, k_smem, dq_buf, dq_desc, m0, head, BLOCK_M: gl.constexpr,
+            BLOCK_DQK: gl.constexpr):
+    """dQ[:, half c] = dS K[:, half c], quarter by quarter, each added to the accumulator by one bulk
+    reduction once the previous one has read the buffer."""
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLUMNS, 16])
+    for i in gl.static_range(BLOCK_DQK // 2 // DQ_COLUMNS):
+        dq = warpgroup_mma(ds_smem, k_smem.slice(c * (BLOCK_DQK // 2) + i * DQ_COLUMNS, DQ_COLUMNS, dim=1),
+                           gl.zeros([BLOCK_M, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        tma.store_wait(0)
+        dq_buf.reshape([BLOCK_M, DQ_COLUMNS]).store(dq)
+        fence_async_shared()
+        tma_add_shared_to_global(dq_desc, [m0, head, c * (BLOCK_DQK // 2) + i * DQ_COLUMNS], dq_buf)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
+              p_full, p_empty, ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc, dv_desc,
+              h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
+    HALF_DQK: gl.constexpr = BLOCK_DQK // 2
+    HALF_DV: gl.constexpr = BLOCK_DV // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_DQK, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_DV, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    dq_buf = dq_smem.index(c)
+    dk = gl.zeros([BLOCK_N, HALF_DQK], gl.float32, dk_layout)
+    dv = gl.zeros([BLOCK_N, HALF_DV], gl.float32, dv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in tl.range(n_steps, disable_licm=True):
+        stage = t % STAGES
+        g = t // blocks
+        block = lo + t - g * blocks
+        m0 = block * BLOCK_M
+        mbarrier.wait(q_ready.index(stage), (t // STAGES) & 1)
+        # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
+        q_j = q_smem.index(stage).reshape([BLOCK_M, BLOCK_DQK])
+        do_j = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
+        if c == 0:  # S, P
+            lse2 = _row_stat(Lse2_head0, g, stride_delta_h, m0, sq, float("inf"), rows_layout, BLOCK_M)
+            s = warpgroup_mma(q_j, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            if (block < full_lo) | (block >= full_hi):  # a block on a window edge or the sequence's end
+                queries = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
+                keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(visible(queries[:, None], keys[None, :], off, left, right, sk), s, float("-inf"))
+            p = gl.exp2(s * scale_log2 - lse2[:, None])
+            mbarrier.wait(p_empty, (t & 1) ^ 1)  # both consumers' products have read the last P
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(p_full)
+        else:  # dP, then dS once P is in
+            delta = _row_stat(Delta_head0, g, stride_delta_h, m0, sq, 0.0, rows_layout, BLOCK_M)
+            dp = warpgroup_mma(do_j, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            mbarrier.wait(p_full, t & 1)
+            p = p_smem.load(s_layout).to(gl.float32)
+            mbarrier.wait(ds_empty, (t & 1) ^ 1)  # both consumers' products have read the last dS
+            ds_smem.store((p * (dp - delta[:, None])).to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_full)
+        if c == 0:  # (consumer 1 made dS, after P was in)
+            mbarrier.wait(ds_full, t & 1)
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_j.slice(c * HALF_DV, HALF_DV, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_j.slice(c * HALF_DQK, HALF_DQK, dim=1), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(p_empty)
+        mbarrier.arrive(q_empty.index(stage))  # Q and dO are read: the loader may bring the step after next
+        _add_dq(c, ds_smem, k_smem, dq_buf, dq_desc, m0, h0 + g, BLOCK_M, BLOCK_DQK)
+        mbarrier.arrive(ds_empty)
+    if n_steps > 0:
+        # The other consumer's last dQ products read every column of K: wait for them before K's memory takes dK.
+        last = n_steps - 1
+        mbarrier.wait(ds_empty, last & 1)
+    tma.store_wait(0)
+    # dK and dV leave through K's and V's shared memory, each consumer's half in its own [BLOCK_N, half] tile
+    dk_stage = k_smem._reinterpret(dtype, [2, BLOCK_N, HALF_DQK], dk_desc.layout).index(c)
+    dv_stage = v_smem._reinterpret(dtype, [2, BLOCK_N, HALF_DV], dv_desc.layout).index(c)
+    dk_stage.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
+    dv_stage.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [n0, c * HALF_DQK], dk_stage)
+    tma.async_copy_shared_to_global(dv_desc, [n0, c * HALF_DV], dv_stage)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fmha_bwd_dkdv(
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    stride_delta_b, stride_delta_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+):
+    gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
+    gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
+    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
+    n_block = gl.program_id(0)
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+    k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+    n0 = n_block * BLOCK_N
+    if n0 >= sk:
+        return
+    off = gl.where(bottom_right != 0, sk - sq, 0)
+    left, right = window_sides(window_left, window_right, sq, sk)
+    lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
+    blocks = hi - lo
+    n_steps = blocks * kv_group_size  # (query head of the group, query block), heads outermost
+    h0 = hk * kv_group_size  # the group's first query head
+
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    h0_64 = h0.to(gl.int64)
+    q_row0 = q_start.to(gl.int64)
+    k_row0 = k_start.to(gl.int64)
+    dqk = head_dim_qk_div8 * 8
+    dv = head_dim_v_div8 * 8
+    dtype: gl.constexpr = Q.dtype.element_ty
+    # K in 64-byte swizzle atoms: the dQ quarters read it 32 columns (64 bytes) at a time as an MN-major
+    # operand, so a quarter must begin on an atom
+    k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * DQ_COLUMNS, element_bitwidth=16)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
+    do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
+    # dK and dV leave through K's and V's memory in their swizzles (a buffer is aligned for its own)
+    dk_layout: gl.constexpr = k_layout
+    dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV // 2], dtype)
+    gl.static_assert(dv_layout.swizzle_byte_width == v_layout.swizzle_byte_width, "dV's tiles take V's swizzle")
+    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
+                             k_layout)
+    v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
+                             v_layout)
+    q_desc = heads_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, stride_q_h, sq, num_heads_q, dqk, BLOCK_M,
+                              BLOCK_DQK, q_layout)
+    do_desc = heads_descriptor(dO, b64, stride_do_b, q_row0, stride_do_s, stride_do_h, sq, num_heads_q, dv, BLOCK_M,
+                               BLOCK_DV, do_layout)
+    dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk,
+                              [BLOCK_N, BLOCK_DQK // 2], dk_layout)
+    dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv,
+                              [BLOCK_N, BLOCK_DV // 2], dv_layout)
+    stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
+    Lse2_head0 = Lse2 + stats
+    Delta_head0 = Delta + stats
+    # the fp32 dQ accumulator as Q, in [BLOCK_M, 1, DQ_COLUMNS] quarters; its rows are the head dim rounded up
+    # to 8, not the tile, so the column bound keeps a quarter's additions off the next head
+    dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, DQ_COLUMNS], gl.float32)
+    dq_desc = heads_descriptor(DqAcc, b64, stride_dqacc_b, q_row0, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
+                               BLOCK_M, DQ_COLUMNS, dq_acc_layout)
+
+    sp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DQK], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, DQ_COLUMNS], dq_acc_layout)  # one a consumer
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
+    mbarrier.init(p_full, count=1)  # consumer 0 made P
+    mbarrier.init(p_empty, count=2)  # both consumers' products read it
+    mbarrier.init(ds_full, count=1)  # consumer 1 made dS
+    mbarrier.init(ds_empty, count=2)  # both consumers' products read it
+
+    # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, p_full,
+                     p_empty, ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc, dv_desc,
+                     h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                     softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, p_full,
+                     p_empty, ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc, dv_desc,
+                     h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                     softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV)),
+        (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
+                                      q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
+    ], [4, 1], [240, 24])
