@@ -1,0 +1,255 @@
+"""The v3 kernels' synchronisation, as models run under random interleavings.
+
+Gluon kernels do not run on a CPU, and a wrong mbarrier parity or a missing wait shows on a GPU as a hang
+or as wrong numbers only under some timings. These tests check the protocols themselves: each partition
+of a kernel is a sequence of the operations it performs on its barriers and buffers, with the parities the
+kernel computes (the same expressions), and a scheduler runs the partitions in random orders. Checked:
+no interleaving deadlocks; every read of a shared buffer sees the step it expects (a buffer is never
+overwritten before its readers are done); the forward's softmaxes come in turn order; the ORDERED
+backward's additions into each dQ tile come in key-block order, with any number of programs resident.
+
+mbarrier semantics: a barrier of count n completes a phase at its n-th arrival; waiting for parity p
+returns once the phase with that parity is complete, which on a fresh barrier holds for p = 1.
+"""
+import random
+
+import pytest
+
+STAGES = 2  # the rings of kernels/v3/fmha_fwd.py and fmha_bwd.py
+SEED = 2026
+
+
+class Barrier:
+    def __init__(self, count):
+        self.count, self.pending, self.completed = count, 0, 0
+
+    def arrive(self):
+        self.pending += 1
+        if self.pending == self.count:
+            self.pending, self.completed = 0, self.completed + 1
+
+    def passes(self, parity):
+        return self.completed & 1 != parity
+
+
+class Machine:
+    """Partitions (generators of operations) over shared barriers, buffers and global counters."""
+
+    def __init__(self, rng):
+        self.rng, self.barriers, self.buffers, self.counters, self.log = rng, {}, {}, {}, []
+        self.current = {}
+
+    def add(self, name, partition):
+        """Makes the partition's next operation current; a finished partition leaves."""
+        try:
+            self.current[name] = next(partition), partition
+        except StopIteration:
+            self.current.pop(name, None)
+
+    def _runnable(self, op):
+        if op[0] == "wait":
+            return self.barriers[op[1]].passes(op[2])
+        if op[0] == "spin":  # a global counter must equal a value
+            return self.counters.get(op[1], 0) == op[2]
+        return True
+
+    def step(self):
+        """Runs one operation of a random runnable partition; False once every partition has finished."""
+        if not self.current:
+            return False
+        runnable = [name for name, (op, _) in self.current.items() if self._runnable(op)]
+        if not runnable:
+            raise AssertionError(f"deadlock: {[op for op, _ in self.current.values()]}")
+        name = self.rng.choice(runnable)
+        op, partition = self.current[name]
+        kind = op[0]
+        if kind == "arrive":
+            self.barriers[op[1]].arrive()
+        elif kind == "write":
+            self.buffers[op[1]] = op[2]
+        elif kind == "read":
+            assert self.buffers.get(op[1]) == op[2], f"{name} reads {op[1]} of step {self.buffers.get(op[1])}, not {op[2]}"
+        elif kind == "release":
+            self.counters[op[1]] = self.counters.get(op[1], 0) + 1
+        elif kind == "log":
+            self.log.append(op[1])
+        self.add(name, partition)
+        return True
+
+
+# ------------------------------------------------------------------------ forward (kernels/v3/fmha_fwd.py)
+
+
+def _forward(m, consumers, n_blocks, turns):
+    m.barriers.update({f"{name}{i}": Barrier(1) for name in ("k_ready", "v_ready") for i in range(STAGES)})
+    m.barriers.update({f"{name}{i}": Barrier(consumers) for name in ("k_empty", "v_empty") for i in range(STAGES)})
+    m.barriers.update({f"turn{c}": Barrier(1) for c in range(consumers)})
+
+    def loader():
+        for t in range(n_blocks):
+            stage, free = t % STAGES, ((t // STAGES) & 1) ^ 1
+            for kv in ("k", "v"):
+                yield ("wait", f"{kv}_empty{stage}", free)
+                yield ("write", f"{kv.upper()}{stage}", t)
+                yield ("arrive", f"{kv}_ready{stage}")
+
+    def softmax(c, t):
+        if turns:
+            yield ("wait", "turn0", (t & 1) ^ 1) if c == 0 else ("wait", f"turn{c}", t & 1)
+        yield ("log", (t, c))
+        if turns:
+            yield ("arrive", f"turn{(c + 1) % consumers}")
+
+    def consumer(c):
+        if n_blocks == 0:
+            return
+        yield from (("wait", "k_ready0", 0), ("read", "K0", 0), ("arrive", "k_empty0"))
+        for t in range(n_blocks - 1):
+            stage, nxt = t % STAGES, (t + 1) % STAGES
+            yield from (("wait", f"k_ready{nxt}", ((t + 1) // STAGES) & 1), ("read", f"K{nxt}", t + 1))
+            yield from softmax(c, t)
+            yield from (("wait", f"v_ready{stage}", (t // STAGES) & 1), ("read", f"V{stage}", t),
+                        ("arrive", f"v_empty{stage}"), ("arrive", f"k_empty{nxt}"))
+        last = n_blocks - 1
+        yield from softmax(c, last)
+        yield from (("wait", f"v_ready{last % STAGES}", (last // STAGES) & 1), ("read", f"V{last % STAGES}", last),
+                    ("arrive", f"v_empty{last % STAGES}"))
+
+    m.add("loader", loader())
+    for c in range(consumers):
+        m.add(f"consumer{c}", consumer(c))
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("turns", [False, True], ids=["free", "turns"])
+def test_the_forward_never_deadlocks_and_takes_its_softmaxes_in_turn(consumers, turns):
+    rng = random.Random(SEED)
+    for n_blocks in range(7):
+        for _ in range(300):
+            m = Machine(rng)
+            _forward(m, consumers, n_blocks, turns)
+            while m.step():
+                pass
+            if turns:
+                assert m.log == [(t, c) for t in range(n_blocks) for c in range(consumers)]
+
+
+# ------------------------------------------------------------------ wide backward (kernels/v3/fmha_bwd_wide.py)
+
+
+def _wide_backward(m, n_steps):
+    m.barriers.update({"kv_ready": Barrier(1), "p_full": Barrier(1), "p_empty": Barrier(2), "ds_full": Barrier(1),
+                       "ds_empty": Barrier(2)})
+    m.barriers.update({f"q_ready{i}": Barrier(1) for i in range(STAGES)})
+    m.barriers.update({f"q_empty{i}": Barrier(2) for i in range(STAGES)})
+
+    def loader():
+        yield from (("write", "K", "k"), ("arrive", "kv_ready"))
+        for t in range(n_steps):
+            stage = t % STAGES
+            yield from (("wait", f"q_empty{stage}", ((t // STAGES) & 1) ^ 1), ("write", f"Q{stage}", t),
+                        ("arrive", f"q_ready{stage}"))
+
+    def consumer(c):
+        yield ("wait", "kv_ready", 0)
+        for t in range(n_steps):
+            stage = t % STAGES
+            yield from (("wait", f"q_ready{stage}", (t // STAGES) & 1), ("read", f"Q{stage}", t))
+            if c == 0:  # S, P
+                yield from (("read", "K", "k"), ("wait", "p_empty", (t & 1) ^ 1), ("write", "P", t), ("arrive", "p_full"))
+                yield ("wait", "ds_full", t & 1)
+            else:  # dP, dS from P
+                yield from (("wait", "p_full", t & 1), ("read", "P", t), ("wait", "ds_empty", (t & 1) ^ 1),
+                            ("write", "dS", t), ("arrive", "ds_full"))
+            yield from (("read", "P", t), ("read", "dS", t), ("read", f"Q{stage}", t),  # dV and dK
+                        ("arrive", "p_empty"), ("arrive", f"q_empty{stage}"),
+                        ("read", "dS", t), ("read", "K", "k"), ("arrive", "ds_empty"))  # dQ
+        if n_steps:
+            yield ("wait", "ds_empty", (n_steps - 1) & 1)
+        yield ("write", "K", f"dK{c}")  # dK leaves through K's memory
+
+    m.add("loader", loader())
+    for c in range(2):
+        m.add(f"consumer{c}", consumer(c))
+
+
+def test_the_wide_backward_never_deadlocks_nor_overwrites_a_buffer_being_read():
+    rng = random.Random(SEED)
+    for n_steps in range(8):
+        for _ in range(300):
+            m = Machine(rng)
+            _wide_backward(m, n_steps)
+            while m.step():
+                pass
+
+
+# ----------------------------------------------------------- ORDERED backward (kernels/v3/fmha_bwd.py)
+
+
+def _ordered_program(m, p, tiles):
+    """Program p (its ticket: key block p of one head) over its steps' dQ tiles [(tile, rank)]."""
+    n = len(tiles)
+    b = {f"q_ready{i}": Barrier(1) for i in range(STAGES)} | {f"q_empty{i}": Barrier(2) for i in range(STAGES)}
+    b |= {f"ds_full{i}": Barrier(2) for i in range(2)} | {f"ds_empty{i}": Barrier(2) for i in range(2)}
+    b |= {"dq_full": Barrier(2), "dq_empty": Barrier(1)}
+    m.barriers.update({f"p{p}.{name}": barrier for name, barrier in b.items()})
+
+    def loader():
+        for t in range(n):
+            stage = t % STAGES
+            yield from (("wait", f"p{p}.q_empty{stage}", ((t // STAGES) & 1) ^ 1), ("write", f"p{p}.Q{stage}", t),
+                        ("arrive", f"p{p}.q_ready{stage}"))
+
+    def consumer(c):
+        for t in range(n):
+            stage, buf = t % STAGES, t % 2
+            yield from (("wait", f"p{p}.q_ready{stage}", (t // STAGES) & 1), ("read", f"p{p}.Q{stage}", t),
+                        ("wait", f"p{p}.ds_empty{buf}", ((t // 2) & 1) ^ 1), ("write", f"p{p}.dS{buf}.{c}", t),
+                        ("arrive", f"p{p}.ds_full{buf}"), ("wait", f"p{p}.ds_full{buf}", (t // 2) & 1),
+                        ("read", f"p{p}.dS{buf}.0", t), ("read", f"p{p}.dS{buf}.1", t),
+                        ("arrive", f"p{p}.ds_empty{buf}"), ("arrive", f"p{p}.q_empty{stage}"),
+                        ("wait", f"p{p}.dq_empty", (t & 1) ^ 1), ("write", f"p{p}.dq{c}", t),
+                        ("arrive", f"p{p}.dq_full"))
+
+    def writer():
+        previous = None
+        for t, (tile, rank) in enumerate(tiles):
+            yield from (("spin", tile, rank), ("wait", f"p{p}.dq_full", t & 1), ("read", f"p{p}.dq0", t),
+                        ("read", f"p{p}.dq1", t), ("log", (tile, p)), ("arrive", f"p{p}.dq_empty"))
+            if previous is not None:  # the previous tile's additions are complete: count this key block in
+                yield ("release", previous)
+            previous = tile
+        if previous is not None:
+            yield ("release", previous)
+
+    for name, partition in (("loader", loader()), ("consumer0", consumer(0)), ("consumer1", consumer(1)),
+                            ("writer", writer())):
+        m.add(f"p{p}.{name}", partition)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
+def test_the_ordered_backward_adds_in_key_block_order_with_any_number_of_programs_resident(causal):
+    """Programs start in ticket order (key block slowest), at most `resident` at once, a new one when one
+    ends: the smallest unfinished ticket never waits for a later one, so every run finishes."""
+    rng = random.Random(SEED)
+    for _ in range(400):
+        key_blocks, query_blocks, resident = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6)
+        m = Machine(rng)
+        visits = {kb: [q for q in range(query_blocks) if not causal or q >= kb] for kb in range(key_blocks)}
+        started = 0
+
+        def running():
+            return len({name.split(".")[0] for name in m.current})
+
+        while True:
+            while started < key_blocks and running() < resident:
+                ranks = [(q, sum(1 for k in range(started) if q in visits[k])) for q in visits[started]]
+                _ordered_program(m, started, ranks)
+                started += 1
+            if not m.step() and started == key_blocks:
+                break
+        by_tile = {}
+        for tile, p in m.log:
+            by_tile.setdefault(tile, []).append(p)
+        assert all(programs == sorted(programs) for programs in by_tile.values()), by_tile
+        assert sorted(by_tile) == sorted({q for qs in visits.values() for q in qs})
