@@ -27,6 +27,8 @@ they are read, and counts the key block in once the additions are complete, one 
 round trip to memory overlaps the next step.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
 device in Triton's global scratch (seven a program), with the sequence's rows and the head dims as bounds.
+The ORDERED form's protocol (the dQ hand-over, the writer's counters) is modelled in
+tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here changes it there.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

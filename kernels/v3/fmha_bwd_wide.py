@@ -20,7 +20,8 @@ fmha_bwd.py. dK (times the softmax scale) and dV leave through the shared memory
 
 It takes the portable dK/dV kernel's arguments (SIGNATURES["fmha_bwd_dkdv"]) and serves what
 fmha_bwd.py serves (no score terms or dropout, not deterministic). Shared memory at D=256: K and V 64 KiB,
-the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB.
+the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB. The barrier protocol is modelled in
+tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here changes it there.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

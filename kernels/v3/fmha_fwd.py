@@ -20,6 +20,9 @@ Sequences, windows and masks are the portable family's (kernels/portable/fmha_co
 Gluon functions in kernels/v3/common.py): key j is visible from query i iff i + off - left <= j <= i + off +
 right and j < Sk. The mask-free key blocks of the program's rows come first, then the masked ones; rows
 that see no key get O = 0 and LSE = -inf.
+
+The barrier protocol (the K/V ring, the softmax turns) is modelled in tests/cpu/test_barrier_protocols.py,
+which runs it under random interleavings: a change to a wait, an arrival or a parity here changes it there.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
