@@ -44,17 +44,17 @@ FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True, (256, 
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py), in the 256 tiles, where a consumer could not hold whole dK
-# and dV rows. The ORDERED (deterministic) form is built in the narrow tiles only.
+# and dV rows. Each has its ATOMIC and its ORDERED (deterministic) form.
 BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
              (256, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128))
-ORDERED_PAIRS = tuple(pair for pair in BWD_PAIRS if pair not in BWD_WIDE_PAIRS)
 BWD_BLOCK_M = 64
 assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
 # Whether the atomic dK/dV programs walk the key blocks slowest (kernels/v3/fmha_bwd.py, KEY_BLOCK_SLOWEST: the
 # longest causal programs first, against GQA 4k causal's late start, NOTES.md v3.2), a build choice of each
-# narrow tile; off in both, whose objects are the measured ones, until the A/B in NOTES.md decides.
+# narrow tile (the wide kernel has none); off in both, whose objects are the measured ones, until the A/B in
+# NOTES.md decides.
 BWD_KEY_BLOCK_SLOWEST = {(64, 64): False, (128, 128): False}
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
@@ -138,9 +138,7 @@ def variants(arch: str) -> list[dict]:
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair, tile in BWD_TILES.items():
             wide = pair in BWD_WIDE_PAIRS
-            forms = ((DQ_ATOMIC, "fmha_bwd_dkdv"),) if wide else ((DQ_ATOMIC, "fmha_bwd_dkdv"),
-                                                                  (DQ_ORDERED, "fmha_bwd_dkdv_ordered"))
-            for strategy, function in forms:
+            for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
@@ -181,7 +179,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
             or problem_features(problem) != (BIAS_NONE, False)):
         return False
     if problem.deterministic:
-        return arch in ORDERED_FOR_DETERMINISTIC and pair in ORDERED_PAIRS
+        return arch in ORDERED_FOR_DETERMINISTIC
     if MODE == "all":
         return True
     min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)

@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (heads_descriptor, query_blocks, row_stats_start, rows_descriptor, sequence_extent,
-                               tma_add_shared_to_global, visible, window_sides)
-from kernels.v3.fmha_bwd import STAGES, load_keys_and_query_blocks
+from kernels.v3.common import (bulk_writes_wait, fence_async_global, heads_descriptor, query_blocks, row_stats_start,
+                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, window_sides)
+from kernels.v3.fmha_bwd import STAGES, key_block_rank, load_keys_and_query_blocks, order_counters
 
 DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
 
@@ -62,10 +62,24 @@ def _add_dq(c: gl.constexpr, ds_smem, k_smem, dq_buf, dq_desc, m0, head, BLOCK_M
 
 
 @gluon.jit
+def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
+    """The ORDERED form, once this consumer's additions of `step` are complete (the caller waited): they are
+    made visible (async proxy before generic), and once both consumers' are, consumer 0 counts the key block
+    in at `counter` (a releasing increment, which carries consumer 1's additions through the barrier)."""
+    token = fence_async_global(token)
+    mbarrier.arrive(dq_done)
+    if c == 0:
+        mbarrier.wait(dq_done, step & 1)
+        gl.atomic_add(counter, 1, sem="release")
+    return token
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              p_full, p_empty, ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc, dv_desc,
-              h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr):
+              p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc,
+              dv_desc, counters, counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left,
+              right, scale_log2, softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
+              BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
     HALF_DQK: gl.constexpr = BLOCK_DQK // 2
     HALF_DV: gl.constexpr = BLOCK_DV // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -77,8 +91,11 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     dq_buf = dq_smem.index(c)
+    QUARTERS: gl.constexpr = HALF_DQK // DQ_COLUMNS  # a consumer's dQ additions (bulk groups) a step
     dk = gl.zeros([BLOCK_N, HALF_DQK], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HALF_DV], gl.float32, dv_layout)
+    token = n0  # orders the ORDERED form's waits and fences
+    previous = counters
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
         stage = t % STAGES
@@ -121,9 +138,20 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(p_empty)
         mbarrier.arrive(q_empty.index(stage))  # Q and dO are read: the loader may bring the step after next
+        if ORDERED:  # the tile's smaller key blocks are in (kernels/portable/dq_order.py)
+            counter = counters + g * counters_per_head + block
+            while gl.atomic_add(counter, 0, sem="acquire") != key_block_rank(n0, m0, off, left, BLOCK_N):
+                pass
+            token = fence_async_global(token)
         _add_dq(c, ds_smem, k_smem, dq_buf, dq_desc, m0, h0 + g, BLOCK_M, BLOCK_DQK)
+        if ORDERED:
+            if t > 0:  # the previous step's additions, both consumers', are complete: count this key block in
+                token = _complete_and_release(c, previous, dq_done, t - 1, bulk_writes_wait(QUARTERS, token))
+            previous = counter
         mbarrier.arrive(ds_empty)
     if n_steps > 0:
+        if ORDERED:
+            _complete_and_release(c, previous, dq_done, n_steps - 1, bulk_writes_wait(0, token))
         # The other consumer's last dQ products read every column of K: wait for them before K's memory takes dK.
         last = n_steps - 1
         mbarrier.wait(ds_empty, last & 1)
@@ -161,12 +189,73 @@ def fmha_bwd_dkdv(
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
     GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
 ):
+    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
+    _wide_program(
+        gl.program_id(0), gl.program_id(1), gl.program_id(2), None,
+        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
+        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
+        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
+        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
+        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False)
+
+
+@gluon.jit
+def fmha_bwd_dkdv_ordered(
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, DqOrder, Bias, dS, Alibi, PhiloxSeedOffset,
+    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
+    stride_ds_b, stride_ds_h, stride_ds_s,
+    stride_delta_b, stride_delta_h,
+    stride_bias_b, stride_bias_h, stride_bias_s,
+    alibi_stride_b,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr, batch,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, FLAT_LOOP: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+):
+    """The deterministic form, as fmha_bwd.py's: a program per (key block, key head, batch entry) taken by
+    ticket, key block slowest; a step's dQ quarters go into the accumulator once the tile's counter equals
+    this key block's rank, and the counter is released one step later, once they are complete."""
+    gl.static_assert(GROUP_LOOP, "the v3 backward loops over the group's heads")
+    heads_k = num_heads_q // kv_group_size
+    slots = heads_k * batch
+    item = gl.atomic_add(DqOrder, 1, sem="relaxed")
+    slot = item % slots
+    _wide_program(
+        item // slots, slot % heads_k, slot // heads_k, DqOrder,
+        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
+        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
+        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
+        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
+        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True)
+
+
+@gluon.jit
+def _wide_program(
+    n_block, hk, b, DqOrder,
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr,
+):
+    """Key block n_block of key head hk of batch entry b (the module docstring); DqOrder the order region
+    of the ORDERED form, None otherwise."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
-    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
-    n_block = gl.program_id(0)
-    hk = gl.program_id(1)
-    b = gl.program_id(2)
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     n0 = n_block * BLOCK_N
@@ -241,17 +330,23 @@ def fmha_bwd_dkdv(
     mbarrier.init(p_empty, count=2)  # both consumers' products read it
     mbarrier.init(ds_full, count=1)  # consumer 1 made dS
     mbarrier.init(ds_empty, count=2)  # both consumers' products read it
+    dq_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # ORDERED alone; else no memory
+    if ORDERED:
+        mbarrier.init(dq_done, count=2)  # both consumers' additions of a step are complete
+        counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
+    else:
+        counters = Lse2  # unused
 
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, p_full,
-                     p_empty, ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc, dv_desc,
-                     h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                     softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV)),
+                     p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc,
+                     dv_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq,
+                     sk, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (_consumer, (1, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, p_full,
-                     p_empty, ds_full, ds_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc, dv_desc,
-                     h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                     softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV)),
+                     p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc,
+                     dv_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq,
+                     sk, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
                                       q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
     ], [4, 1], [240, 24])

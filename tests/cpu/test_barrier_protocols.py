@@ -137,40 +137,57 @@ def test_the_forward_never_deadlocks_and_takes_its_softmaxes_in_turn(consumers, 
 # ------------------------------------------------------------------ wide backward (kernels/v3/fmha_bwd_wide.py)
 
 
-def _wide_backward(m, n_steps):
-    m.barriers.update({"kv_ready": Barrier(1), "p_full": Barrier(1), "p_empty": Barrier(2), "ds_full": Barrier(1),
-                       "ds_empty": Barrier(2)})
-    m.barriers.update({f"q_ready{i}": Barrier(1) for i in range(STAGES)})
-    m.barriers.update({f"q_empty{i}": Barrier(2) for i in range(STAGES)})
+def _wide_backward(m, n_steps, p="p0", tiles=None):
+    """Program p of the wide kernel; with `tiles` ([(tile, rank)] a step) its ORDERED form."""
+    b = {"kv_ready": Barrier(1), "p_full": Barrier(1), "p_empty": Barrier(2), "ds_full": Barrier(1),
+         "ds_empty": Barrier(2), "dq_done": Barrier(2)}
+    b |= {f"q_ready{i}": Barrier(1) for i in range(STAGES)} | {f"q_empty{i}": Barrier(2) for i in range(STAGES)}
+    m.barriers.update({f"{p}.{name}": barrier for name, barrier in b.items()})
 
     def loader():
-        yield from (("write", "K", "k"), ("arrive", "kv_ready"))
+        yield from (("write", f"{p}.K", "k"), ("arrive", f"{p}.kv_ready"))
         for t in range(n_steps):
             stage = t % STAGES
-            yield from (("wait", f"q_empty{stage}", ((t // STAGES) & 1) ^ 1), ("write", f"Q{stage}", t),
-                        ("arrive", f"q_ready{stage}"))
+            yield from (("wait", f"{p}.q_empty{stage}", ((t // STAGES) & 1) ^ 1), ("write", f"{p}.Q{stage}", t),
+                        ("arrive", f"{p}.q_ready{stage}"))
+
+    def complete_and_release(c, counter, step):
+        yield ("arrive", f"{p}.dq_done")
+        if c == 0:
+            yield from (("wait", f"{p}.dq_done", step & 1), ("release", counter))
 
     def consumer(c):
-        yield ("wait", "kv_ready", 0)
+        yield ("wait", f"{p}.kv_ready", 0)
+        previous = None
         for t in range(n_steps):
             stage = t % STAGES
-            yield from (("wait", f"q_ready{stage}", (t // STAGES) & 1), ("read", f"Q{stage}", t))
+            yield from (("wait", f"{p}.q_ready{stage}", (t // STAGES) & 1), ("read", f"{p}.Q{stage}", t))
             if c == 0:  # S, P
-                yield from (("read", "K", "k"), ("wait", "p_empty", (t & 1) ^ 1), ("write", "P", t), ("arrive", "p_full"))
-                yield ("wait", "ds_full", t & 1)
+                yield from (("read", f"{p}.K", "k"), ("wait", f"{p}.p_empty", (t & 1) ^ 1), ("write", f"{p}.P", t),
+                            ("arrive", f"{p}.p_full"), ("wait", f"{p}.ds_full", t & 1))
             else:  # dP, dS from P
-                yield from (("wait", "p_full", t & 1), ("read", "P", t), ("wait", "ds_empty", (t & 1) ^ 1),
-                            ("write", "dS", t), ("arrive", "ds_full"))
-            yield from (("read", "P", t), ("read", "dS", t), ("read", f"Q{stage}", t),  # dV and dK
-                        ("arrive", "p_empty"), ("arrive", f"q_empty{stage}"),
-                        ("read", "dS", t), ("read", "K", "k"), ("arrive", "ds_empty"))  # dQ
+                yield from (("wait", f"{p}.p_full", t & 1), ("read", f"{p}.P", t), ("wait", f"{p}.ds_empty", (t & 1) ^ 1),
+                            ("write", f"{p}.dS", t), ("arrive", f"{p}.ds_full"))
+            yield from (("read", f"{p}.P", t), ("read", f"{p}.dS", t), ("read", f"{p}.Q{stage}", t),  # dV and dK
+                        ("arrive", f"{p}.p_empty"), ("arrive", f"{p}.q_empty{stage}"))
+            if tiles is not None:
+                yield ("spin", *tiles[t])
+            yield from (("read", f"{p}.dS", t), ("read", f"{p}.K", "k"))  # dQ
+            if tiles is not None:
+                yield ("log", (tiles[t][0], p, c))
+                if t > 0:
+                    yield from complete_and_release(c, previous, t - 1)
+                previous = tiles[t][0]
+            yield ("arrive", f"{p}.ds_empty")
         if n_steps:
-            yield ("wait", "ds_empty", (n_steps - 1) & 1)
-        yield ("write", "K", f"dK{c}")  # dK leaves through K's memory
+            if tiles is not None:
+                yield from complete_and_release(c, previous, n_steps - 1)
+            yield ("wait", f"{p}.ds_empty", (n_steps - 1) & 1)
+        yield ("write", f"{p}.K", f"dK{c}")  # dK leaves through K's memory
 
-    m.add("loader", loader())
+    m.add(f"{p}.loader", loader())
     for c in range(2):
-        m.add(f"consumer{c}", consumer(c))
+        m.add(f"{p}.consumer{c}", consumer(c))
 
 
 def test_the_wide_backward_never_deadlocks_nor_overwrites_a_buffer_being_read():
@@ -227,29 +244,43 @@ def _ordered_program(m, p, tiles):
         m.add(f"p{p}.{name}", partition)
 
 
+def _run_ordered(rng, causal, program):
+    """Programs start in ticket order (key block slowest), at most `resident` at once, a new one when one
+    ends; returns the programs, in order, that added into each dQ tile."""
+    key_blocks, query_blocks, resident = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6)
+    m = Machine(rng)
+    visits = {kb: [q for q in range(query_blocks) if not causal or q >= kb] for kb in range(key_blocks)}
+    started = 0
+    while True:
+        while started < key_blocks and len({name.split(".")[0] for name in m.current}) < resident:
+            program(m, started, [(q, sum(1 for k in range(started) if q in visits[k])) for q in visits[started]])
+            started += 1
+        if not m.step() and started == key_blocks:
+            break
+    assert sorted({entry[0] for entry in m.log}) == sorted({q for qs in visits.values() for q in qs})
+    return m.log
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
 def test_the_ordered_backward_adds_in_key_block_order_with_any_number_of_programs_resident(causal):
-    """Programs start in ticket order (key block slowest), at most `resident` at once, a new one when one
-    ends: the smallest unfinished ticket never waits for a later one, so every run finishes."""
+    """The smallest unfinished ticket never waits for a later one, so every run finishes, and each tile's
+    additions come in key-block order."""
     rng = random.Random(SEED)
     for _ in range(400):
-        key_blocks, query_blocks, resident = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6)
-        m = Machine(rng)
-        visits = {kb: [q for q in range(query_blocks) if not causal or q >= kb] for kb in range(key_blocks)}
-        started = 0
-
-        def running():
-            return len({name.split(".")[0] for name in m.current})
-
-        while True:
-            while started < key_blocks and running() < resident:
-                ranks = [(q, sum(1 for k in range(started) if q in visits[k])) for q in visits[started]]
-                _ordered_program(m, started, ranks)
-                started += 1
-            if not m.step() and started == key_blocks:
-                break
         by_tile = {}
-        for tile, p in m.log:
+        for tile, p in _run_ordered(rng, causal, _ordered_program):
             by_tile.setdefault(tile, []).append(p)
         assert all(programs == sorted(programs) for programs in by_tile.values()), by_tile
-        assert sorted(by_tile) == sorted({q for qs in visits.values() for q in qs})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
+def test_the_wide_ordered_backward_adds_in_key_block_order(causal):
+    """The wide kernel's ORDERED form: both consumers add their quarters of a tile after its counter reached
+    the key block's rank; consumer 0 counts the key block in once both consumers' additions are complete."""
+    rng = random.Random(SEED)
+    for _ in range(400):
+        log = _run_ordered(rng, causal, lambda m, p, tiles: _wide_backward(m, len(tiles), f"p{p}", tiles))
+        by_tile = {}
+        for tile, p, _consumer in log:
+            by_tile.setdefault(tile, []).append(int(p[1:]))
+        assert all(programs == sorted(programs) for programs in by_tile.values()), by_tile

@@ -65,6 +65,8 @@ CASES = [
          v3_ordered=True),
     Case("v3_bwd_ordered_d64_4096_keys", "bwd", 1, 4096, 4, 4, 64, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d64",
          v3_ordered=True),
+    Case("v3_bwd_ordered_wide_d256_gqa", "bwd", 1, 1024, 4, 2, 256, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d256",
+         v3_ordered=True),
 ]
 
 
