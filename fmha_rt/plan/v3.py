@@ -28,7 +28,7 @@ from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
-KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd", "bwd_wide": "kernels.v3.fmha_bwd_wide"}
+KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 # 64 query rows a consumer warpgroup: 128 a program (two consumers) at head dims 128 and 256, 192 (three)
 # at 64; the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
 # consumers and a loader warp). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
@@ -43,8 +43,8 @@ FWD_PAIRS = tuple(FWD_TILES)
 FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True, (256, 128): True}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
-# the head dims (kernels/v3/fmha_bwd_wide.py), in the 256 tiles, where a consumer could not hold whole dK
-# and dV rows. Each has its ATOMIC and its ORDERED (deterministic) form.
+# the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
+# consumer could not hold whole dK and dV rows. Each has its ATOMIC and its ORDERED (deterministic) form.
 BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
              (256, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
@@ -137,7 +137,6 @@ def variants(arch: str) -> list[dict]:
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair, tile in BWD_TILES.items():
-            wide = pair in BWD_WIDE_PAIRS
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
@@ -149,9 +148,8 @@ def variants(arch: str) -> list[dict]:
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
-                module = KERNEL_MODULES["bwd_wide" if wide else "bwd"]
                 out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, tile, constexprs,
-                                               traits, module=module), function))
+                                               traits, module=KERNEL_MODULES["bwd"]), function))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]

@@ -1,14 +1,15 @@
 """What the v3 kernels share: the portable family's scalar and mask helpers, compiled as Gluon
 functions (their bodies are scalar loads, arithmetic and broadcasts), the TMA descriptors of a sequence
-of a [B, S, H, D] or varlen [total, H, D] array (one head, or every head), the bulk TMA addition, and the
-waits and fences that order bulk additions against other programs."""
+of a [B, S, H, D] or varlen [total, H, D] array (one head, or every head), the bulk TMA addition, the
+waits and fences that order bulk additions against other programs, and what both backward kernels take:
+the Q/dO ring's loader and the ORDERED strategy's rank and counters (kernels/portable/dq_order.py)."""
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from kernels.portable import fmha_common
+from kernels.portable import dq_order, fmha_common
 
 sequence_extent = gluon.jit(fmha_common.sequence_extent.fn)
 window_sides = gluon.jit(fmha_common.window_sides.fn)
@@ -68,3 +69,27 @@ def fence_async_global(token):
     """Orders this thread's global memory accesses in the generic proxy (loads, atomics) against those of
     the async proxy (TMA copies and reductions) in both directions. Returns `token`, as above."""
     return gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [token], gl.int32, False, 1)
+
+
+key_block_rank = gluon.jit(dq_order.key_block_rank.fn)
+order_counters = gluon.jit(dq_order.order_counters.fn)
+
+STAGES = gl.constexpr(2)  # the backward's Q/dO ring depth
+
+
+@gluon.jit
+def load_keys_and_query_blocks(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
+                               q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M: gl.constexpr):
+    """The backward's loader partition (fmha_bwd.py's and fmha_bwd_wide.py's): K and V of the program once,
+    then Q and dO of each step through the ring of STAGES buffers."""
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_ready, v_smem)
+    for t in range(n_steps):
+        stage = t % STAGES
+        mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's last phase is done
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        g = t // blocks
+        m0 = (lo + t - g * blocks) * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [m0, h0 + g, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [m0, h0 + g, 0], q_ready.index(stage), do_smem.index(stage))

@@ -37,33 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.portable import dq_order
-from kernels.v3.common import (bulk_writes_wait, fence_async_global, heads_descriptor, query_blocks, row_stats_start,
+from kernels.v3.common import (STAGES, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
+                               load_keys_and_query_blocks, order_counters, query_blocks, row_stats_start,
                                rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, window_sides)
-
-key_block_rank = gluon.jit(dq_order.key_block_rank.fn)
-order_counters = gluon.jit(dq_order.order_counters.fn)
-
-STAGES = gl.constexpr(2)  # Q/dO ring depth
-
-
-@gluon.jit
-def load_keys_and_query_blocks(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
-                               q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M: gl.constexpr):
-    """The loader partition (fmha_bwd_wide.py's too): K and V of the program once, then Q and dO of each
-    step through the ring of STAGES buffers."""
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_ready, v_smem)
-    for t in range(n_steps):
-        stage = t % STAGES
-        mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's last phase is done
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        g = t // blocks
-        m0 = (lo + t - g * blocks) * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [m0, h0 + g, 0], q_ready.index(stage), q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [m0, h0 + g, 0], q_ready.index(stage), do_smem.index(stage))
-
+from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
 def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
@@ -316,9 +293,42 @@ def _dkdv_program(
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr,
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring); DqOrder the order region
-    of the ORDERED form, None otherwise."""
+    of the ORDERED form, None otherwise. The 256 tiles run fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
+    if BLOCK_DQK > 128:
+        wide_program(
+            n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
+            SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
+            stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b,
+            stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
+            seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale,
+            scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N,
+            BLOCK_DQK, BLOCK_DV, ORDERED)
+    else:
+        _narrow_program(
+            n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
+            SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
+            stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b,
+            stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
+            seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale,
+            scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N,
+            BLOCK_DQK, BLOCK_DV, ORDERED)
+
+
+@gluon.jit
+def _narrow_program(
+    n_block, hk, b, DqOrder,
+    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
+    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h,
+    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
+    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
+    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    ORDERED: gl.constexpr,
+):
+    """_dkdv_program in the 64 and 128 tiles: two consumers of BLOCK_N / 2 keys each (the module docstring)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)

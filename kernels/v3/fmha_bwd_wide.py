@@ -15,11 +15,11 @@ a step (one query block of 64 rows of one query head of the group) goes
 
 P and dS have one buffer each: consumer 0 writes the next P once both consumers' products have read the
 last (an mbarrier of count 2), consumer 1 the next dS likewise. Q and dO come through a ring of STAGES
-buffers by (row, query head, dim) descriptors that serve the group, K and V once, all by the loader of
-fmha_bwd.py. dK (times the softmax scale) and dV leave through the shared memory of K and V by TMA.
+buffers by (row, query head, dim) descriptors that serve the group, K and V once, all by the backward's loader
+(kernels/v3/common.py). dK (times the softmax scale) and dV leave through the shared memory of K and V by TMA.
 
-It takes the portable dK/dV kernel's arguments (SIGNATURES["fmha_bwd_dkdv"]) and serves what
-fmha_bwd.py serves (no score terms or dropout, not deterministic). Shared memory at D=256: K and V 64 KiB,
+fmha_bwd.py's entry points (fmha_bwd_dkdv, and fmha_bwd_dkdv_ordered for the ORDERED form) run this
+program in the 256 tiles: one signature, one ticket and one set of checks for both kernels. Shared memory at D=256: K and V 64 KiB,
 the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB. The barrier protocol is modelled in
 tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here changes it there.
 """
@@ -30,9 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (bulk_writes_wait, fence_async_global, heads_descriptor, query_blocks, row_stats_start,
+from kernels.v3.common import (STAGES, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
+                               load_keys_and_query_blocks, order_counters, query_blocks, row_stats_start,
                                rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, window_sides)
-from kernels.v3.fmha_bwd import STAGES, key_block_rank, load_keys_and_query_blocks, order_counters
 
 DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
 
@@ -168,80 +168,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
 
 
 @gluon.jit
-def fmha_bwd_dkdv(
-    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
-    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
-    stride_q_b, stride_q_s, stride_q_h,
-    stride_k_b, stride_k_s, stride_k_h,
-    stride_v_b, stride_v_s, stride_v_h,
-    stride_do_b, stride_do_s, stride_do_h,
-    stride_dk_b, stride_dk_s, stride_dk_h,
-    stride_dv_b, stride_dv_s, stride_dv_h,
-    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
-    stride_ds_b, stride_ds_h, stride_ds_s,
-    stride_delta_b, stride_delta_h,
-    stride_bias_b, stride_bias_h, stride_bias_s,
-    alibi_stride_b,
-    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
-    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
-    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
-):
-    gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
-    _wide_program(
-        gl.program_id(0), gl.program_id(1), gl.program_id(2), None,
-        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
-        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
-        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
-        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
-        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False)
-
-
-@gluon.jit
-def fmha_bwd_dkdv_ordered(
-    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, DqOrder, Bias, dS, Alibi, PhiloxSeedOffset,
-    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
-    stride_q_b, stride_q_s, stride_q_h,
-    stride_k_b, stride_k_s, stride_k_h,
-    stride_v_b, stride_v_s, stride_v_h,
-    stride_do_b, stride_do_s, stride_do_h,
-    stride_dk_b, stride_dk_s, stride_dk_h,
-    stride_dv_b, stride_dv_s, stride_dv_h,
-    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
-    stride_ds_b, stride_ds_h, stride_ds_s,
-    stride_delta_b, stride_delta_h,
-    stride_bias_b, stride_bias_h, stride_bias_s,
-    alibi_stride_b,
-    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
-    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
-    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr, batch,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
-):
-    """The deterministic form, as fmha_bwd.py's: a program per (key block, key head, batch entry) taken by
-    ticket, key block slowest; a step's dQ quarters go into the accumulator once the tile's counter equals
-    this key block's rank, and the counter is released one step later, once they are complete."""
-    gl.static_assert(GROUP_LOOP, "the v3 backward loops over the group's heads")
-    heads_k = num_heads_q // kv_group_size
-    slots = heads_k * batch
-    item = gl.atomic_add(DqOrder, 1, sem="relaxed")
-    slot = item % slots
-    _wide_program(
-        item // slots, slot % heads_k, slot // heads_k, DqOrder,
-        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
-        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
-        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
-        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
-        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True)
-
-
-@gluon.jit
-def _wide_program(
+def wide_program(
     n_block, hk, b, DqOrder,
     Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
@@ -250,12 +177,11 @@ def _wide_program(
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring); DqOrder the order region
-    of the ORDERED form, None otherwise."""
-    gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
-    gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
+    of the ORDERED form, None otherwise. fmha_bwd.py's entries (fmha_bwd_dkdv, fmha_bwd_dkdv_ordered) run it
+    in the 256 tiles, after their ticket or program ids and their checks of the constexprs."""
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
     n0 = n_block * BLOCK_N
