@@ -10,7 +10,7 @@ of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's wo
 The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same one,
 or 256 for queries and keys with 128 for values: 192/128), MHA, GQA and MQA, no mask, causal and sliding
 windows in either alignment, batch and varlen; not score terms or dropout. The backward serves those calls
-in the 64 and 128 tiles: non-deterministic ones by the portable atomic strategy (pre-pass, dK/dV with dQ
+in every tile: non-deterministic ones by the portable atomic strategy (pre-pass, dK/dV with dQ
 added into a zeroed fp32 accumulator, conversion of dQ) with the v3 dK/dV kernel and the pre-pass and
 conversion built under this family's keys; deterministic ones, on the archs of ORDERED_FOR_DETERMINISTIC, by
 the ORDERED strategy (the same passes, dQ added in key-block order by fmha_bwd_dkdv_ordered). MODE says
