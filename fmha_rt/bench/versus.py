@@ -21,7 +21,7 @@ import dataclasses
 import statistics
 
 from . import flops
-from .peers import SUBJECT
+from .peers import OWN_VARIANTS, SUBJECT
 
 # A row's point, less its pass: the fields that must agree for two rows to be compared.
 SHAPE_KEYS = ("kind", "dtype", "B", "Hq", "Hk", "Sq", "Sk", "D", "causal")
@@ -117,8 +117,10 @@ def comparisons(rows, peer):
 
 
 def best_peer(rows, ours):
-    """The fastest peer row (by median ms) that passed and was timed at `ours`' run, point and pass, or None."""
-    candidates = [r for r in rows if r["impl"] != SUBJECT and pair_key(r) == pair_key(ours) and _comparable(ours, r)]
+    """The fastest peer row (by median ms) that passed and was timed at `ours`' run, point and pass, or None;
+    fmha_rt's own variants (OWN_VARIANTS) are not peers."""
+    candidates = [r for r in rows if r["impl"] != SUBJECT and r["impl"] not in OWN_VARIANTS
+                  and pair_key(r) == pair_key(ours) and _comparable(ours, r)]
     return min(candidates, key=lambda r: r["ms"], default=None)
 
 

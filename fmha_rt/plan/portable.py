@@ -402,9 +402,13 @@ def ordered_programs(problem, arch) -> int:
     """Programs of the ORDERED dK/dV pass: FMHA_RT_BWD_PROGRAMS when set (a positive integer, to test that
     any number gives the same bits), else ORDERED_PROGRAMS[arch]; at most one per work item (key block,
     key head, batch entry). Read at every plan: the plan cache does not key on it (clear it after a change)."""
-    programs = backward.forced_programs() or ORDERED_PROGRAMS[arch]
+    return min(backward.forced_programs() or ORDERED_PROGRAMS[arch], ordered_work_items(problem, arch))
+
+
+def ordered_work_items(problem, arch) -> int:
+    """Work items of the ORDERED dK/dV pass: one per (key block, key head, batch entry)."""
     block_n = tile_for(arch, "bwd_dkdv", head_dim_tiles(problem), *problem_features(problem)).block_n
-    return min(programs, cdiv(problem.seqlen_k, block_n) * problem.heads_k * problem.batch)
+    return cdiv(problem.seqlen_k, block_n) * problem.heads_k * problem.batch
 
 
 def fwd_scratch(problem) -> layout.Scratch:

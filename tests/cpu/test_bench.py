@@ -2,6 +2,7 @@
 synthetic fixture, peer discovery, host overhead and the timing logic (through a stand-in device,
 untimed). The sweep's bookkeeping is in test_bench_sweep.py."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -274,6 +275,10 @@ def test_fmha_rt_adapter_calls_the_public_api(monkeypatch):
     assert calls[-2][:2] == ("fwd", True) and calls[-1] == ("bwd", True, True, True, None)
     assert adapter.launch_info() == {"family": "portable", "kernel": "attn_fwd_d16"}
     assert adapter.workspace_bytes(dense, True) == 4096
+    # values narrower than the keys (192/128 in the grid): out given at [B, S, Hq, Dv]
+    narrow_v = peers.make_case(dataclasses.replace(tiny_point("fwd"), head_dim_v=8), "cpu", seed=1)
+    adapter.forward(narrow_v)()
+    assert calls.pop() == ("fwd", False, (2, 32, 4, 8), torch.float32)
 
     varlen = peers.make_case(tiny_point("bwd", seqlens=(5, 9, 3)), "cpu", seed=2)
     assert varlen.q.shape == (17, 2, 16) and varlen.cu_seqlens.tolist() == [0, 5, 14, 17]
