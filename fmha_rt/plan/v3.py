@@ -51,11 +51,6 @@ BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128))
 BWD_BLOCK_M = 64
 assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
-# Whether the atomic dK/dV programs walk the key blocks slowest (kernels/v3/fmha_bwd.py, KEY_BLOCK_SLOWEST: the
-# longest causal programs first, against GQA 4k causal's late start, NOTES.md v3.2), a build choice of each
-# narrow tile (the wide kernel has none); off in both, whose objects are the measured ones, until the A/B in
-# NOTES.md decides.
-BWD_KEY_BLOCK_SLOWEST = {(64, 64): False, (128, 128): False}
 # 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
 # in the backward.
 GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 896, "fmha_bwd_dkdv_ordered": 896}
@@ -70,22 +65,25 @@ def _read_mode() -> str:
 
 
 MODE = _read_mode()
-# Where the 'measured' mode runs the v3 forward: the 128 tile from 4096 keys, where it beat the portable
-# forward by 12-15% on the H200 and 8-21% on an H100 (NOTES.md, v3.0 measurement); below 4096 keys
-# causal and in the 64 tile it was slower.
-MEASURED_FWD_PAIRS = ((128, 128),)
-MEASURED_FWD_MIN_SEQLEN_K = 4096
+# Where the 'measured' mode runs the v3 forward, by tile: from how many keys. The 128 tile from 4096 keys,
+# where it beat the portable forward by 12-15% on the H200 and 8-21% on an H100 (NOTES.md, v3.0; below 4096
+# keys causal it was slower); the 256 tile from 1024 keys, the shortest measured, where it was 1.29-1.34x the
+# portable forward on an H100 (NOTES.md, v3.3/v3.5 measurement). The 64 tile was slower everywhere.
+MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 4096, (256, 256): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
 # reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
 # 1.19-1.28x the portable backward at D=128 from 4096 keys, but 0.88x for GQA 4k causal (causal GQA programs
 # are long and start late) and slower at 1k causal; in the 64 tile it was ahead only at 16k keys. Causal GQA
-# takes it from 16384 keys, the longest measured, as nothing between 4k and 16k was measured.
-MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 4096, (64, 64): 16384}
+# takes it from 16384 keys, the longest measured, as nothing between 4k and 16k was measured. The wide
+# program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256 from 1024 keys; at
+# 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal.
+MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 4096, (64, 64): 16384, (256, 256): 1024, (256, 128): 4096}
 MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
 # batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
-# of their own: NOTES.md, v3.4), at every length. Nowhere until it has run on a GPU: tests/gpu switch it
-# on for themselves, and an A/B against the portable deterministic backward decides.
+# of their own: NOTES.md, v3.4), at every length. Nowhere yet: on an H100 it was 0.52-0.95x the portable
+# deterministic backward at 1k and 4k keys (but 1.13x GQA 4k without a mask) and 0.81-1.19x at 16k;
+# tests/gpu switch it on for themselves.
 ORDERED_FOR_DETERMINISTIC = frozenset()
 
 
@@ -143,8 +141,6 @@ def variants(arch: str) -> list[dict]:
                               "GROUP_LOOP": True, "DP_FIRST": False}
                 if strategy == DQ_ATOMIC:  # the ordered function always adds dQ (its tickets go key block slowest)
                     constexprs["DQ_ATOMIC"] = True
-                    if BWD_KEY_BLOCK_SLOWEST.get(pair):  # a build choice beyond the signature's constexprs
-                        constexprs["KEY_BLOCK_SLOWEST"] = True
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
@@ -163,7 +159,7 @@ def serves_fwd(problem, arch) -> bool:
     if MODE == "off" or not (arch in ARCHS and problem.dtype in DTYPES and pair in FWD_PAIRS
                              and problem_features(problem) == (BIAS_NONE, False)):
         return False
-    return MODE == "all" or (pair in MEASURED_FWD_PAIRS and problem.seqlen_k >= MEASURED_FWD_MIN_SEQLEN_K)
+    return MODE == "all" or problem.seqlen_k >= MEASURED_FWD_MIN_SEQLEN_K.get(pair, float("inf"))
 
 
 def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:

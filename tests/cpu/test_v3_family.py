@@ -169,18 +169,6 @@ def test_softmax_turns_are_a_build_choice_of_each_forward_tile():
             assert v["constexprs"].get("SOFTMAX_TURNS", False) is turns and v["traits"]["softmax_turns"] is turns
 
 
-def test_the_backwards_key_block_order_is_a_build_choice_of_each_tile(monkeypatch):
-    """Off by default (the measured objects); where switched on, a constexpr beyond the signature's on the
-    atomic dK/dV variant alone (the ordered one takes key blocks slowest by ticket)."""
-    assert set(v3.BWD_KEY_BLOCK_SLOWEST) == set(v3.BWD_PAIRS) - set(v3.BWD_WIDE_PAIRS)
-    assert not any(v3.BWD_KEY_BLOCK_SLOWEST.values())
-    monkeypatch.setitem(v3.BWD_KEY_BLOCK_SLOWEST, (128, 128), True)
-    variants = {v["key"]: v for v in v3.variants("sm_90")}
-    assert variants[v3.dkdv_key("bf16", (128, 128))]["constexprs"]["KEY_BLOCK_SLOWEST"] is True
-    assert "KEY_BLOCK_SLOWEST" not in variants[v3.dkdv_key("bf16", (64, 64))]["constexprs"]
-    assert "KEY_BLOCK_SLOWEST" not in variants[v3.dkdv_key("bf16", (128, 128), pp.DQ_ORDERED)]["constexprs"]
-
-
 def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_forward(v3_on):
     p = problem(head_dim_qk=64, head_dim_v=64)  # 300 rows: two programs of 192 a (head, batch entry)
     rows, kv_rows = (300 * 8 * 64, 8 * 64, 64, 1), (300 * 2 * 64, 2 * 64, 64, 1)
