@@ -88,7 +88,7 @@ def _bound(function, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, win
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, dropout_p):
     """Attention forward -> (out, lse)."""
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q, k, v = map(_last_dim_contiguous, (q, k, v))
     varlen = cu_seqlens_q is not None
     out = q.new_empty(out_shape(q, v))
     lse = q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
@@ -102,8 +102,10 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_se
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
              max_seqlen_k, softmax_scale, window_left, window_right, dropout_p, deterministic):
     """Attention backward -> (dq, dk, dv), with the forward's options."""
-    dout, q, k, v, out, lse = (_last_dim_contiguous(x) for x in (dout, q, k, v, out, lse))
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dout, q, k, v, out, lse = map(_last_dim_contiguous, (dout, q, k, v, out, lse))
+    # each gradient laid out as its input is (where that is dense), as autograd prefers; empty_like
+    # also parses fewer arguments than new_empty with a shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     varlen = cu_seqlens_q is not None
     # mha_varlen_bwd's arrays: offsets (without seqstarts) after lse; mha_bwd's: dbias (None) after dv
     arrays = ((dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, dq, dk, dv) if varlen
