@@ -77,6 +77,8 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # out's gradient is undefined (not materialised): so are q's, k's and v's
+            return None, None, None, None
         saved = ctx.saved_tensors
         if len(saved) == 5:  # q, k, v, out, lse
             saved += _NO_OPTIONAL_TENSORS

@@ -309,6 +309,28 @@ def test_gradients_are_laid_out_as_their_inputs(watch):
     assert all(x.grad.stride() == x.stride() != x.contiguous().stride() for x in (q, k, v))
 
 
+class Cut(torch.autograd.Function):
+    """The identity, whose backward gives no gradient (an undefined one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_an_undefined_gradient_of_out_runs_no_backward(watch):
+    """The eager route has autograd materialise no missing gradient (lse's is never used): an undefined
+    gradient of out means undefined ones of q, k and v, with nothing launched."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (randn(gen, 1, 16, 2, 64) for _ in range(3))
+    (Cut.apply(fmha_torch.flash_attn_func(q, k, v)).sum() + q.sum()).backward()
+    assert [c[0] for c in watch.take()] == ["forward"]
+    assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
+
+
 def test_without_gradients_the_eager_route_builds_no_autograd_node(watch):
     gen = torch.Generator().manual_seed(4)
     q, k, v = (randn(gen, 1, 16, 2, 64) for _ in range(3))
