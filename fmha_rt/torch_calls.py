@@ -36,17 +36,23 @@ class caching_workspace:  # noqa: N801 - used like a function: mha_bwd(..., work
 
 def lse_shape(q, varlen: bool) -> tuple:
     """lse's shape: [B, Hq, Sq] of a batch q [B, Sq, Hq, D], [Hq, total_q] of a varlen q [total_q, Hq, D]."""
-    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    shape = q.shape
+    return (shape[1], shape[0]) if varlen else (shape[0], shape[2], shape[1])
 
 
 def out_shape(q, v) -> tuple:
     return (*q.shape[:-1], v.shape[-1])
 
 
-def _last_dim_contiguous(x):
-    """x, or a copy contiguous in the last dim, which the kernels need: gradients such as the ones of
-    `out.sum()` arrive with zero strides."""
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+def _last_dims_contiguous(*tensors) -> tuple:
+    """`tensors` (None for an absent one), each not contiguous in its last dim replaced by a copy that
+    is, which the kernels need: gradients such as the ones of `out.sum()` arrive with zero strides.
+    Contiguous tensors, nearly every call's, pass one cheap check each (is_contiguous reads a flag;
+    stride(-1) parses an argument and costs three times as much)."""
+    for x in tensors:
+        if x is not None and not x.is_contiguous():
+            return tuple(x if x is None or x.stride(-1) == 1 else x.contiguous() for x in tensors)
+    return tensors
 
 
 def _stream(t) -> int:
@@ -88,21 +94,24 @@ def _bound(function, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, win
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
             softmax_scale, window_left, window_right, dropout_p):
     """Attention forward -> (out, lse)."""
-    q, k, v = map(_last_dim_contiguous, (q, k, v))
+    q, k, v, alibi_slopes = _last_dims_contiguous(q, k, v, alibi_slopes)
     varlen = cu_seqlens_q is not None
-    out = q.new_empty(out_shape(q, v))
+    # out is laid out as new_empty lays it (contiguous, as the registered op's fake says); empty_like
+    # makes it from q alone when the head dims agree, parsing fewer arguments than a shape
+    out = (torch.empty_like(q, memory_format=torch.contiguous_format) if v.shape[-1] == q.shape[-1]
+           else q.new_empty(out_shape(q, v)))
     lse = q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, out, lse) if varlen else (q, k, v, out, lse)
     call = _bound("mha_varlen_fwd" if varlen else "mha_fwd", max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                   window_right, dropout_p)
-    call(arrays, _stream(q), _last_dim_contiguous(alibi_slopes), rng_state if dropout_p > 0 else None)
+    call(arrays, _stream(q), alibi_slopes, rng_state if dropout_p > 0 else None)
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
              max_seqlen_k, softmax_scale, window_left, window_right, dropout_p, deterministic):
     """Attention backward -> (dq, dk, dv), with the forward's options."""
-    dout, q, k, v, out, lse = map(_last_dim_contiguous, (dout, q, k, v, out, lse))
+    dout, q, k, v, out, lse, alibi_slopes = _last_dims_contiguous(dout, q, k, v, out, lse, alibi_slopes)
     # each gradient laid out as its input is (where that is dense), as autograd prefers; empty_like
     # also parses fewer arguments than new_empty with a shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -113,5 +122,5 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, 
     call = _bound("mha_varlen_bwd" if varlen else "mha_bwd", max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                   window_right, dropout_p, deterministic)
     workspace = caching_workspace(q.device)  # alive until the launches are queued
-    call(arrays, _stream(q), _last_dim_contiguous(alibi_slopes), rng_state if dropout_p > 0 else None, workspace)
+    call(arrays, _stream(q), alibi_slopes, rng_state if dropout_p > 0 else None, workspace)
     return dq, dk, dv

@@ -339,3 +339,28 @@ def test_without_gradients_the_eager_route_builds_no_autograd_node(watch):
     out = fmha_torch.flash_attn_func(q.detach(), k.detach(), v.detach())
     assert out.grad_fn is None and not out.requires_grad
     assert [c[0] for c in watch.take()] == ["forward", "forward"]
+
+
+def test_only_inputs_not_contiguous_in_the_last_dim_are_copied():
+    """Contiguous tensors and ones contiguous in the last dim alone (a transposed view) pass as they
+    are; any other (a zero-stride gradient, a strided slice) is copied, wherever it stands."""
+    gen = torch.Generator().manual_seed(8)
+    plain, transposed = randn(gen, 2, 8, 4, 16), randn(gen, 2, 4, 8, 16).transpose(1, 2)
+    expanded, strided = torch.ones(1, 1, 1, 1).expand(2, 8, 4, 16), randn(gen, 2, 8, 4, 32)[..., ::2]
+    assert torch_calls._last_dims_contiguous(plain, None, transposed) == (plain, None, transposed)
+    for odd in (expanded, strided):
+        given = (plain, odd, None, transposed)
+        passed = torch_calls._last_dims_contiguous(*given)
+        assert passed[0] is plain and passed[2] is None and passed[3] is transposed
+        assert passed[1].stride(-1) == 1 and torch.equal(passed[1], odd)
+
+
+@pytest.mark.parametrize("dv", [64, 32])
+def test_out_is_contiguous_whatever_the_layout_of_q(watch, dv):
+    """out is laid out as the registered op's fake lays it (contiguous) also for a q that is dense but
+    not contiguous, with v's head dim equal to q's or not."""
+    gen = torch.Generator().manual_seed(9)
+    q, k = (randn(gen, 1, 2, 16, 64, grad=False).transpose(1, 2) for _ in range(2))
+    v = randn(gen, 1, 16, 2, dv, grad=False)
+    out = fmha_torch.flash_attn_func(q, k, v)
+    assert out.shape == (1, 16, 2, dv) and out.is_contiguous()
