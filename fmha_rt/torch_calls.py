@@ -47,11 +47,12 @@ def out_shape(q, v) -> tuple:
 def _last_dims_contiguous(*tensors) -> tuple:
     """`tensors` (None for an absent one), each not contiguous in its last dim replaced by a copy that
     is, which the kernels need: gradients such as the ones of `out.sum()` arrive with zero strides.
-    Contiguous tensors, nearly every call's, pass one cheap check each (is_contiguous reads a flag;
-    stride(-1) parses an argument and costs three times as much)."""
+    Contiguous tensors, nearly all (a backward's dout often is not), pass one cheap check each:
+    is_contiguous reads a flag, stride(-1) parses an argument and costs three times as much."""
     for x in tensors:
         if x is not None and not x.is_contiguous():
-            return tuple(x if x is None or x.stride(-1) == 1 else x.contiguous() for x in tensors)
+            return tuple(x if x is None or x.is_contiguous() or x.stride(-1) == 1 else x.contiguous()
+                         for x in tensors)
     return tensors
 
 
