@@ -66,14 +66,17 @@ def _forward(call: Call, out, lse, record):
     return finish_outputs(call.template, tuple(arrays), call.stream), plan
 
 
-def _run(site: Site, objects: tuple, opts: dict, scalars: tuple, workspace_alloc=None, cacheable=True):
+def _run(site: Site, objects: tuple, opts: dict, scalars: tuple, workspace_alloc=None, cacheable=True, handle=None,
+         keyed=None):
     """Run a call from the plan cache when its signature is there, else through site.planned, keeping
-    the plan it recorded."""
+    the plan it recorded. `handle` (opts' stream as a handle) and `keyed` (call_keys.function_key), when
+    the caller has them already."""
     runtime = backend.runtime()
-    stream = opts["stream"]
-    handle = 0 if stream is None else stream_handle(stream, backend=runtime.backend)
+    if handle is None:
+        stream = opts["stream"]
+        handle = 0 if stream is None else stream_handle(stream, backend=runtime.backend)
     buffers = plan_cache.thread_buffers()
-    request = call_keys.key_request(site, objects, opts, scalars, handle, buffers) if cacheable else None
+    request = call_keys.key_request(site, objects, opts, scalars, handle, buffers, keyed) if cacheable else None
     imported = {}
     if request is not None:
         key, objects, names, imported = request
@@ -332,6 +335,46 @@ def mha_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqstart_q, seqstart_k, dq, dk, dv)
     return _run_backward(_VARLEN_BWD, arrays, merged_options(options), (deterministic, max_seqlen_q, max_seqlen_k),
                               workspace_alloc, type(deterministic) is bool and _ints(max_seqlen_q, max_seqlen_k))
+
+
+class Bound:
+    """One of the public functions with its scalars and options fixed (bind), for an adapter that makes
+    many calls with the same ones (fmha_rt.torch): the keyword handling and the plan-cache key's part
+    that the function, its scalars and its options make (call_keys.function_key) are done once, here.
+    A call runs exactly what the public function runs on the same arguments."""
+
+    __slots__ = ("site", "scalars", "opts", "keyed")
+
+    def __init__(self, site: Site, scalars: tuple, options: dict, cacheable: bool):
+        self.site, self.scalars, self.opts = site, scalars, merged_options(options)
+        # None: every call is validated and planned (as the public function leaves such calls uncached)
+        self.keyed = call_keys.function_key(site, self.opts, scalars) if cacheable else None
+
+    def __call__(self, arrays: tuple, handle: int, alibi_slopes=None, seed=None, workspace_alloc=None):
+        """The outputs of the call on `arrays` (the function's arrays in its signature's order, outputs
+        included, None for one to allocate) on the stream `handle`; alibi_slopes and seed (a device
+        array: with dropout, a seed by value leaves the call uncached) are the call's own options."""
+        opts = self.opts
+        if alibi_slopes is not None or seed is not None:
+            opts = {**opts, "alibi_slopes": alibi_slopes, "seed": seed}
+        return _run(self.site, (*arrays, opts["bias"], alibi_slopes), opts, self.scalars, workspace_alloc,
+                    self.keyed is not None, handle, self.keyed)
+
+
+_BINDABLE = {site.name: site for site in (_FWD, _VARLEN_FWD, _BWD, _VARLEN_BWD)}
+
+
+def bind(function: str, *, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, workspace_alloc=False,
+         **options) -> Bound:
+    """`function` ("mha_fwd", "mha_varlen_fwd", "mha_bwd" or "mha_varlen_bwd") with its scalars (varlen:
+    max_seqlen_q/k; backward: deterministic, and whether its calls give a workspace_alloc) and its
+    options other than stream, alibi_slopes and seed fixed; see Bound."""
+    site = _BINDABLE[function]
+    seqlens = (max_seqlen_q, max_seqlen_k) if site.offsets else ()
+    if site in (_BWD, _VARLEN_BWD):  # the scalars as _run_backward keys them
+        return Bound(site, (deterministic, *seqlens, not workspace_alloc), options,
+                     type(deterministic) is bool and _ints(*seqlens))
+    return Bound(site, seqlens, options, _ints(*seqlens))
 
 
 def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:

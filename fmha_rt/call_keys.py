@@ -60,11 +60,28 @@ class Site:
         self.name, self.names, self.planned, self.offsets = name, names, planned, offsets
 
 
-def key_request(site: Site, objects: tuple, opts: dict, scalars: tuple, handle: int, buffers):
+def function_key(site: Site, opts: dict, scalars: tuple):
+    """(the key's function part, whether a seed array joins the call's arrays), or None when an option
+    cannot be keyed: what key_request takes from the function, its scalars and its options."""
+    if opts is DEFAULT_OPTIONS:
+        return ((site.name, scalars) if scalars else site.name), False
+    window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
+    if type(window) not in (tuple, list) or len(window) != 2:
+        return None
+    values = option_values(opts)
+    types = tuple(map(type, values))
+    if not KEY_TYPES.issuperset(types):
+        return None
+    seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
+    return (site.name, scalars, (type(window), seed_kind, values, types)), seed_kind == "array"
+
+
+def key_request(site: Site, objects: tuple, opts: dict, scalars: tuple, handle: int, buffers, keyed=None):
     """(key, objects, their names, imported Args) of a call for the plan cache, or None when the call
     cannot be keyed (then it is validated and planned every time, which raises any error precisely).
     The objects and names are `objects` and site.names, with a seed array after them when one is given;
-    buffers.values gets their addresses in that order (arrays.signatures).
+    buffers.values gets their addresses in that order (arrays.signatures). `keyed`: the call's
+    function_key, when the caller made it once for many calls.
 
     The key holds the function, its scalars (each of the one type validation accepts at its position:
     the caller leaves other calls uncached), every array's description (not its address) and every
@@ -75,20 +92,12 @@ def key_request(site: Site, objects: tuple, opts: dict, scalars: tuple, handle: 
     keeps, or a pair."""
     names = site.names
     try:
-        if opts is DEFAULT_OPTIONS:
-            function = (site.name, scalars) if scalars else site.name
-        else:
-            window, dropout_p, seed = opts["window"], opts["dropout_p"], opts["seed"]
-            if type(window) not in (tuple, list) or len(window) != 2:
-                return None
-            values = option_values(opts)
-            types = tuple(map(type, values))
-            if not KEY_TYPES.issuperset(types):
-                return None
-            seed_kind = None if dropout_p == 0 else "value" if type(seed) is int else "array"
-            if seed_kind == "array":
-                objects, names = (*objects, seed), (*names, "seed")
-            function = (site.name, scalars, (type(window), seed_kind, values, types))
+        keyed = keyed or function_key(site, opts, scalars)
+        if keyed is None:
+            return None
+        function, seeded = keyed
+        if seeded:
+            objects, names = (*objects, opts["seed"]), (*names, "seed")
         description, imported = signatures(objects, names, handle, buffers.values, buffers.address)
         # the shim describes GPU arrays alone (torch tensors, interface arrays): only a tuple can hold NumPy offsets
         if site.offsets and type(description) is not bytes and host_seqlens(*(objects[i] for i in site.offsets)):

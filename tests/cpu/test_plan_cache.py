@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import fmha_rt
+from fmha_rt import api
 from fmha_rt.arrays import Arg
 from fmha_rt.call import HostSeqlens
 from fmha_rt import call_keys
@@ -369,6 +370,34 @@ def test_scalars_are_keyed_only_as_the_one_type_validation_takes(rt, driver):
     assert hits() == 0 and fmha_rt.plan_cache_info()["entries"] == 2
     fmha_rt.mha_varlen_fwd(v.q, v.k, v.v, v.cu_q, v.cu_k, 1, 70, out=v.out, lse=v.lse)
     assert hits() == 1
+
+
+def test_a_bound_function_keys_its_calls_as_the_public_function_does(rt, driver):
+    """api.bind (fmha_rt.torch's calls): a bound function's calls key exactly as the public function's
+    calls of the same scalars and options (they share plans), other scalars or options miss, and scalars
+    of a type validation refuses are never keyed (validation says what is wrong)."""
+    x, v = Inputs(rt, alibi=(H,), seed_array=True), Inputs(rt, varlen=True)
+    opts = dict(softmax_scale=0.5, window=(4, 0), causal_alignment="bottom_right")
+    warm(varlen_fwd(v, **opts))
+    varlen = (v.q, v.k, v.v, v.cu_q, v.cu_k, None, None, v.out, v.lse)
+    api.bind("mha_varlen_fwd", max_seqlen_q=40, max_seqlen_k=70, **opts)(varlen, 0)
+    assert hits() == 1
+    api.bind("mha_varlen_fwd", max_seqlen_q=41, max_seqlen_k=70, **opts)(varlen, 0)
+    api.bind("mha_varlen_fwd", max_seqlen_q=40, max_seqlen_k=70, **{**opts, "softmax_scale": 0.25})(varlen, 0)
+    assert hits() == 1
+    dropout = dict(opts, dropout_p=0.1)
+    warm(bwd(x, deterministic=True, **dropout))  # alibi_slopes and the seed array are the call's own
+    grads = (x.dout, x.q, x.k, x.v, x.out, x.lse, x.dq, x.dk, x.dv, None)
+    bound = api.bind("mha_bwd", deterministic=True, workspace_alloc=True, **dropout)
+    bound(grads, 0, x.alibi, x.seed, lambda n, z: x.workspace)
+    assert hits() == 2
+    api.bind("mha_bwd", deterministic=False, workspace_alloc=True, **dropout)(grads, 0, x.alibi, x.seed,
+                                                                              lambda n, z: x.workspace)
+    assert hits() == 2
+    refused = api.bind("mha_bwd", deterministic=1, workspace_alloc=True, **dropout)
+    assert refused.keyed is None
+    with pytest.raises(FmhaTypeError, match="deterministic must be a bool"):
+        refused(grads, 0, x.alibi, x.seed, lambda n, z: x.workspace)
 
 
 def test_numpy_offsets_and_unhashable_options_are_never_cached(monkeypatch, rt, driver):

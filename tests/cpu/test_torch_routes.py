@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from fmha_rt.runtime import registry as registry_module  # noqa: E402
 from fmha_rt import torch as fmha_torch  # noqa: E402
 from fmha_rt import torch_calls, torch_eager  # noqa: E402
+from fmha_rt.errors import FmhaTypeError  # noqa: E402
 
 from log_lines import logged_calls  # noqa: E402
 
@@ -80,13 +81,15 @@ def test_whatever_could_trace_or_intercept_a_call_takes_the_registered_ops():
         seen.append(takes_eager(x, k, v))
         return x
 
+    leaked = []
     torch.func.vmap(record)(q)
-    torch.func.grad(lambda x: record(x).sum())(q.detach().float())
+    torch.func.grad(lambda x: record(leaked.append(x) or x).sum())(q.detach().float())
     make_fx(record)(q.detach())
     torch.jit.trace(record, (q.detach(),), check_trace=False)
     with torch_eager.registered_ops_only():
         record(q)
     assert seen == [False] * 5 and takes_eager(q, k, v)
+    assert not takes_eager(q, leaked[0], v)  # a wrapper of a transform that has finished
 
 
 # ------------------------------------------------------------------------------- equal launches
@@ -262,6 +265,72 @@ def test_an_eager_call_runs_no_registered_op_and_saves_what_its_backward_needs(m
     assert all(x.grad is not None and x.grad.shape == x.shape for x in (q, k, v))
 
 
+# Each differs from the one before in one thing: (flash_attn_func's options, dtype, sequence length).
+OPTION_SEQUENCE = [
+    ({"softmax_scale": 0.5}, torch.bfloat16, 16),
+    ({"softmax_scale": 1}, torch.bfloat16, 16),
+    ({"softmax_scale": 1.0, "causal": True}, torch.bfloat16, 16),
+    ({"softmax_scale": 1.0, "window_size": (3, 2)}, torch.bfloat16, 16),
+    ({"softmax_scale": 1.0, "window_size": (3, 2), "deterministic": True}, torch.bfloat16, 16),
+    ({"softmax_scale": 1.0, "window_size": (3, 2), "deterministic": True}, torch.float16, 16),
+    ({"softmax_scale": 1.0, "window_size": (3, 2), "deterministic": True}, torch.float16, 24),
+]
+
+
+def test_every_call_runs_with_its_own_options_dtype_and_shapes(watch, caplog, log_config):
+    """torch_calls keeps fmha_rt's functions bound per set of scalars and options (api.bind): each call
+    logs its own options, dtype and shapes, the first time (planned) and the next (from the plan
+    cache), never an earlier call's; values that are equal keys but not the same option (1 and True)
+    are told apart, so validation still refuses the bool."""
+    gen = torch.Generator().manual_seed(5)
+    for options, dtype, seqlen in OPTION_SEQUENCE * 2:
+        q, k, v = (randn(gen, 1, seqlen, 2, 64, dtype=dtype) for _ in range(3))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fmha_rt"):
+            fmha_torch.flash_attn_func(q, k, v, **options).sum().backward()
+        window = "(-1,0)" if options.get("causal") else "(3,2)" if "window_size" in options else "(-1,-1)"
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        for line in logged_calls(caplog.records):
+            assert (line["softmax_scale"], line["window"]) == (str(float(options["softmax_scale"])), window)
+            assert line["q"].startswith(f"{name}[1,{seqlen},2,64]")
+        assert line["function"] == "mha_bwd" and line["deterministic"] == str(options.get("deterministic", False))
+    with pytest.raises(FmhaTypeError, match="softmax_scale"):
+        fmha_torch.flash_attn_func(q, k, v, softmax_scale=True)
+    with pytest.raises(FmhaTypeError, match="deterministic must be a bool"):
+        fmha_torch.flash_attn_func(q, k, v, softmax_scale=1.0, window_size=(3, 2), deterministic=1).sum().backward()
+
+
+def test_gradients_are_laid_out_as_their_inputs(watch):
+    """dq, dk and dv take the strides of q, k and v (here [B, H, S, D] tensors seen as [B, S, H, D]),
+    the layout autograd keeps for a gradient."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (randn(gen, 1, 2, 16, 64, grad=False).transpose(1, 2).requires_grad_() for _ in range(3))
+    fmha_torch.flash_attn_func(q, k, v).sum().backward()
+    assert all(x.grad.stride() == x.stride() != x.contiguous().stride() for x in (q, k, v))
+
+
+class Cut(torch.autograd.Function):
+    """The identity, whose backward gives no gradient (an undefined one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_an_undefined_gradient_of_out_runs_no_backward(watch):
+    """The eager route has autograd materialise no missing gradient (lse's is never used): an undefined
+    gradient of out means undefined ones of q, k and v, with nothing launched."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (randn(gen, 1, 16, 2, 64) for _ in range(3))
+    (Cut.apply(fmha_torch.flash_attn_func(q, k, v)).sum() + q.sum()).backward()
+    assert [c[0] for c in watch.take()] == ["forward"]
+    assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
+
+
 def test_without_gradients_the_eager_route_builds_no_autograd_node(watch):
     gen = torch.Generator().manual_seed(4)
     q, k, v = (randn(gen, 1, 16, 2, 64) for _ in range(3))
@@ -270,3 +339,28 @@ def test_without_gradients_the_eager_route_builds_no_autograd_node(watch):
     out = fmha_torch.flash_attn_func(q.detach(), k.detach(), v.detach())
     assert out.grad_fn is None and not out.requires_grad
     assert [c[0] for c in watch.take()] == ["forward", "forward"]
+
+
+def test_only_inputs_not_contiguous_in_the_last_dim_are_copied():
+    """Contiguous tensors and ones contiguous in the last dim alone (a transposed view) pass as they
+    are; any other (a zero-stride gradient, a strided slice) is copied, wherever it stands."""
+    gen = torch.Generator().manual_seed(8)
+    plain, transposed = randn(gen, 2, 8, 4, 16), randn(gen, 2, 4, 8, 16).transpose(1, 2)
+    expanded, strided = torch.ones(1, 1, 1, 1).expand(2, 8, 4, 16), randn(gen, 2, 8, 4, 32)[..., ::2]
+    assert torch_calls._last_dims_contiguous(plain, None, transposed) == (plain, None, transposed)
+    for odd in (expanded, strided):
+        given = (plain, odd, None, transposed)
+        passed = torch_calls._last_dims_contiguous(*given)
+        assert passed[0] is plain and passed[2] is None and passed[3] is transposed
+        assert passed[1].stride(-1) == 1 and torch.equal(passed[1], odd)
+
+
+@pytest.mark.parametrize("dv", [64, 32])
+def test_out_is_contiguous_whatever_the_layout_of_q(watch, dv):
+    """out is laid out as the registered op's fake lays it (contiguous) also for a q that is dense but
+    not contiguous, with v's head dim equal to q's or not."""
+    gen = torch.Generator().manual_seed(9)
+    q, k = (randn(gen, 1, 2, 16, 64, grad=False).transpose(1, 2) for _ in range(2))
+    v = randn(gen, 1, 16, 2, dv, grad=False)
+    out = fmha_torch.flash_attn_func(q, k, v)
+    assert out.shape == (1, 16, 2, dv) and out.is_contiguous()
