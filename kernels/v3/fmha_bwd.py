@@ -297,132 +297,109 @@ def _dkdv_program(
             seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale,
             scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N,
             BLOCK_DQK, BLOCK_DV, ORDERED)
-    else:
-        _narrow_program(
-            n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
-            SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
-            stride_v_h, stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b,
-            stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
-            seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale,
-            scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N,
-            BLOCK_DQK, BLOCK_DV, ORDERED)
+    else:  # the 64 and 128 tiles: two consumers of BLOCK_N / 2 keys each (the module docstring)
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
+        k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
+        n0 = n_block * BLOCK_N
+        if n0 >= sk:
+            return
+        off = gl.where(bottom_right != 0, sk - sq, 0)
+        left, right = window_sides(window_left, window_right, sq, sk)
+        lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
+        blocks = hi - lo
+        n_steps = blocks * kv_group_size  # (query head of the group, query block), heads outermost
+        h0 = hk * kv_group_size  # the group's first query head
 
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        h0_64 = h0.to(gl.int64)
+        q_row0 = q_start.to(gl.int64)
+        k_row0 = k_start.to(gl.int64)
+        dqk = head_dim_qk_div8 * 8
+        dv = head_dim_v_div8 * 8
+        dtype: gl.constexpr = Q.dtype.element_ty
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+        v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
+        do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
+        dk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype)
+        dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype)
+        k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
+                                 k_layout)
+        v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
+                                 v_layout)
+        # Q and dO by (row, query head, dim), so that one descriptor serves every head of the group
+        q_desc = heads_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, stride_q_h, sq, num_heads_q, dqk, BLOCK_M,
+                                  BLOCK_DQK, q_layout)
+        do_desc = heads_descriptor(dO, b64, stride_do_b, q_row0, stride_do_s, stride_do_h, sq, num_heads_q, dv, BLOCK_M,
+                                   BLOCK_DV, do_layout)
+        dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk, [HALF_N, BLOCK_DQK],
+                                  dk_layout)
+        dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv, [HALF_N, BLOCK_DV],
+                                  dv_layout)
+        stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
+        Lse2_head0 = Lse2 + stats
+        Delta_head0 = Delta + stats
+        # the fp32 dQ accumulator as Q, in each consumer's half of the columns; its rows are the head dim rounded
+        # up to 8, not the tile, so the column bound keeps a tile's additions off the next head
+        dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
+        dq_desc = heads_descriptor(DqAcc, b64, stride_dqacc_b, q_row0, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
+                                   BLOCK_M, BLOCK_DQK // 2, dq_acc_layout)
 
-@gluon.jit
-def _narrow_program(
-    n_block, hk, b, DqOrder,
-    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
-    stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-    stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h,
-    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h,
-    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
-    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    ORDERED: gl.constexpr,
-):
-    """_dkdv_program in the 64 and 128 tiles: two consumers of BLOCK_N / 2 keys each (the module docstring)."""
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
-    k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
-    n0 = n_block * BLOCK_N
-    if n0 >= sk:
-        return
-    off = gl.where(bottom_right != 0, sk - sq, 0)
-    left, right = window_sides(window_left, window_right, sq, sk)
-    lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
-    blocks = hi - lo
-    n_steps = blocks * kv_group_size  # (query head of the group, query block), heads outermost
-    h0 = hk * kv_group_size  # the group's first query head
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DQK], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_acc_layout)  # one a consumer
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)  # both halves of dS are in
+            mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ products are done
 
-    b64 = b.to(gl.int64)
-    hk64 = hk.to(gl.int64)
-    h0_64 = h0.to(gl.int64)
-    q_row0 = q_start.to(gl.int64)
-    k_row0 = k_start.to(gl.int64)
-    dqk = head_dim_qk_div8 * 8
-    dv = head_dim_v_div8 * 8
-    dtype: gl.constexpr = Q.dtype.element_ty
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
-    do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
-    dk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype)
-    dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype)
-    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
-                             k_layout)
-    v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
-                             v_layout)
-    # Q and dO by (row, query head, dim), so that one descriptor serves every head of the group
-    q_desc = heads_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, stride_q_h, sq, num_heads_q, dqk, BLOCK_M,
-                              BLOCK_DQK, q_layout)
-    do_desc = heads_descriptor(dO, b64, stride_do_b, q_row0, stride_do_s, stride_do_h, sq, num_heads_q, dv, BLOCK_M,
-                               BLOCK_DV, do_layout)
-    dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk, [HALF_N, BLOCK_DQK],
-                              dk_layout)
-    dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv, [HALF_N, BLOCK_DV],
-                              dv_layout)
-    stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
-    Lse2_head0 = Lse2 + stats
-    Delta_head0 = Delta + stats
-    # the fp32 dQ accumulator as Q, in each consumer's half of the columns; its rows are the head dim rounded
-    # up to 8, not the tile, so the column bound keeps a tile's additions off the next head
-    dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
-    dq_desc = heads_descriptor(DqAcc, b64, stride_dqacc_b, q_row0, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
-                               BLOCK_M, BLOCK_DQK // 2, dq_acc_layout)
-
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DQK], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_acc_layout)  # one a consumer
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
-    for i in gl.static_range(2):
-        mbarrier.init(ds_full.index(i), count=2)  # both halves of dS are in
-        mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ products are done
-
-    # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
-    if ORDERED:
-        dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(dq_full, count=2)  # both consumers' halves are in
-        mbarrier.init(dq_empty, count=1)  # the writer has read them
-        counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
-        gl.warp_specialize([
-            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                         ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-                         dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
-                         scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
-            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                         ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-                         dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
-                         scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
-            (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
-                                          q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo,
-                          blocks, n_steps, off, left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
-        ], [4, 1, 1], [240, 24, 24])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                         ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
-                         dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                         softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
-            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                         ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
-                         dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                         softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
-            (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
-                                          q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
-        ], [4, 1], [240, 24])
+        # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
+        if ORDERED:
+            dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(dq_full, count=2)  # both consumers' halves are in
+            mbarrier.init(dq_empty, count=1)  # the writer has read them
+            counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
+            gl.warp_specialize([
+                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
+                             dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                             scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
+                             dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                             scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+                (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
+                                              q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
+                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo,
+                              blocks, n_steps, off, left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
+            ], [4, 1, 1], [240, 24, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
+                             dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
+                             dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+                (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
+                                              q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
+            ], [4, 1], [240, 24])
