@@ -68,8 +68,7 @@ MODE = _read_mode()
 # Where the 'measured' mode runs the v3 forward, by tile: from how many keys. The 128 tile from 4096 keys,
 # where it beat the portable forward by 12-15% on the H200 and 8-21% on an H100 (NOTES.md, v3.0; below 4096
 # keys causal it was slower). The 256 tile was 1.29-1.34x the portable forward on an H100 from 1024 keys
-# (NOTES.md, the H100 round of v3.3-v3.6) and joins, from 1024 keys, once the GPU suite has run with it; the
-# 64 tile was slower everywhere.
+# (NOTES.md, the H100 round of v3.3-v3.6) and runs from 1024 keys; the 64 tile was slower everywhere.
 MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 4096, (256, 256): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
 # reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
@@ -77,8 +76,8 @@ MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 4096, (256, 256): 1024}
 # are long and start late) and slower at 1k causal; in the 64 tile it was ahead only at 16k keys. Causal GQA
 # takes it from 16384 keys, the longest measured, as nothing between 4k and 16k was measured. The wide
 # program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256 from 1024 keys; at
-# 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal. They join, as
-# (256, 256): 1024 and (256, 128): 4096, once the GPU suite has run with them.
+# 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal: so D=256 from 1024 keys
+# and 192/128 from 4096.
 MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 4096, (64, 64): 16384, (256, 256): 1024, (256, 128): 4096}
 MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
