@@ -1,11 +1,13 @@
-"""Where a backward kernel's warps wait: Nsight Compute's stall samples per loop and per opcode.
+"""Where a kernel's warps wait: Nsight Compute's stall samples per loop and per opcode.
 
-Two steps. `run` does one backward of fmha_rt or FlexAttention between cudaProfilerStart/Stop (after
-warm-up calls, so compiles and first-call work stay outside), for ncu to sample:
+Two steps. `run` does one forward or backward of fmha_rt, FlexAttention or cuDNN (through SDPA) between
+cudaProfilerStart/Stop (after warm-up calls, so compiles and first-call work stay outside), for ncu to
+sample:
 
     ncu --clock-control none --profile-from-start off --kernel-name regex:'fmha_bwd_fused|triton_tem' \
         --section WarpStateStats --section SourceCounters -o REPORT \
-        python bench/stall_profile.py run --impl fmha_rt|flex [--seqlen 4096] [--kv-heads 16]
+        python bench/stall_profile.py run --impl fmha_rt|flex|cudnn [--pass fwd|bwd] [--seqlen 4096] \
+        [--kv-heads 16] [--hdim 128] [--causal]
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass | gzip > SOURCE.csv.gz
 
 `summarize` reads that SASS source page: the stall samples of each loop (found by its back edge, the rule
@@ -13,7 +15,7 @@ of bench/sass_loops.py), with its instruction mix, and of each opcode, each with
 
     python bench/stall_profile.py summarize SOURCE.csv.gz [--json OUT]
 
-Shapes as the benchmark's: bf16, D=128, B*S = 16k tokens, 16 query heads, [B, S, H, D] tensors.
+Shapes as the benchmark's: bf16, B*S = 16k tokens, 16 query heads, [B, S, H, D] tensors.
 """
 import argparse
 import collections
@@ -28,10 +30,10 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 
 
-def run(impl: str, seqlen: int, kv_heads: int):
+def run(impl: str, seqlen: int, kv_heads: int, pass_: str = "bwd", dim: int = 128, causal: bool = False):
     import torch
 
-    batch, heads, dim = 16384 // seqlen, 16, 128
+    batch, heads = 16384 // seqlen, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def tensor(h):
@@ -41,24 +43,41 @@ def run(impl: str, seqlen: int, kv_heads: int):
     if impl == "fmha_rt":
         import fmha_rt
 
-        out, lse = fmha_rt.mha_fwd(q, k, v)
+        out, lse = fmha_rt.mha_fwd(q, k, v, causal=causal)
 
-        def backward():
-            return fmha_rt.mha_bwd(dout, q, k, v, out, lse)
+        def once():
+            if pass_ == "fwd":
+                return fmha_rt.mha_fwd(q, k, v, causal=causal)
+            return fmha_rt.mha_bwd(dout, q, k, v, out, lse, causal=causal)
     else:
-        from torch.nn.attention.flex_attention import flex_attention
+        qt, kt, vt = (t.transpose(1, 2).requires_grad_(pass_ == "bwd") for t in (q, k, v))
+        if impl == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        flex = torch.compile(flex_attention, dynamic=False)
-        qt, kt, vt = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
-        out = flex(qt, kt, vt, enable_gqa=kv_heads != heads)
+            mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, seqlen, seqlen) if causal else None
+            flex = torch.compile(flex_attention, dynamic=False)
 
-        def backward():
+            def attend():
+                return flex(qt, kt, vt, block_mask=mask, enable_gqa=kv_heads != heads)
+        else:  # cuDNN through SDPA
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def attend():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                            enable_gqa=kv_heads != heads)
+        out = attend()
+
+        def once():
+            if pass_ == "fwd":
+                with torch.no_grad():
+                    return attend()
             return torch.autograd.grad(out, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
     for _ in range(3):
-        backward()
+        once()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    backward()
+    once()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
@@ -117,16 +136,19 @@ def summarize(path: str, min_loop: int = sass_loops.MIN_LOOP) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="one backward between cudaProfilerStart/Stop")
-    r.add_argument("--impl", choices=("fmha_rt", "flex"), default="fmha_rt")
+    r = sub.add_parser("run", help="one forward or backward between cudaProfilerStart/Stop")
+    r.add_argument("--impl", choices=("fmha_rt", "flex", "cudnn"), default="fmha_rt")
+    r.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="bwd")
     r.add_argument("--seqlen", type=int, default=4096)
     r.add_argument("--kv-heads", type=int, default=16)
+    r.add_argument("--hdim", type=int, default=128)
+    r.add_argument("--causal", action="store_true")
     s = sub.add_parser("summarize", help="stall samples per loop and opcode of a SASS source page")
     s.add_argument("source")
     s.add_argument("--json", help="also write the summary here")
     args = parser.parse_args(argv)
     if args.command == "run":
-        run(args.impl, args.seqlen, args.kv_heads)
+        run(args.impl, args.seqlen, args.kv_heads, args.pass_, args.hdim, args.causal)
         return
     report = summarize(args.source)
     print(f"{report['instructions']} instructions, {report['samples']:.0f} samples, stalls {report['stalls_pct']}")
