@@ -4,7 +4,8 @@ flash_attn_varlen_func, forward (inputs with and without grad) and a training st
 ops (torch_eager.registered_ops_only: the route every call took before issue 37, and the ops a compiled
 graph runs), against torch's scaled_dot_product_attention called the same way.
 
-    python bench/torch_host_overhead.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--out FILE]
+    python bench/torch_host_overhead.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--torch-profile NAME]
+        [--backward-on-caller] [--out FILE]
 
 Shape as issue 37's table: B=1, S=128, H=2, D=64, bf16, causal (varlen: two sequences of 48 and 80),
 so that the host dominates. With --gpu the calls run on GPU 0 and are timed in batches of --batch
@@ -13,7 +14,9 @@ launch queue, so the figure is the host's own time per call. Without --gpu they 
 stand-in of host_overhead_profile.py (NOT A GPU NUMBER: torch CPU tensors pose as CUDA tensors and
 launches do nothing, so a row is the Python and torch work per call) and the SDPA rows, which would
 compute on the CPU, are left out. Each round times every row in turn; the minimum over the rounds is
-printed. --profile NAME prints a cProfile of that row instead; --out FILE (with --gpu) writes the
+printed. --profile NAME prints a cProfile of that row instead, --torch-profile NAME torch.profiler's
+table of its ops and runtime calls; --backward-on-caller runs backwards on the calling thread, not
+autograd's device thread (the hand-over's cost: a Python backward needs the GIL there); --out FILE (with --gpu) writes the
 numbers as JSON with the machine header.
 """
 import argparse
@@ -101,6 +104,20 @@ def calls(device: str, sdpa: bool) -> dict:
     return table
 
 
+def print_torch_profile(call, n: int, gpu: bool):
+    """torch.profiler's averages over n calls, by self host time: which ops and runtime calls a call makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            call()
+        if gpu:
+            torch.cuda.synchronize()
+    print(f"{n} calls")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true", help="run on GPU 0 (default: the CPU stand-in)")
@@ -108,12 +125,21 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="timed loops per row; the minimum is printed")
     parser.add_argument("--batch", type=int, default=100, help="with --gpu: synchronize every BATCH calls, untimed")
     parser.add_argument("--profile", metavar="NAME", help="print a cProfile of NAME's calls instead")
+    parser.add_argument("--torch-profile", metavar="NAME",
+                        help="print torch.profiler's table of NAME's calls instead (host time by op and runtime call)")
+    parser.add_argument("--backward-on-caller", action="store_true",
+                        help="run every backward on the calling thread (autograd's multithreading off): how much of a "
+                             "step is the hand-over to autograd's device thread")
     parser.add_argument("--out", type=pathlib.Path, help="with --gpu: write the numbers here as JSON")
     args = parser.parse_args()
-    with real_gpu() if args.gpu else stand_in():
+    threads = torch.autograd.set_multithreading_enabled(not args.backward_on_caller)
+    with real_gpu() if args.gpu else stand_in(), threads:
         table = calls("cuda" if args.gpu else "cpu", sdpa=args.gpu)
         if args.profile:
             print_profile(table[args.profile], args.calls)
+            return
+        if args.torch_profile:
+            print_torch_profile(table[args.torch_profile], args.calls, args.gpu)
             return
         sync, batch = (torch.cuda.synchronize, args.batch) if args.gpu else (None, 0)
         best = dict.fromkeys(table, float("inf"))
