@@ -93,3 +93,16 @@ def load_keys_and_query_blocks(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, 
         m0 = (lo + t - g * blocks) * BLOCK_M
         tma.async_copy_global_to_shared(q_desc, [m0, h0 + g, 0], q_ready.index(stage), q_smem.index(stage))
         tma.async_copy_global_to_shared(do_desc, [m0, h0 + g, 0], q_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def key_block_steps(n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+    """The query blocks that see the key block at n0 of a backward program, and its steps: (off, left,
+    right, lo, full_lo, full_hi, blocks, n_steps), a step being a (query head of the group, query block),
+    heads outermost."""
+    off = gl.where(bottom_right != 0, sk - sq, 0)
+    left, right = window_sides(window_left, window_right, sq, sk)
+    lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
+    blocks = hi - lo
+    return off, left, right, lo, full_lo, full_hi, blocks, blocks * kv_group_size

@@ -38,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import triton.language as tl
 
 from kernels.v3.common import (STAGES, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               load_keys_and_query_blocks, order_counters, query_blocks, row_stats_start,
-                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, window_sides)
+                               key_block_steps, load_keys_and_query_blocks, order_counters, row_stats_start,
+                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
@@ -304,11 +304,8 @@ def _dkdv_program(
         n0 = n_block * BLOCK_N
         if n0 >= sk:
             return
-        off = gl.where(bottom_right != 0, sk - sq, 0)
-        left, right = window_sides(window_left, window_right, sq, sk)
-        lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
-        blocks = hi - lo
-        n_steps = blocks * kv_group_size  # (query head of the group, query block), heads outermost
+        off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
+            n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         h0 = hk * kv_group_size  # the group's first query head
 
         b64 = b.to(gl.int64)
