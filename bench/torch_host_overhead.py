@@ -5,7 +5,7 @@ ops (torch_eager.registered_ops_only: the route every call took before issue 37,
 graph runs), against torch's scaled_dot_product_attention called the same way.
 
     python bench/torch_host_overhead.py [--gpu] [--calls N] [--rounds R] [--profile NAME] [--torch-profile NAME]
-        [--backward-on-caller] [--out FILE]
+        [--backward-on-caller] [--parts] [--out FILE]
 
 Shape as issue 37's table: B=1, S=128, H=2, D=64, bf16, causal (varlen: two sequences of 48 and 80),
 so that the host dominates. With --gpu the calls run on GPU 0 and are timed in batches of --batch
@@ -16,8 +16,10 @@ launches do nothing, so a row is the Python and torch work per call) and the SDP
 compute on the CPU, are left out. Each round times every row in turn; the minimum over the rounds is
 printed. --profile NAME prints a cProfile of that row instead, --torch-profile NAME torch.profiler's
 table of its ops and runtime calls; --backward-on-caller runs backwards on the calling thread, not
-autograd's device thread (the hand-over's cost: a Python backward needs the GIL there); --out FILE (with --gpu) writes the
-numbers as JSON with the machine header.
+autograd's device thread (the hand-over's cost: a Python backward needs the GIL there); --parts adds rows
+for the pieces of a step (each backward alone, through torch.autograd.grad on a kept graph; the adapter's
+backward without autograd; the allocations it makes); --out FILE (with --gpu) writes the numbers as JSON
+with the machine header.
 """
 import argparse
 import json
@@ -33,7 +35,7 @@ sys.path[:0] = [str(ROOT)]  # this checkout's fmha_rt (the stand-in comes with h
 import fmha_rt  # noqa: E402
 from fmha_rt.bench import machine  # noqa: E402
 from fmha_rt.bench.timing import host_us_per_call  # noqa: E402
-from fmha_rt import torch_eager  # noqa: E402
+from fmha_rt import torch_calls, torch_eager  # noqa: E402
 from fmha_rt.torch import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 
 from host_overhead_profile import print_profile, real_gpu, stand_in  # noqa: E402
@@ -57,7 +59,41 @@ def _step(attention):
     return lambda: attention().sum().backward()
 
 
-def calls(device: str, sdpa: bool) -> dict:
+def _backward_alone(out, inputs):
+    """A backward of a kept graph through autograd's engine: the step without its forward and sum."""
+    grad = torch.ones_like(out)
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+
+def part_calls(q, k, v, sdpa_inputs) -> dict:
+    """The pieces of a training step: the step with a dense gradient of out in place of `.sum()`'s
+    broadcast one (which the adapter copies), the step keeping its graph (no saved tensor released, no
+    node freed at its end), each backward alone, and fmha_rt.torch's backward without
+    autograd and the allocations it makes (gradients and workspace)."""
+    out, lse = torch_calls.forward(q, k, v, None, None, None, None, S, S, None, -1, 0, 0.0)
+    dout = torch.randn_like(out)
+    table = {
+        "part: flash_attn_func fwd+bwd(dense)": lambda: flash_attn_func(q, k, v, causal=True).backward(dout),
+        "part: flash_attn_func fwd+bwd, graph kept": lambda: flash_attn_func(q, k, v, causal=True).sum().backward(
+            retain_graph=True),
+        "part: flash_attn_func bwd alone": _backward_alone(flash_attn_func(q, k, v, causal=True), (q, k, v)),
+        "part: adapter's backward, no autograd": lambda: torch_calls.backward(
+            dout, q, k, v, out, lse, None, None, None, None, S, S, None, -1, 0, 0.0, False),
+        "part: three empty_like and an empty": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                                                        torch.empty(4096, dtype=torch.uint8, device=q.device)),
+    }
+    if sdpa_inputs is not None:
+        dense = dout.transpose(1, 2).contiguous()
+        table["part: SDPA fwd+bwd(dense)"] = lambda: F.scaled_dot_product_attention(*sdpa_inputs,
+                                                                                  is_causal=True).backward(dense)
+        table["part: SDPA fwd+bwd, graph kept"] = lambda: F.scaled_dot_product_attention(
+            *sdpa_inputs, is_causal=True).sum().backward(retain_graph=True)
+        table["part: SDPA bwd alone"] = _backward_alone(F.scaled_dot_product_attention(*sdpa_inputs, is_causal=True),
+                                                        sdpa_inputs)
+    return table
+
+
+def calls(device: str, sdpa: bool, parts: bool) -> dict:
     """name -> a zero-argument call, each called twice here (the plan cache records a signature the
     second time it sees it, and the first calls load the kernels)."""
     gen = torch.Generator(device=device).manual_seed(37)
@@ -98,6 +134,8 @@ def calls(device: str, sdpa: bool) -> dict:
                                                                             is_causal=True)
         table["SDPA fwd"] = sdpa_fwd
         table["SDPA fwd+bwd"] = _step(sdpa_fwd)
+    if parts:
+        table.update(part_calls(q, k, v, (tq, tk, tv) if sdpa else None))
     for call in table.values():
         call()
         call()
@@ -130,11 +168,12 @@ def main():
     parser.add_argument("--backward-on-caller", action="store_true",
                         help="run every backward on the calling thread (autograd's multithreading off): how much of a "
                              "step is the hand-over to autograd's device thread")
+    parser.add_argument("--parts", action="store_true", help="add rows for the pieces of a step")
     parser.add_argument("--out", type=pathlib.Path, help="with --gpu: write the numbers here as JSON")
     args = parser.parse_args()
     threads = torch.autograd.set_multithreading_enabled(not args.backward_on_caller)
     with real_gpu() if args.gpu else stand_in(), threads:
-        table = calls("cuda" if args.gpu else "cpu", sdpa=args.gpu)
+        table = calls("cuda" if args.gpu else "cpu", sdpa=args.gpu, parts=args.parts)
         if args.profile:
             print_profile(table[args.profile], args.calls)
             return
