@@ -38,9 +38,16 @@ KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 FWD_TILES = {(64, 64): Tile(192, 64, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1),
              (256, 128): Tile(128, 64, 4, 1)}
 FWD_PAIRS = tuple(FWD_TILES)
-# Whether a tile's consumers take turns at their softmax (kernels/v3/fmha_fwd.py, SOFTMAX_TURNS): on in the
-# tiles not yet measured, off in the 128 tile, whose objects stay those measured until an A/B decides.
-FWD_SOFTMAX_TURNS = {(64, 64): True, (128, 128): False, (256, 256): True, (256, 128): True}
+# How a tile's consumers share the tensor cores (kernels/v3/fmha_fwd.py): FREE, each at its own pace; TURNS,
+# they take turns at their softmax (SOFTMAX_TURNS); PINGPONG, at issuing their products, FlashAttention-3's
+# schedule (PINGPONG), where ptxas waits for P V before the exponentials; PINGPONG_PINNED, the same with that
+# wait kept below them (PIN_PV_WAIT). TURNS in the tiles not yet measured, FREE in the 128 tile, whose objects
+# stay those measured until an A/B decides; the ping-pongs nowhere until an A/B shows one ahead.
+FREE, TURNS, PINGPONG, PINGPONG_PINNED = "free", "turns", "pingpong", "pingpong_pinned"
+FWD_SCHEDULE = {(64, 64): TURNS, (128, 128): FREE, (256, 256): TURNS, (256, 128): TURNS}
+# The build choices of each schedule: constexprs beyond the signature's
+SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True},
+                       PINGPONG_PINNED: {"PINGPONG": True, "PIN_PV_WAIT": True}}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
@@ -128,11 +135,13 @@ def variants(arch: str) -> list[dict]:
         for pair, tile in FWD_TILES.items():
             constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False}
-            if FWD_SOFTMAX_TURNS[pair]:  # a build choice beyond the signature's constexprs
-                constexprs["SOFTMAX_TURNS"] = True
+            schedule = FWD_SCHEDULE[pair]
+            constexprs |= SCHEDULE_CONSTEXPRS[schedule]
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
-                          block_n=tile.block_n, deterministic=True, softmax_turns=FWD_SOFTMAX_TURNS[pair],
+                          block_n=tile.block_n, deterministic=True, softmax_turns=schedule == TURNS,
                           **{"pass": "fwd"})
+            if schedule not in (FREE, TURNS):  # recorded where on only: the other manifest entries stay as measured
+                traits["schedule"] = schedule
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair, tile in BWD_TILES.items():

@@ -9,7 +9,8 @@ entry), in partitions:
   rows each: two at head dims 128 and 256, three at 64 (FlashAttention-3's 192-row tile: with 64 x 64
   accumulators one consumer's products are short, and a third keeps the tensor cores fed while the
   others run their exponentials); a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before
-  the softmax of key block j, so the two overlap, then O += P_j V_j with P_j from registers;
+  the softmax of key block j, so the two overlap, then O += P_j V_j with P_j from registers (the build
+  choices SOFTMAX_TURNS and PINGPONG order the consumers: fmha_rt/plan/v3.py, FWD_SCHEDULE);
 - a loader (1 warp, 24 registers): TMA copies of the consumers' Q tiles, then K and V through a ring of
   STAGES buffers, each released by every consumer.
 Tensor descriptors are made on the device, per (sequence, head), so their bounds are the sequence's and
@@ -21,7 +22,7 @@ Gluon functions in kernels/v3/common.py): key j is visible from query i iff i + 
 right and j < Sk. The mask-free key blocks of the program's rows come first, then the masked ones; rows
 that see no key get O = 0 and LSE = -inf.
 
-The barrier protocol (the K/V ring, the softmax turns) is modelled in tests/cpu/test_barrier_protocols.py,
+The barrier protocol (the K/V ring, the softmax turns, the ping-pong) is modelled in tests/cpu/test_barrier_protocols.py,
 which runs it under random interleavings: a change to a wait, an arrival or a parity here changes it there.
 """
 from triton.experimental import gluon
@@ -62,6 +63,23 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_
 
 
 @gluon.jit
+def _issue_scores(q, k_smem, k_ready, t, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """S_t = Q K_t^T issued on the tensor core once K_t has landed (not waited for)."""
+    mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+    return warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _issue_product(acc, p, alpha, t, v_smem, v_ready, o_layout: gl.constexpr):
+    """O rescaled by alpha, then O += P V_t issued on the tensor core once V_t has landed (not waited for)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
+    return warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_smem.index(t % STAGES), acc, is_async=True)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log2, s_layout: gl.constexpr,
                   BLOCK_N: gl.constexpr):
     """P (unnormalised), the factor that rescales the running sums, and the new row max and sum."""
@@ -77,6 +95,16 @@ def _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log
 
 
 @gluon.jit
+def _wait_turn(turn, k, c: gl.constexpr):
+    """Waits until consumer c holds its k-th turn: the previous consumer has passed on its own k-th (consumer
+    0: the last consumer its (k-1)-th; its first turn is a fresh barrier's previous phase, complete at once)."""
+    if c == 0:
+        mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(c), k & 1)
+
+
+@gluon.jit
 def _softmax_in_turn(t, c: gl.constexpr, turn, turn_sums, s, m_i, l_i, masked, n0, rows, off, left, right, sk,
                      scale_log2, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
                      TURNS: gl.constexpr):
@@ -89,10 +117,7 @@ def _softmax_in_turn(t, c: gl.constexpr, turn, turn_sums, s, m_i, l_i, masked, n
     exponentials, which nothing else between here and P V reads, below the mbarrier arrive; the sums
     depend on every exponential, and the arrive (a release) cannot pass the store."""
     if TURNS:
-        if c == 0:
-            mbarrier.wait(turn.index(0), (t & 1) ^ 1)  # a fresh barrier's previous phase counts as complete
-        else:
-            mbarrier.wait(turn.index(c), t & 1)
+        _wait_turn(turn, t, c)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, masked, n0, rows, off, left, right, sk, scale_log2, s_layout,
                                        BLOCK_N)
     if TURNS:
@@ -109,18 +134,14 @@ def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_re
     """Key block t of the loop: S_{t+1} on the tensor core while block t's softmax runs on the other units,
     then O += P_t V_t. Returns S_{t+1} and the running (O, row max, row sum). MASKED: block t may hold
     keys a row does not see (a build-time choice: see _consumer)."""
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # the stage indices first, as before the _issue helpers existed: that order keeps the measured objects' bytes
     stage = t % STAGES
     nxt = (t + 1) % STAGES
-    mbarrier.wait(k_ready.index(nxt), ((t + 1) // STAGES) & 1)
-    s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
+    s_next = _issue_scores(q, k_smem, k_ready, t + 1, s_layout, BLOCK_N)
     n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
     p, alpha, m_i, l_i = _softmax_in_turn(t, c, turn, turn_sums, s, m_i, l_i, MASKED, n0, rows, off, left, right,
                                           sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    mbarrier.wait(v_ready.index(stage), (t // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_smem.index(stage), acc, is_async=True)
+    acc = _issue_product(acc, p, alpha, t, v_smem, v_ready, o_layout)
     acc, s_next = warpgroup_mma_wait(0, deps=(acc, s_next))
     mbarrier.arrive(v_empty.index(stage))
     mbarrier.arrive(k_empty.index(nxt))
@@ -128,14 +149,83 @@ def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_re
 
 
 @gluon.jit
+def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                   turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                   MASKED: gl.constexpr):
+    """Step t of the ping-pong (_pingpong_blocks): in its turn t + 1 the consumer issues S_{t+1} and
+    O += P_t V_t back to back and passes the turn on; then block t+1's softmax runs beside P_t V_t and the
+    other consumers' products. Returns (O, P_{t+1}, alpha_{t+1}, row max, row sum). MASKED: block t+1 may
+    hold keys a row does not see.
+
+    Left alone, ptxas moves P_t V_t's wait up to the row max, above the exponentials, so that the softmax
+    runs beside the other consumers' products only. PIN_PV_WAIT stores the row sums to shared memory
+    (`turn_sums`, never read) before the wait: the sums depend on every exponential, and ptxas keeps the
+    wait below the store."""
+    _wait_turn(turn, t + 1, c)
+    s = _issue_scores(q, k_smem, k_ready, t + 1, s_layout, BLOCK_N)
+    acc = _issue_product(acc, p, alpha, t, v_smem, v_ready, o_layout)
+    mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
+    s = warpgroup_mma_wait(1, deps=(s,))  # the older of the two products
+    mbarrier.arrive(k_empty.index((t + 1) % STAGES))
+    n0 = _key_block(t + 1, n_free, lo, full_lo, full_hi) * BLOCK_N
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASKED, n0, rows, off, left, right, sk, scale_log2, s_layout,
+                                       BLOCK_N)
+    if PIN_PV_WAIT:
+        turn_sums.slice(c * ROWS, ROWS).store(l_i)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(t % STAGES))
+    return acc, p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, turn_sums, rows,
+                     sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+                     o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, PIN_PV_WAIT: gl.constexpr):
+    """A consumer's key blocks in FlashAttention-3's schedule (PINGPONG): every product is issued in the
+    consumer's turn (S_0 in turn 0, step t's two in turn t + 1, the last P V in turn n_blocks), and the
+    turn goes round the consumers (the mbarriers `turn`), so the tensor cores take their products in
+    alternation and one consumer's exponentials run beside the others' products, its own P V included.
+    Returns (O, row max, row sum) after every key block."""
+    if n_blocks > 0:
+        _wait_turn(turn, 0, c)
+        s = _issue_scores(q, k_smem, k_ready, 0, s_layout, BLOCK_N)
+        mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0))
+        n0 = _key_block(0, n_free, lo, full_lo, full_hi) * BLOCK_N
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_free <= 0, n0, rows, off, left, right, sk, scale_log2,
+                                           s_layout, BLOCK_N)
+        # As in _consumer, the steps whose softmax needs no mask (block t + 1 mask-free) and the others as two loops
+        free_steps = gl.maximum(n_free - 1, 0)
+        for t in range(free_steps):
+            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready,
+                                                     k_empty, v_empty, turn, turn_sums, rows, sk, off, left, right, n_free, lo,
+                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N,
+                                                     CONSUMERS, PIN_PV_WAIT, False)
+        for t in range(free_steps, n_blocks - 1):
+            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready,
+                                                     k_empty, v_empty, turn, turn_sums, rows, sk, off, left, right, n_free, lo,
+                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N,
+                                                     CONSUMERS, PIN_PV_WAIT, True)
+        last = n_blocks - 1
+        _wait_turn(turn, n_blocks, c)
+        acc = _issue_product(acc, p, alpha, last, v_smem, v_ready, o_layout)
+        mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last % STAGES))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
               o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-              BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr,
+              PINGPONG: gl.constexpr, PIN_PV_WAIT: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_DV, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = m0 + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     q = q_smem.index(c)
@@ -144,10 +234,12 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(c), 0)
-    if n_blocks > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
+    if PINGPONG:
+        acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                         turn_sums, rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                                         scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, PIN_PV_WAIT)
+    elif n_blocks > 0:
+        s = _issue_scores(q, k_smem, k_ready, 0, s_layout, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
         # Two loops, the mask-free blocks' and the masked ones': with one loop and a run-time `masked`, the
@@ -166,10 +258,7 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
         n0 = _key_block(last, n_free, lo, full_lo, full_hi) * BLOCK_N
         p, alpha, m_i, l_i = _softmax_in_turn(last, c, turn, turn_sums, s, m_i, l_i, last >= n_free, n0, rows, off, left,
                                               right, sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last % STAGES), acc,
-                            is_async=True)
+        acc = _issue_product(acc, p, alpha, last, v_smem, v_ready, o_layout)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last % STAGES))
 
@@ -205,11 +294,15 @@ def fmha_fwd(
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, SOFTMAX_TURNS: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, PIN_PV_WAIT: gl.constexpr = False,
 ):
-    """SOFTMAX_TURNS (a build choice of the tile, not an argument): the consumers take turns at their
-    softmax (_softmax_in_turn)."""
+    """SOFTMAX_TURNS and PINGPONG (build choices of the tile, not arguments; at most one): the consumers take
+    turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks, with
+    PIN_PV_WAIT or without: see _pingpong_step)."""
     gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
+    gl.static_assert(not (SOFTMAX_TURNS and PINGPONG), "one schedule of the consumers' turns")
+    gl.static_assert(PINGPONG or not PIN_PV_WAIT, "PIN_PV_WAIT pins the ping-pong's wait")
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "two or three consumer warpgroups")
     # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
@@ -260,11 +353,12 @@ def fmha_fwd(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
-    # SOFTMAX_TURNS's barriers and row sums (_softmax_in_turn); unused, they take no memory
+    # The turns' barriers (SOFTMAX_TURNS, PINGPONG) and the row sums of SOFTMAX_TURNS and PIN_PV_WAIT; unused,
+    # they take no memory
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn_sums = gl.allocate_shared_memory(gl.float32, [4 * ROWS],  # a power of two, room for every consumer
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    if SOFTMAX_TURNS:  # one barrier a consumer: the turn passed on to it
+    if SOFTMAX_TURNS or PINGPONG:  # one barrier a consumer: the turn passed on to it
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(c), count=1)
     for i in gl.static_range(STAGES):
@@ -280,10 +374,12 @@ def fmha_fwd(
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         PIN_PV_WAIT)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         PIN_PV_WAIT)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                        m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
         ], [4, 1], [240, 24])
@@ -291,13 +387,16 @@ def fmha_fwd(
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         PIN_PV_WAIT)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         PIN_PV_WAIT)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         PIN_PV_WAIT)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                        m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
         ], [4, 4, 1], [160, 160, 24])

@@ -5,7 +5,8 @@ or as wrong numbers only under some timings. These tests check the protocols the
 of a kernel is a sequence of the operations it performs on its barriers and buffers, with the parities the
 kernel computes (the same expressions), and a scheduler runs the partitions in random orders. Checked:
 no interleaving deadlocks; every read of a shared buffer sees the step it expects (a buffer is never
-overwritten before its readers are done); the forward's softmaxes come in turn order; the ORDERED
+overwritten before its readers are done); the forward's softmaxes, or in its ping-pong schedule its
+products, come in turn order; the ORDERED
 backward's additions into each dQ tile come in key-block order, with any number of programs resident.
 
 mbarrier semantics: a barrier of count n completes a phase at its n-th arrival; waiting for parity p
@@ -80,7 +81,14 @@ class Machine:
 # ------------------------------------------------------------------------ forward (kernels/v3/fmha_fwd.py)
 
 
-def _forward(m, consumers, n_blocks, turns):
+def _wait_turn(c, k):
+    """Consumer c's k-th turn (_wait_turn): passed on by the previous consumer's k-th, or to consumer 0 by the
+    last consumer's (k-1)-th."""
+    return ("wait", "turn0", (k & 1) ^ 1) if c == 0 else ("wait", f"turn{c}", k & 1)
+
+
+def _forward_barriers(m, consumers, n_blocks):
+    """The barriers of the forward and its loader partition, shared by both schedules."""
     m.barriers.update({f"{name}{i}": Barrier(1) for name in ("k_ready", "v_ready") for i in range(STAGES)})
     m.barriers.update({f"{name}{i}": Barrier(consumers) for name in ("k_empty", "v_empty") for i in range(STAGES)})
     m.barriers.update({f"turn{c}": Barrier(1) for c in range(consumers)})
@@ -93,9 +101,15 @@ def _forward(m, consumers, n_blocks, turns):
                 yield ("write", f"{kv.upper()}{stage}", t)
                 yield ("arrive", f"{kv}_ready{stage}")
 
+    m.add("loader", loader())
+
+
+def _forward(m, consumers, n_blocks, turns):
+    _forward_barriers(m, consumers, n_blocks)
+
     def softmax(c, t):
         if turns:
-            yield ("wait", "turn0", (t & 1) ^ 1) if c == 0 else ("wait", f"turn{c}", t & 1)
+            yield _wait_turn(c, t)
         yield ("log", (t, c))
         if turns:
             yield ("arrive", f"turn{(c + 1) % consumers}")
@@ -115,7 +129,6 @@ def _forward(m, consumers, n_blocks, turns):
         yield from (("wait", f"v_ready{last % STAGES}", (last // STAGES) & 1), ("read", f"V{last % STAGES}", last),
                     ("arrive", f"v_empty{last % STAGES}"))
 
-    m.add("loader", loader())
     for c in range(consumers):
         m.add(f"consumer{c}", consumer(c))
 
@@ -132,6 +145,52 @@ def test_the_forward_never_deadlocks_and_takes_its_softmaxes_in_turn(consumers, 
                 pass
             if turns:
                 assert m.log == [(t, c) for t in range(n_blocks) for c in range(consumers)]
+
+
+def _pingpong_forward(m, consumers, n_blocks):
+    """The PINGPONG schedule (_pingpong_blocks): every product issued in the consumer's turn, S_0 in turn 0,
+    S_{t+1} and P_t V_t in turn t + 1, the last P V in turn n_blocks. A product reads its K or V buffer
+    from its issue to its wait, after which the buffer is released."""
+    _forward_barriers(m, consumers, n_blocks)
+
+    def in_turn(c, k, products):
+        yield _wait_turn(c, k)
+        for name, t in products:
+            buffer, ready = (f"K{t % STAGES}", "k_ready") if name == "S" else (f"V{t % STAGES}", "v_ready")
+            yield from (("wait", f"{ready}{t % STAGES}", (t // STAGES) & 1), ("read", buffer, t), ("log", (name, t, c)))
+        yield ("arrive", f"turn{(c + 1) % consumers}")
+
+    def done(kv, t):  # the product's wait, then the release of its buffer
+        yield from (("read", f"{kv.upper()}{t % STAGES}", t), ("arrive", f"{kv}_empty{t % STAGES}"))
+
+    def consumer(c):
+        if n_blocks == 0:
+            return
+        yield from in_turn(c, 0, [("S", 0)])
+        yield from done("k", 0)
+        for t in range(n_blocks - 1):
+            yield from in_turn(c, t + 1, [("S", t + 1), ("PV", t)])
+            yield from done("k", t + 1)  # warpgroup_mma_wait(1): S_{t+1}, then its softmax
+            yield from done("v", t)  # warpgroup_mma_wait(0): P_t V_t
+        yield from in_turn(c, n_blocks, [("PV", n_blocks - 1)])
+        yield from done("v", n_blocks - 1)
+
+    for c in range(consumers):
+        m.add(f"consumer{c}", consumer(c))
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_the_pingpong_forward_never_deadlocks_and_issues_its_products_in_turn(consumers):
+    rng = random.Random(SEED)
+    for n_blocks in range(7):
+        turns = [[("S", 0)]] + [[("S", t + 1), ("PV", t)] for t in range(n_blocks - 1)] + [[("PV", n_blocks - 1)]]
+        expected = [(name, t, c) for products in turns for c in range(consumers) for name, t in products]
+        for _ in range(300):
+            m = Machine(rng)
+            _pingpong_forward(m, consumers, n_blocks)
+            while m.step():
+                pass
+            assert m.log == (expected if n_blocks else [])
 
 
 # ------------------------------------------------------------------ wide backward (kernels/v3/fmha_bwd_wide.py)

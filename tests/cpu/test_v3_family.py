@@ -157,16 +157,28 @@ def test_the_forward_tiles_take_192_rows_and_64_keys_at_head_dim_64_and_64_keys_
         assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == tile
 
 
-def test_softmax_turns_are_a_build_choice_of_each_forward_tile():
-    """On where FWD_SOFTMAX_TURNS says (a constexpr beyond the signature's, recorded in the traits); the 128
-    tile keeps the measured objects, built without it."""
-    assert set(v3.FWD_SOFTMAX_TURNS) == set(v3.FWD_TILES)
-    assert v3.FWD_SOFTMAX_TURNS[(128, 128)] is False
+def test_the_consumers_schedule_is_a_build_choice_of_each_forward_tile():
+    """FWD_SCHEDULE's constexprs (beyond the signature's) and traits: softmax_turns everywhere, `schedule` where
+    a ping-pong is on; the 128 tile keeps the measured objects, built FREE, and no tile takes a ping-pong yet."""
+    assert set(v3.FWD_SCHEDULE) == set(v3.FWD_TILES)
+    assert v3.FWD_SCHEDULE[(128, 128)] == v3.FREE
+    assert set(v3.FWD_SCHEDULE.values()) <= {v3.FREE, v3.TURNS}
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     for dtype in pp.DTYPES:
-        for pair, turns in v3.FWD_SOFTMAX_TURNS.items():
+        for pair, schedule in v3.FWD_SCHEDULE.items():
             v = variants[v3.fwd_key(dtype, pair)]
+            turns = schedule == v3.TURNS
             assert v["constexprs"].get("SOFTMAX_TURNS", False) is turns and v["traits"]["softmax_turns"] is turns
+            assert "PINGPONG" not in v["constexprs"] and "schedule" not in v["traits"]
+
+
+@pytest.mark.parametrize("schedule", ["pingpong", "pingpong_pinned"])
+def test_a_pingpong_schedule_sets_its_constexprs_and_traits(monkeypatch, schedule):
+    monkeypatch.setitem(v3.FWD_SCHEDULE, (128, 128), schedule)
+    v = {v["key"]: v for v in v3.variants("sm_90")}[v3.fwd_key("bf16", (128, 128))]
+    assert v["constexprs"]["PINGPONG"] is True and v["constexprs"].get("PIN_PV_WAIT", False) is (schedule == v3.PINGPONG_PINNED)
+    assert "SOFTMAX_TURNS" not in v["constexprs"]
+    assert v["traits"]["schedule"] == schedule and v["traits"]["softmax_turns"] is False
 
 
 def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_forward(v3_on):
