@@ -65,11 +65,24 @@ def _backward_alone(out, inputs):
     return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
 
+class _PythonNode(torch.autograd.Function):
+    """An identity with a Python backward: what one Python autograd node adds to a step."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def part_calls(q, k, v, sdpa_inputs) -> dict:
     """The pieces of a training step: the step with a dense gradient of out in place of `.sum()`'s
     broadcast one (which the adapter copies), the step keeping its graph (no saved tensor released, no
     node freed at its end), each backward alone, and fmha_rt.torch's backward without
-    autograd and the allocations it makes (gradients and workspace)."""
+    autograd and the allocations it makes (gradients and workspace); SDPA's step with one Python autograd
+    node added (an identity), which is what fmha_rt.torch's node is to torch's engine."""
     out, lse = torch_calls.forward(q, k, v, None, None, None, None, S, S, None, -1, 0, 0.0)
     dout = torch.randn_like(out)
     table = {
@@ -88,6 +101,8 @@ def part_calls(q, k, v, sdpa_inputs) -> dict:
                                                                                   is_causal=True).backward(dense)
         table["part: SDPA fwd+bwd, graph kept"] = lambda: F.scaled_dot_product_attention(
             *sdpa_inputs, is_causal=True).sum().backward(retain_graph=True)
+        table["part: SDPA fwd+bwd through a Python node"] = lambda: _PythonNode.apply(
+            F.scaled_dot_product_attention(*sdpa_inputs, is_causal=True)).sum().backward()
         table["part: SDPA bwd alone"] = _backward_alone(F.scaled_dot_product_attention(*sdpa_inputs, is_causal=True),
                                                         sdpa_inputs)
     return table

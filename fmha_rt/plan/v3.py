@@ -40,14 +40,11 @@ FWD_TILES = {(64, 64): Tile(192, 64, 4, 1), (128, 128): Tile(128, 128, 4, 1), (2
 FWD_PAIRS = tuple(FWD_TILES)
 # How a tile's consumers share the tensor cores (kernels/v3/fmha_fwd.py): FREE, each at its own pace; TURNS,
 # they take turns at their softmax (SOFTMAX_TURNS); PINGPONG, at issuing their products, FlashAttention-3's
-# schedule (PINGPONG), where ptxas waits for P V before the exponentials; PINGPONG_PINNED, the same with that
-# wait kept below them (PIN_PV_WAIT). TURNS in the tiles not yet measured, FREE in the 128 tile, whose objects
-# stay those measured until an A/B decides; the ping-pongs nowhere until an A/B shows one ahead.
-FREE, TURNS, PINGPONG, PINGPONG_PINNED = "free", "turns", "pingpong", "pingpong_pinned"
-FWD_SCHEDULE = {(64, 64): TURNS, (128, 128): FREE, (256, 256): TURNS, (256, 128): TURNS}
+# schedule (PINGPONG). PINGPONG measured 1.02-1.03x FREE at D=128 and 1.04-1.15x TURNS at D=256 (NOTES.md, v3.9).
+FREE, TURNS, PINGPONG = "free", "turns", "pingpong"
+FWD_SCHEDULE = {(64, 64): PINGPONG, (128, 128): PINGPONG, (256, 256): PINGPONG, (256, 128): PINGPONG}
 # The build choices of each schedule: constexprs beyond the signature's
-SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True},
-                       PINGPONG_PINNED: {"PINGPONG": True, "PIN_PV_WAIT": True}}
+SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True}}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
@@ -72,11 +69,11 @@ def _read_mode() -> str:
 
 
 MODE = _read_mode()
-# Where the 'measured' mode runs the v3 forward, by tile: from how many keys. The 128 tile from 4096 keys,
-# where it beat the portable forward by 12-15% on the H200 and 8-21% on an H100 (NOTES.md, v3.0; below 4096
-# keys causal it was slower). The 256 tile was 1.29-1.34x the portable forward on an H100 from 1024 keys
+# Where the 'measured' mode runs the v3 forward, by tile: from how many keys. The 128 tile from 2048 keys:
+# with the ping-pong it is 1.12-1.20x the portable forward at 2048 keys on an H100, and at 1024 keys causal
+# 0.89x (NOTES.md, v3.9; before the ping-pong from 4096). The 256 tile was 1.29-1.34x the portable forward on an H100 from 1024 keys
 # (NOTES.md, the H100 round of v3.3-v3.6) and runs from 1024 keys; the 64 tile was slower everywhere.
-MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 4096, (256, 256): 1024}
+MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 2048, (256, 256): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
 # reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
 # 1.19-1.28x the portable backward at D=128 from 4096 keys, but 0.88x for GQA 4k causal (causal GQA programs
@@ -138,10 +135,7 @@ def variants(arch: str) -> list[dict]:
             schedule = FWD_SCHEDULE[pair]
             constexprs |= SCHEDULE_CONSTEXPRS[schedule]
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
-                          block_n=tile.block_n, deterministic=True, softmax_turns=schedule == TURNS,
-                          **{"pass": "fwd"})
-            if schedule not in (FREE, TURNS):  # recorded where on only: the other manifest entries stay as measured
-                traits["schedule"] = schedule
+                          block_n=tile.block_n, deterministic=True, schedule=schedule, **{"pass": "fwd"})
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
                                            module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
         for pair, tile in BWD_TILES.items():

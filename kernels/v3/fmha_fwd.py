@@ -150,18 +150,17 @@ def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_re
 
 @gluon.jit
 def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                   turn, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
                    MASKED: gl.constexpr):
     """Step t of the ping-pong (_pingpong_blocks): in its turn t + 1 the consumer issues S_{t+1} and
     O += P_t V_t back to back and passes the turn on; then block t+1's softmax runs beside P_t V_t and the
     other consumers' products. Returns (O, P_{t+1}, alpha_{t+1}, row max, row sum). MASKED: block t+1 may
     hold keys a row does not see.
 
-    Left alone, ptxas moves P_t V_t's wait up to the row max, above the exponentials, so that the softmax
-    runs beside the other consumers' products only. PIN_PV_WAIT stores the row sums to shared memory
-    (`turn_sums`, never read) before the wait: the sums depend on every exponential, and ptxas keeps the
-    wait below the store."""
+    ptxas moves P_t V_t's wait up to the row max, above the exponentials, so that the softmax runs beside
+    the other consumers' products only. Keeping the wait below them (the row sums stored to shared memory
+    before it, as _softmax_in_turn does) measured 0.96-1.0x of this form (NOTES.md, v3.9)."""
     _wait_turn(turn, t + 1, c)
     s = _issue_scores(q, k_smem, k_ready, t + 1, s_layout, BLOCK_N)
     acc = _issue_product(acc, p, alpha, t, v_smem, v_ready, o_layout)
@@ -171,17 +170,15 @@ def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, k_smem, v_sme
     n0 = _key_block(t + 1, n_free, lo, full_lo, full_hi) * BLOCK_N
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASKED, n0, rows, off, left, right, sk, scale_log2, s_layout,
                                        BLOCK_N)
-    if PIN_PV_WAIT:
-        turn_sums.slice(c * ROWS, ROWS).store(l_i)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(t % STAGES))
     return acc, p, alpha, m_i, l_i
 
 
 @gluon.jit
-def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, turn_sums, rows,
+def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, rows,
                      sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
-                     o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, PIN_PV_WAIT: gl.constexpr):
+                     o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
     """A consumer's key blocks in FlashAttention-3's schedule (PINGPONG): every product is issued in the
     consumer's turn (S_0 in turn 0, step t's two in turn t + 1, the last P V in turn n_blocks), and the
     turn goes round the consumers (the mbarriers `turn`), so the tensor cores take their products in
@@ -200,14 +197,14 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready,
         free_steps = gl.maximum(n_free - 1, 0)
         for t in range(free_steps):
             acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready,
-                                                     k_empty, v_empty, turn, turn_sums, rows, sk, off, left, right, n_free, lo,
+                                                     k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
                                                      full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N,
-                                                     CONSUMERS, PIN_PV_WAIT, False)
+                                                     CONSUMERS, False)
         for t in range(free_steps, n_blocks - 1):
             acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready,
-                                                     k_empty, v_empty, turn, turn_sums, rows, sk, off, left, right, n_free, lo,
+                                                     k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
                                                      full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N,
-                                                     CONSUMERS, PIN_PV_WAIT, True)
+                                                     CONSUMERS, True)
         last = n_blocks - 1
         _wait_turn(turn, n_blocks, c)
         acc = _issue_product(acc, p, alpha, last, v_smem, v_ready, o_layout)
@@ -221,7 +218,7 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready,
 def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
               o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
               BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr,
-              PINGPONG: gl.constexpr, PIN_PV_WAIT: gl.constexpr):
+              PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -236,8 +233,8 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
     mbarrier.wait(q_ready.index(c), 0)
     if PINGPONG:
         acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                         turn_sums, rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                                         scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, PIN_PV_WAIT)
+                                         rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+                                         scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS)
     elif n_blocks > 0:
         s = _issue_scores(q, k_smem, k_ready, 0, s_layout, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s,))
@@ -294,15 +291,13 @@ def fmha_fwd(
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, SOFTMAX_TURNS: gl.constexpr = False,
-    PINGPONG: gl.constexpr = False, PIN_PV_WAIT: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False,
 ):
     """SOFTMAX_TURNS and PINGPONG (build choices of the tile, not arguments; at most one): the consumers take
-    turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks, with
-    PIN_PV_WAIT or without: see _pingpong_step)."""
+    turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks)."""
     gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
     gl.static_assert(not (SOFTMAX_TURNS and PINGPONG), "one schedule of the consumers' turns")
-    gl.static_assert(PINGPONG or not PIN_PV_WAIT, "PIN_PV_WAIT pins the ping-pong's wait")
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "two or three consumer warpgroups")
     # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
@@ -353,7 +348,7 @@ def fmha_fwd(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
-    # The turns' barriers (SOFTMAX_TURNS, PINGPONG) and the row sums of SOFTMAX_TURNS and PIN_PV_WAIT; unused,
+    # The turns' barriers (SOFTMAX_TURNS, PINGPONG) and the row sums of SOFTMAX_TURNS; unused,
     # they take no memory
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn_sums = gl.allocate_shared_memory(gl.float32, [4 * ROWS],  # a power of two, room for every consumer
@@ -374,12 +369,10 @@ def fmha_fwd(
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         PIN_PV_WAIT)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         PIN_PV_WAIT)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                        m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
         ], [4, 1], [240, 24])
@@ -387,16 +380,13 @@ def fmha_fwd(
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         PIN_PV_WAIT)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         PIN_PV_WAIT)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
                          o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         PIN_PV_WAIT)),
+                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
                        m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
         ], [4, 4, 1], [160, 160, 24])

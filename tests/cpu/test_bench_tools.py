@@ -131,6 +131,28 @@ def test_the_shipped_v3_forward_has_a_key_loop_without_the_mask(bench_script, ti
     assert max(selects) >= 64  # the masked loop selects every element of its block
 
 
+
+@pytest.mark.parametrize("tile", ["d64", "d128", "d256", "d256v128"])
+def test_the_shipped_v3_forward_issues_a_steps_two_products_together(bench_script, tile):
+    """The ping-pong (NOTES.md, v3.9): in a consumer's turn its mask-free step issues S_{t+1} = Q K^T and
+    O += P_t V_t back to back, with no exponential between them, and hands the turn over (an mbarrier
+    arrive) after them; the exponentials of block t+1 come after. In the schedule before, a step read
+    HGMMA x8 (S_{t+1}), the softmax's exponentials, then HGMMA x8 (P_t V_t)."""
+    sass_loops = bench_script("sass_loops")
+    path = HSA / "sm_90" / "v3" / f"fmha_fwd_v3_bf16_{tile}.cubin.gz"
+    (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
+    addresses, texts = [a for a, _ in listing], [t for _, t in listing]
+    steps = [body for body in (texts[first:last + 1] for first, last in sass_loops.find_loops(addresses, texts))
+             if 8 <= sum("HGMMA" in t for t in body) <= 20 and sum("MUFU.EX2" in t for t in body) >= 32
+             and sum(sass_loops.opcode(t) == "FSEL" for t in body) <= 2]
+    assert steps
+    for body in steps:
+        products = [i for i, t in enumerate(body) if "HGMMA" in t]
+        between = body[products[0]:products[-1]]
+        assert not any("MUFU.EX2" in t for t in between)
+        handover = next(i for i, t in enumerate(body) if i > products[-1] and "SYNCS.ARRIVE" in t)
+        assert any("MUFU.EX2" in t for t in body[handover:])
+
 # ---- stall profile (bench/stall_profile.py) ---------------------------------------------------------
 
 

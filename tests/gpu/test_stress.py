@@ -4,8 +4,9 @@
   backward, varlen, bias, ALiBi, dropout, GQA, several head dims, fp16 and bf16, outputs given or
   allocated, workspace from a callback or not); every result is bitwise the one the same call gave
   when run serially first, and that serial run matches the float64 reference (dropout by the
-  independent Philox mask, tests/philox_reference.py). Device memory (torch's and what the driver reports beyond torch's) and host
-  memory (peak RSS, Python allocations) stay flat over the second half of the calls.
+  independent Philox mask, tests/philox_reference.py). Device memory (torch's, the workspaces fmha_rt keeps,
+  and what the driver reports beyond torch's where this process has the GPU to itself) and host memory (peak
+  RSS, Python allocations) stay flat over the second half of the calls.
   FMHA_RT_STRESS_CALLS sets the number of calls (default below).
 - Scores of magnitude ~1e4 do not overflow and match the float64 reference; NaN and Inf in the inputs
   spread exactly as in the reference, and the calls finish; a 128k-token forward matches float64 on
@@ -31,6 +32,7 @@ import fmha_rt
 import philox_reference
 from error_bounds import LSE_TOL, TOL, assert_close, assert_lse_close
 from fmha_rt import reference
+from fmha_rt.runtime.backend import ffi, lib
 from gpu_tensors import attention_f64, differing_bits, f64, generator, nan_like, rand
 
 THREADS = 64
@@ -234,10 +236,20 @@ def run_round(pool, streams, cases, calls_per_thread, start):
 
 
 def device_memory():
+    """(torch's allocated bytes, bytes of the workspaces fmha_rt keeps, the GPU's used bytes beyond torch's
+    reserve: this process's other device memory where it has the GPU to itself)."""
     gc.collect()
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    return torch.cuda.memory_allocated(), total - free - torch.cuda.memory_reserved()
+    count, kept = ffi.new("size_t *"), ffi.new("uint64_t *")
+    assert lib.fmha_workspaces_kept(count, kept) == lib.FMHA_OK
+    return torch.cuda.memory_allocated(), kept[0], total - free - torch.cuda.memory_reserved()
+
+
+def sharing_the_gpu() -> bool:
+    """Whether other test processes run beside this one (pytest-xdist workers on the same GPU): the GPU's
+    used memory then includes theirs, and only this process's own accounts can be compared."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
 
 
 def traced(snapshot):
@@ -252,7 +264,7 @@ def test_64_threads_mixed_calls_bitwise_equal_to_serial_and_memory_flat(prepared
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
         wrong = run_round(pool, streams, prepared, half, start=0)  # warm-up: every case on every stream
         assert not wrong, f"elements differing from the serial run, by case (first half): {wrong}"
-        allocated_mid, outside_torch_mid = device_memory()
+        allocated_mid, kept_mid, outside_torch_mid = device_memory()
         rss_mid = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
         # The second half: a quarter to settle under tracing, then the last quarter between snapshots.
@@ -267,13 +279,14 @@ def test_64_threads_mixed_calls_bitwise_equal_to_serial_and_memory_flat(prepared
             tracing_kb = tracemalloc.get_tracemalloc_memory() >> 10
         finally:
             tracemalloc.stop()
-        allocated_end, outside_torch_end = device_memory()
+        allocated_end, kept_end, outside_torch_end = device_memory()
         rss_end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     print(f"\n{THREADS * per_thread} calls on {THREADS} threads over {len(prepared)} cases")
     assert not wrong and not wrong_late, f"elements differing from the serial run (second half): {wrong} {wrong_late}"
     assert allocated_end == allocated_mid, f"torch memory {allocated_mid} -> {allocated_end} bytes"
-    assert outside_torch_end - outside_torch_mid <= DEVICE_SLACK, (
+    assert kept_end == kept_mid, f"fmha_rt's kept workspaces {kept_mid} -> {kept_end} bytes"
+    assert sharing_the_gpu() or outside_torch_end - outside_torch_mid <= DEVICE_SLACK, (
         f"device memory outside torch grew {outside_torch_mid} -> {outside_torch_end} bytes")
     # Peak RSS includes what tracemalloc itself held.
     assert rss_end - rss_mid <= RSS_SLACK_KB + tracing_kb, f"peak RSS grew {rss_mid} -> {rss_end} KiB"
