@@ -285,7 +285,9 @@ def test_64_threads_mixed_calls_bitwise_equal_to_serial_and_memory_flat(prepared
     print(f"\n{THREADS * per_thread} calls on {THREADS} threads over {len(prepared)} cases")
     assert not wrong and not wrong_late, f"elements differing from the serial run (second half): {wrong} {wrong_late}"
     assert allocated_end == allocated_mid, f"torch memory {allocated_mid} -> {allocated_end} bytes"
-    assert kept_end == kept_mid, f"fmha_rt's kept workspaces {kept_mid} -> {kept_end} bytes"
+    # a stream's kept workspace grows to the largest call it has met (not every case met every stream in the
+    # first half); a leak would grow it with the number of calls
+    assert kept_end - kept_mid <= DEVICE_SLACK, f"fmha_rt's kept workspaces {kept_mid} -> {kept_end} bytes"
     assert sharing_the_gpu() or outside_torch_end - outside_torch_mid <= DEVICE_SLACK, (
         f"device memory outside torch grew {outside_torch_mid} -> {outside_torch_end} bytes")
     # Peak RSS includes what tracemalloc itself held.
