@@ -7,7 +7,7 @@
 __version__ = "0.1.0"
 
 from .api import (BwdLauncher, bwd_workspace_bytes, mha_bwd, mha_dropout_mask, mha_fwd, mha_varlen_bwd, mha_varlen_fwd,
-                  release_workspaces)
+                  release_workspaces, varlen_bwd_workspace_bytes)
 from .call_keys import clear_plan_cache, plan_cache_info
 from .errors import (DriverError, FmhaError, FmhaNotImplementedError, FmhaRuntimeError, FmhaTypeError,
                      FmhaValueError)
@@ -15,5 +15,6 @@ from .runtime.executor import last_launch_info
 from .runtime.packing import Pointer
 
 __all__ = ["mha_fwd", "mha_bwd", "mha_varlen_fwd", "mha_varlen_bwd", "mha_dropout_mask", "BwdLauncher",
-           "bwd_workspace_bytes", "last_launch_info", "clear_plan_cache", "plan_cache_info", "release_workspaces", "Pointer",
+           "bwd_workspace_bytes", "varlen_bwd_workspace_bytes", "last_launch_info", "clear_plan_cache", "plan_cache_info",
+           "release_workspaces", "Pointer",
            "FmhaError", "FmhaValueError", "FmhaTypeError", "FmhaRuntimeError", "FmhaNotImplementedError", "DriverError"]

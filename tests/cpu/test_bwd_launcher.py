@@ -82,3 +82,27 @@ def test_the_ordered_workspace_is_one_fp32_dq_the_row_statistics_and_the_counter
             ("dq_order", counters, True)]
         assert ws.total_bytes == 2 * rounded(rows) + rounded(_fp32_dq_bytes(p)) + rounded(counters)
         assert ws.total_bytes < 1.2 * _fp32_dq_bytes(p)  # the statistics and counters are small beside dQ
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_varlen_workspace_query_is_what_the_varlen_backward_asks_for(rt, driver, deterministic):
+    """varlen_bwd_workspace_bytes launches nothing and gives the bytes mha_varlen_bwd then asks its
+    workspace_alloc for (two sequences of at most 40 queries and 70 keys, GQA 4/2, causal)."""
+    from fake_gpu import FakeGpuArray
+
+    total_q, total_k, hq, hk, d = 60, 120, 4, 2, 64
+    q, out, dout, dq = (FakeGpuArray((total_q, hq, d)) for _ in range(4))
+    k, v, dk, dv = (FakeGpuArray((total_k, hk, d)) for _ in range(4))
+    lse = FakeGpuArray((hq, total_q), "float32")
+    cu_q, cu_k = FakeGpuArray((3,), "int32"), FakeGpuArray((3,), "int32")
+    nbytes = fmha_rt.varlen_bwd_workspace_bytes(q, k, v, cu_q, cu_k, 40, 70, deterministic=deterministic, causal=True)
+    assert driver.take() == []
+    asked = []
+
+    def workspace_alloc(n, zero_init):
+        asked.append(n)
+        return rt.workspace(n)
+
+    fmha_rt.mha_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, 40, 70, dq=dq, dk=dk, dv=dv, deterministic=deterministic,
+                           causal=True, workspace_alloc=workspace_alloc)
+    assert driver.take() and asked == [nbytes] and nbytes >= 2 * 4 * hq * total_q  # Delta and Lse2 at least
