@@ -16,6 +16,9 @@ BIAS_SHAPES = ("11SS", "1HSS", "B1SS", "BHSS")
 ALIBI_SHAPES = ("H", "BH")
 
 
+WINDOW_REACH_LIMIT = 2**30  # seqlen_q + seqlen_k: row + offset + an unbounded side stays below 2^31
+
+
 def _check_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int):
         raise FmhaTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -63,6 +66,7 @@ class AttentionProblem:
             _check_int(name, getattr(self, name), 0)
         for name in ("window_left", "window_right"):
             _check_int(name, getattr(self, name), -1)
+        self._bound_window()
         if self.dtype not in DTYPES:
             raise FmhaTypeError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.heads_q % self.heads_k:
@@ -89,6 +93,17 @@ class AttentionProblem:
             raise FmhaValueError(f"dropout_p must be in [0, 1), got {self.dropout_p!r}")
         object.__setattr__(self, "dropout_p", float(self.dropout_p))
         self._check_varlen()
+
+    def _bound_window(self):
+        """The kernels compute a query's window as row + offset -/+ side in int32, an unbounded side standing
+        for seqlen_q + seqlen_k: lengths must leave that headroom, and a side that reaches past both sequences
+        (which would overflow) is the unbounded side it equals, -1."""
+        reach = self.seqlen_q + self.seqlen_k
+        if reach >= WINDOW_REACH_LIMIT:
+            raise FmhaNotImplementedError(f"seqlen_q + seqlen_k must be < 2^30 (window arithmetic in int32), got {reach}")
+        for name in ("window_left", "window_right"):
+            if 0 < reach <= getattr(self, name):
+                object.__setattr__(self, name, -1)
 
     def _check_varlen(self):
         if not self.varlen:

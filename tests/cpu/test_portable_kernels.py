@@ -134,6 +134,27 @@ def test_fully_masked_rows_are_zero_with_minus_inf_lse():
     assert bool(torch.isfinite(lse[:, :, blind:]).all())
 
 
+def test_window_sides_reaching_past_both_sequences_act_as_unbounded():
+    """A side of 2^31 - 1 (valid by the API) made the kernels' int32 window arithmetic wrap, and every row
+    saw no key. The problem now takes such a side as the unbounded one it equals; the outputs match the
+    reference computed with the side as given."""
+    b, sq, sk, h, d = 1, 40, 44, 2, 32
+    given = (3, 2**31 - 1)
+    problem = AttentionProblem(b, sq, sk, h, h, d, d, "fp16", window_left=given[0], window_right=given[1])
+    assert (problem.window_left, problem.window_right) == (3, -1)
+    gen = _gen(6)
+    inputs = _inputs(gen, b, sq, sk, h, h, d, d)
+    out, lse = ie.forward(problem, inputs)
+    arrays = [_np(inputs[n]) for n in ("q", "k", "v")]
+    ref_out, ref_lse = mha_fwd_ref(*arrays, softmax_scale=problem.softmax_scale, window=given, bottom_right=False)
+    _close("out", out, ref_out)
+    _close("lse", lse, ref_lse)
+    edge = AttentionProblem(b, sq, sk, h, h, d, d, "fp16", window_left=sq + sk - 1, window_right=sq + sk)
+    assert (edge.window_left, edge.window_right) == (sq + sk - 1, -1)
+    with pytest.raises(FmhaNotImplementedError, match="2\\^30"):
+        AttentionProblem(1, 2**29, 2**29, h, h, d, d, "fp16")
+
+
 def test_empty_key_sequence_gives_zero_output():
     problem = AttentionProblem(1, 20, 0, 2, 2, 32, 32, "fp16")
     gen = _gen(4)
