@@ -17,8 +17,9 @@ compute on the CPU, are left out. Each round times every row in turn; the minimu
 printed. --profile NAME prints a cProfile of that row instead, --torch-profile NAME torch.profiler's
 table of its ops and runtime calls; --backward-on-caller runs backwards on the calling thread, not
 autograd's device thread (the hand-over's cost: a Python backward needs the GIL there); --parts adds rows
-for the pieces of a step (each backward alone, through torch.autograd.grad on a kept graph; the adapter's
-backward without autograd; the allocations it makes); --out FILE (with --gpu) writes the numbers as JSON
+for the pieces of a step (each backward alone, through torch.autograd.grad on a kept graph; the step with
+a dense gradient and with its graph kept; SDPA's step through one added Python autograd node; the
+adapter's backward without autograd and the allocations it makes); --out FILE (with --gpu) writes the numbers as JSON
 with the machine header.
 """
 import argparse

@@ -379,19 +379,20 @@ def bind(function: str, *, max_seqlen_q=None, max_seqlen_k=None, deterministic=F
 
 def bwd_workspace_bytes(q, k, v, *, deterministic=False, **options) -> int:
     """Workspace bytes mha_bwd would request for these inputs (nothing is launched)."""
-    return _workspace_bytes(q, k, v, False, None, None, None, None, None, None, deterministic, options)
+    return _workspace_bytes(q, k, v, deterministic, options, varlen=False)
 
 
 def varlen_bwd_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqstart_q=None,
                                seqstart_k=None, deterministic=False, **options) -> int:
     """Workspace bytes mha_varlen_bwd would request for these inputs, arrays as it takes them (nothing is
     launched)."""
-    return _workspace_bytes(q, k, v, True, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqstart_q,
-                            seqstart_k, deterministic, options)
+    return _workspace_bytes(q, k, v, deterministic, options, varlen=True, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                            seqstart_q=seqstart_q, seqstart_k=seqstart_k)
 
 
-def _workspace_bytes(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqstart_q, seqstart_k,
-                     deterministic, options) -> int:
+def _workspace_bytes(q, k, v, deterministic, options, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None,
+                     max_seqlen_q=None, max_seqlen_k=None, seqstart_q=None, seqstart_k=None) -> int:
     call = prepare(q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqstart_q=seqstart_q, seqstart_k=seqstart_k,
                    deterministic=deterministic, bias_grad=True, **merged_options(options))

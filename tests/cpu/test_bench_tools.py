@@ -112,6 +112,16 @@ def test_the_shipped_v3_backward_adds_dq_by_bulk_tma_reductions(bench_script, ti
     assert not [t for t in texts if "ATOMG.E.ADD" in t or "RED.E.ADD" in t]
 
 
+def _forward_loops(sass_loops, tile) -> list:
+    """The SASS of the shipped bf16 v3 forward's loops that run a key block's exponentials (32 or more
+    MUFU.EX2), each as its instruction texts."""
+    path = HSA / "sm_90" / "v3" / f"fmha_fwd_v3_bf16_{tile}.cubin.gz"
+    (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
+    addresses, texts = [a for a, _ in listing], [t for _, t in listing]
+    bodies = (texts[first:last + 1] for first, last in sass_loops.find_loops(addresses, texts))
+    return [body for body in bodies if sum("MUFU.EX2" in t for t in body) >= 32]
+
+
 @pytest.mark.parametrize("tile", ["d128", "d256"])
 def test_the_shipped_v3_forward_has_a_key_loop_without_the_mask(bench_script, tile):
     """The v3 forward runs its mask-free key blocks in a loop of their own (NOTES.md, v3.8): each
@@ -119,17 +129,12 @@ def test_the_shipped_v3_forward_has_a_key_loop_without_the_mask(bench_script, ti
     selects, beside the masked loop that has them. With one loop and a run-time mask, every step issued
     the selects (941 instructions a step at D=128 against 520)."""
     sass_loops = bench_script("sass_loops")
-    path = HSA / "sm_90" / "v3" / f"fmha_fwd_v3_bf16_{tile}.cubin.gz"
-    (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
-    addresses, texts = [a for a, _ in listing], [t for _, t in listing]
     # a step loop: a block's exponentials and both products (8 to 10 HGMMA each), not a nest of loops
-    steps = [body for body in (texts[first:last + 1] for first, last in sass_loops.find_loops(addresses, texts))
-             if 16 <= sum("HGMMA" in t for t in body) <= 20 and sum("MUFU.EX2" in t for t in body) >= 32]
+    steps = [body for body in _forward_loops(sass_loops, tile) if 16 <= sum("HGMMA" in t for t in body) <= 20]
     selects = [sum(sass_loops.opcode(t) == "FSEL" for t in body) for body in steps]
     assert len(steps) >= 2
     assert min(selects) <= 2  # the rescale's guard of rows without a visible key; no per-element select
     assert max(selects) >= 64  # the masked loop selects every element of its block
-
 
 
 @pytest.mark.parametrize("tile", ["d64", "d128", "d256", "d256v128"])
@@ -139,12 +144,8 @@ def test_the_shipped_v3_forward_issues_a_steps_two_products_together(bench_scrip
     arrive) after them; the exponentials of block t+1 come after. In the schedule before, a step read
     HGMMA x8 (S_{t+1}), the softmax's exponentials, then HGMMA x8 (P_t V_t)."""
     sass_loops = bench_script("sass_loops")
-    path = HSA / "sm_90" / "v3" / f"fmha_fwd_v3_bf16_{tile}.cubin.gz"
-    (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
-    addresses, texts = [a for a, _ in listing], [t for _, t in listing]
-    steps = [body for body in (texts[first:last + 1] for first, last in sass_loops.find_loops(addresses, texts))
-             if 8 <= sum("HGMMA" in t for t in body) <= 20 and sum("MUFU.EX2" in t for t in body) >= 32
-             and sum(sass_loops.opcode(t) == "FSEL" for t in body) <= 2]
+    steps = [body for body in _forward_loops(sass_loops, tile)
+             if 8 <= sum("HGMMA" in t for t in body) <= 20 and sum(sass_loops.opcode(t) == "FSEL" for t in body) <= 2]
     assert steps
     for body in steps:
         products = [i for i, t in enumerate(body) if "HGMMA" in t]
