@@ -8,7 +8,7 @@ never need: Triton's `global_scratch`, the memory in which each program makes it
 of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
 
 The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same one,
-or 256 for queries and keys with 128 for values: 192/128), MHA, GQA and MQA, no mask, causal and sliding
+or 192 or 256 for queries and keys with 128 for values: `fwd_pair`), MHA, GQA and MQA, no mask, causal and sliding
 windows in either alignment, batch and varlen; not score terms or dropout. The backward serves those calls
 in every tile: non-deterministic ones by the portable atomic strategy (pre-pass, dK/dV with dQ
 added into a zeroed fp32 accumulator, conversion of dQ) with the v3 dK/dV kernel and the pre-pass and
@@ -33,16 +33,24 @@ KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 # at 64; the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
 # consumers and a loader warp). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
 # of K and V fill 192 KiB of the 227 KiB a program may have, and each consumer's 64 x 256 fp32
-# accumulator takes 128 of its 240 registers; the (256, 128) pair (192/128 heads) takes the same tile, O in
-# the first half of Q's tiles. At D=64 three consumers hold 160 registers each.
+# accumulator takes 128 of its 240 registers; the (256, 128) pair (queries and keys of 193..256, values of
+# 65..128) takes the same tile, O in the first half of Q's tiles. At D=64 three consumers hold 160 registers
+# each. The (192, 128) pair (LATENT_PAIR) takes 128 keys a block again: Q's 48 KiB and a 2-deep ring of
+# 128 x 192 K and 128 x 128 V tiles fill 208 KiB, and a consumer holds the 128 tile's accumulators (64 x 128
+# for S and for O); the kernel holds its Q and K tiles in two parts, 128 and 64 columns wide.
 FWD_TILES = {(64, 64): Tile(192, 64, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1),
-             (256, 128): Tile(128, 64, 4, 1)}
+             (256, 128): Tile(128, 64, 4, 1), (192, 128): Tile(128, 128, 4, 1)}
 FWD_PAIRS = tuple(FWD_TILES)
+# 192/128 heads (multi-head latent attention's) in a tile of their own rather than padded to 256 for queries
+# and keys. The forward's alone: the portable kernels need power-of-two tiles (abi.HEAD_DIM_PAIRS), and the
+# backward keeps the (256, 128) pair.
+LATENT_PAIR = (192, 128)
 # How a tile's consumers share the tensor cores (kernels/v3/fmha_fwd.py): FREE, each at its own pace; TURNS,
 # they take turns at their softmax (SOFTMAX_TURNS); PINGPONG, at issuing their products, FlashAttention-3's
 # schedule (PINGPONG). PINGPONG measured 1.02-1.03x FREE at D=128 and 1.04-1.15x TURNS at D=256 (NOTES.md, v3.9).
 FREE, TURNS, PINGPONG = "free", "turns", "pingpong"
-FWD_SCHEDULE = {(64, 64): PINGPONG, (128, 128): PINGPONG, (256, 256): PINGPONG, (256, 128): PINGPONG}
+FWD_SCHEDULE = {(64, 64): PINGPONG, (128, 128): PINGPONG, (256, 256): PINGPONG, (256, 128): PINGPONG,
+                (192, 128): PINGPONG}
 # The build choices of each schedule: constexprs beyond the signature's
 SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True}}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
@@ -73,6 +81,9 @@ MODE = _read_mode()
 # with the ping-pong it is 1.12-1.20x the portable forward at 2048 keys on an H100, and at 1024 keys causal
 # 0.89x (NOTES.md, v3.9; before the ping-pong from 4096). The 256 tile was 1.29-1.34x the portable forward on an H100 from 1024 keys
 # (NOTES.md, the H100 round of v3.3-v3.6) and runs from 1024 keys; the 64 tile was slower everywhere.
+# 192/128 heads stay on the portable forward until the (192, 128) tile, theirs in the 'all' mode, is measured
+# and a GPU suite has run with it (the (256, 128) tile, which served them before, was 1.23-1.38x the portable
+# forward at 1k and 2k keys but waited for that suite run: NOTES.md, the H100 round of v3.9).
 MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 2048, (256, 256): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
 # reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
@@ -96,6 +107,15 @@ def refresh_mode() -> None:
     """Re-read FMHA_RT_V3 (for a process that sets it after importing fmha_rt); clear the plan cache after."""
     global MODE
     MODE = _read_mode()
+
+
+def fwd_pair(problem) -> tuple:
+    """The forward's (query/key, value) tile of `problem`: LATENT_PAIR where it holds both head dims and the
+    query/key dim is wider than 128, abi.head_dim_tiles' choice elsewhere."""
+    dqk, dv = LATENT_PAIR
+    if LATENT_PAIR in FWD_TILES and 128 < problem.head_dim_qk <= dqk and problem.head_dim_v <= dv:
+        return LATENT_PAIR
+    return head_dim_tiles(problem)
 
 
 def fwd_key(dtype, pair):
@@ -159,7 +179,7 @@ def variants(arch: str) -> list[dict]:
 
 def serves_fwd(problem, arch) -> bool:
     """Whether the v3 forward runs `problem` on `arch` in the current MODE."""
-    pair = head_dim_tiles(problem)
+    pair = fwd_pair(problem)
     if MODE == "off" or not (arch in ARCHS and problem.dtype in DTYPES and pair in FWD_PAIRS
                              and problem_features(problem) == (BIAS_NONE, False)):
         return False
@@ -198,7 +218,7 @@ def _descriptor_region(nbytes, problem) -> list:
 
 
 def _fwd_block_m(problem) -> int:
-    return FWD_TILES[head_dim_tiles(problem)].block_m
+    return FWD_TILES[fwd_pair(problem)].block_m
 
 
 def _programs(problem) -> int:
@@ -250,6 +270,6 @@ def plan_fwd(problem, operands) -> list:
     DESCRIPTOR_REGION of fwd_scratch in their regions."""
     if not has_work(problem):
         return []
-    key = fwd_key(problem.dtype, head_dim_tiles(problem))
+    key = fwd_key(problem.dtype, fwd_pair(problem))
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
     return [forward_launch(key, problem, operands, _fwd_block_m(problem), scratch)]

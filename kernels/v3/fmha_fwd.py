@@ -13,6 +13,8 @@ entry), in partitions:
   choices SOFTMAX_TURNS and PINGPONG order the consumers: fmha_rt/plan/v3.py, FWD_SCHEDULE);
 - a loader (1 warp, 24 registers): TMA copies of the consumers' Q tiles, then K and V through a ring of
   STAGES buffers, each released by every consumer.
+Shared-memory tiles and TMA boxes are powers of two wide: Q and K tiles of the 192 head dims are held in two
+parts, their first 128 columns and the last 64 (the "rest"), S = Q K^T being the sum of two products.
 Tensor descriptors are made on the device, per (sequence, head), so their bounds are the sequence's and
 the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Making them takes
 Triton's global scratch memory (manifest `global_scratch`, per program), which the runtime provides.
@@ -37,6 +39,28 @@ LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows of one consumer: one warpgroup's wgmma M
 
 
+@gluon.constexpr_function
+def _whole_width(block_dqk):
+    """The columns of a Q or K tile held in one shared-memory tile: the largest power of two within BLOCK_DQK
+    (128 of 192, whose last 64 are held apart)."""
+    return 1 << (block_dqk.bit_length() - 1)
+
+
+@gluon.jit
+def _copy_qk_tile(desc, row, ready, dst, rest):
+    """TMA copy of the Q or K tile at `row` into `dst`, announced to `ready`. Where the tile is held in two
+    parts (`rest` narrower than `dst`), in boxes of the rest's width: `dst`'s columns, then the rest's."""
+    if rest.shape[1] < dst.shape[1]:
+        BOX: gl.constexpr = rest.shape[1]
+        mbarrier.expect(ready, (dst.shape[1] // BOX + 1) * desc.block_type.nbytes)
+        for i in gl.static_range(dst.shape[1] // BOX):
+            tma.async_copy_global_to_shared(desc, [row, i * BOX], ready, dst.slice(i * BOX, BOX, dim=1))
+        tma.async_copy_global_to_shared(desc, [row, dst.shape[1]], ready, rest)
+    else:
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, 0], ready, dst)
+
+
 @gluon.jit
 def _key_block(t, n_free, lo, full_lo, full_hi):
     """The t-th key block a program visits: the mask-free [full_lo, full_hi) first, then the masked
@@ -45,29 +69,31 @@ def _key_block(t, n_free, lo, full_lo, full_hi):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+def _loader(q_desc, k_desc, v_desc, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
             m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr):
     for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + c * ROWS, 0], q_ready.index(c), q_smem.index(c))
+        _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
     for t in range(n_blocks):
         stage = t % STAGES
         free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
         n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
         mbarrier.wait(k_empty.index(stage), free_phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_ready.index(stage), k_smem.index(stage))
+        _copy_qk_tile(k_desc, n0, k_ready.index(stage), k_smem.index(stage), k_rest_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), free_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _issue_scores(q, k_smem, k_ready, t, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """S_t = Q K_t^T issued on the tensor core once K_t has landed (not waited for)."""
+def _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, t, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """S_t = Q K_t^T issued on the tensor core once K_t has landed (not waited for): where Q and K are held
+    in two parts (`q_rest` narrower than `q`), the rest's product added to the first's."""
     mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
-    return warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                         use_acc=False, is_async=True)
+    s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    if q_rest.shape[1] < q.shape[1]:
+        s = warpgroup_mma(q_rest, k_rest_smem.index(t % STAGES).permute((1, 0)), s, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -127,17 +153,16 @@ def _softmax_in_turn(t, c: gl.constexpr, turn, turn_sums, s, m_i, l_i, masked, n
 
 
 @gluon.jit
-def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-          rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
-          o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr,
-          MASKED: gl.constexpr):
+def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+          turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+          o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr, MASKED: gl.constexpr):
     """Key block t of the loop: S_{t+1} on the tensor core while block t's softmax runs on the other units,
     then O += P_t V_t. Returns S_{t+1} and the running (O, row max, row sum). MASKED: block t may hold
     keys a row does not see (a build-time choice: see _consumer)."""
     # the stage indices first, as before the _issue helpers existed: that order keeps the measured objects' bytes
     stage = t % STAGES
     nxt = (t + 1) % STAGES
-    s_next = _issue_scores(q, k_smem, k_ready, t + 1, s_layout, BLOCK_N)
+    s_next = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, t + 1, s_layout, BLOCK_N)
     n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
     p, alpha, m_i, l_i = _softmax_in_turn(t, c, turn, turn_sums, s, m_i, l_i, MASKED, n0, rows, off, left, right,
                                           sk, scale_log2, s_layout, BLOCK_N, CONSUMERS, TURNS)
@@ -149,10 +174,9 @@ def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_re
 
 
 @gluon.jit
-def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   turn, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
-                   MASKED: gl.constexpr):
+def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
+                   v_empty, turn, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, MASKED: gl.constexpr):
     """Step t of the ping-pong (_pingpong_blocks): in its turn t + 1 the consumer issues S_{t+1} and
     O += P_t V_t back to back and passes the turn on; then block t+1's softmax runs beside P_t V_t and the
     other consumers' products. Returns (O, P_{t+1}, alpha_{t+1}, row max, row sum). MASKED: block t+1 may
@@ -162,7 +186,7 @@ def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, k_smem, v_sme
     the other consumers' products only. Keeping the wait below them (the row sums stored to shared memory
     before it, as _softmax_in_turn does) measured 0.96-1.0x of this form (NOTES.md, v3.9)."""
     _wait_turn(turn, t + 1, c)
-    s = _issue_scores(q, k_smem, k_ready, t + 1, s_layout, BLOCK_N)
+    s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, t + 1, s_layout, BLOCK_N)
     acc = _issue_product(acc, p, alpha, t, v_smem, v_ready, o_layout)
     mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
     s = warpgroup_mma_wait(1, deps=(s,))  # the older of the two products
@@ -176,8 +200,8 @@ def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, k_smem, v_sme
 
 
 @gluon.jit
-def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, rows,
-                     sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
+def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     turn, rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
     """A consumer's key blocks in FlashAttention-3's schedule (PINGPONG): every product is issued in the
     consumer's turn (S_0 in turn 0, step t's two in turn t + 1, the last P V in turn n_blocks), and the
@@ -186,7 +210,7 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready,
     Returns (O, row max, row sum) after every key block."""
     if n_blocks > 0:
         _wait_turn(turn, 0, c)
-        s = _issue_scores(q, k_smem, k_ready, 0, s_layout, BLOCK_N)
+        s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, 0, s_layout, BLOCK_N)
         mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
@@ -196,15 +220,13 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready,
         # As in _consumer, the steps whose softmax needs no mask (block t + 1 mask-free) and the others as two loops
         free_steps = gl.maximum(n_free - 1, 0)
         for t in range(free_steps):
-            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready,
-                                                     k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
-                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N,
-                                                     CONSUMERS, False)
+            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready,
+                                                     v_ready, k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
+                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, False)
         for t in range(free_steps, n_blocks - 1):
-            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready,
-                                                     k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
-                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N,
-                                                     CONSUMERS, True)
+            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready,
+                                                     v_ready, k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
+                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, True)
         last = n_blocks - 1
         _wait_turn(turn, n_blocks, c)
         acc = _issue_product(acc, p, alpha, last, v_smem, v_ready, o_layout)
@@ -215,10 +237,9 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, k_smem, v_smem, k_ready,
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-              o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-              BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+              turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+              BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -226,17 +247,18 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = m0 + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     q = q_smem.index(c)
+    q_rest = q_rest_smem.index(c)
     dtype: gl.constexpr = v_smem.dtype
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(c), 0)
     if PINGPONG:
-        acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                         rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+        acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
+                                         v_empty, turn, rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
                                          scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS)
     elif n_blocks > 0:
-        s = _issue_scores(q, k_smem, k_ready, 0, s_layout, BLOCK_N)
+        s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, 0, s_layout, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
         # Two loops, the mask-free blocks' and the masked ones': with one loop and a run-time `masked`, the
@@ -244,13 +266,13 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready
         # at D=128, where two consumers' instructions nearly fill the issue slots of the tensor cores' time).
         free_steps = gl.minimum(n_free, n_blocks - 1)
         for t in range(free_steps):
-            s, acc, m_i, l_i = _step(t, s, acc, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                     turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi,
-                                     scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, TURNS, False)
+            s, acc, m_i, l_i = _step(t, s, acc, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
+                                     v_empty, turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2,
+                                     s_layout, o_layout, BLOCK_N, CONSUMERS, TURNS, False)
         for t in range(free_steps, n_blocks - 1):
-            s, acc, m_i, l_i = _step(t, s, acc, m_i, l_i, c, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                     turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi,
-                                     scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, TURNS, True)
+            s, acc, m_i, l_i = _step(t, s, acc, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
+                                     v_empty, turn, turn_sums, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2,
+                                     s_layout, o_layout, BLOCK_N, CONSUMERS, TURNS, True)
         last = n_blocks - 1
         n0 = _key_block(last, n_free, lo, full_lo, full_hi) * BLOCK_N
         p, alpha, m_i, l_i = _softmax_in_turn(last, c, turn, turn_sums, s, m_i, l_i, last >= n_free, n0, rows, off, left,
@@ -323,23 +345,34 @@ def fmha_fwd(
     dqk = head_dim_qk_div8 * 8
     dv = head_dim_v_div8 * 8
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DQK], dtype)
+    # Q's and K's tiles held whole, QK_WHOLE wide, or in two parts, QK_WHOLE and BLOCK_DQK - QK_WHOLE wide; their
+    # TMA boxes the width of the narrower part (64 columns at 192: 128 bytes, the 128-wide part's swizzle)
+    QK_WHOLE: gl.constexpr = _whole_width(BLOCK_DQK)
+    QK_BOX: gl.constexpr = BLOCK_DQK - QK_WHOLE if QK_WHOLE < BLOCK_DQK else BLOCK_DQK
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, QK_WHOLE], dtype)
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype)
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, QK_WHOLE], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_desc = rows_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, h64, stride_q_h, sq, dqk, [ROWS, BLOCK_DQK],
+    q_desc = rows_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, h64, stride_q_h, sq, dqk, [ROWS, QK_BOX],
                              q_layout)
     o_desc = rows_descriptor(Out, b64, stride_o_b, q_row0, stride_o_s, h64, stride_o_h, sq, dv, [ROWS, BLOCK_DV],
                              o_layout)
-    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
+    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, QK_BOX],
                              k_layout)
     v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
                              v_layout)
     Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
 
-    gl.static_assert(BLOCK_DV <= BLOCK_DQK, "O's tile reuses Q's")
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_DQK], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DQK], k_layout)
+    gl.static_assert(BLOCK_DV <= QK_WHOLE, "O's tile reuses Q's")
+    gl.static_assert((QK_BOX == BLOCK_DQK) | (QK_BOX == 64), "a Q or K tile in two parts comes in 128-byte boxes")
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, QK_WHOLE], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, QK_WHOLE], k_layout)
+    if QK_WHOLE < BLOCK_DQK:
+        q_rest_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_DQK - QK_WHOLE], q_layout)
+        k_rest_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DQK - QK_WHOLE], k_layout)
+    else:  # held whole: the "rest" is the tile itself, never read
+        q_rest_smem = q_smem
+        k_rest_smem = k_smem
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -367,26 +400,26 @@ def fmha_fwd(
     # at 24 a thread (2 x 128 x 240 or 3 x 128 x 160, plus 128 x 24, within 65536).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
                          scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
                          scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                       m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                       v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
                          scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
                          scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (2, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn, turn_sums,
-                         o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+            (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
+                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
                          scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                       m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                       v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
         ], [4, 4, 1], [160, 160, 24])

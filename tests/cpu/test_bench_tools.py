@@ -122,7 +122,7 @@ def _forward_loops(sass_loops, tile) -> list:
     return [body for body in bodies if sum("MUFU.EX2" in t for t in body) >= 32]
 
 
-@pytest.mark.parametrize("tile", ["d128", "d256"])
+@pytest.mark.parametrize("tile", ["d128", "d256", "d192v128"])
 def test_the_shipped_v3_forward_has_a_key_loop_without_the_mask(bench_script, tile):
     """The v3 forward runs its mask-free key blocks in a loop of their own (NOTES.md, v3.8): each
     consumer has a step loop whose products and exponentials come without the mask's compares and
@@ -137,7 +137,7 @@ def test_the_shipped_v3_forward_has_a_key_loop_without_the_mask(bench_script, ti
     assert max(selects) >= 64  # the masked loop selects every element of its block
 
 
-@pytest.mark.parametrize("tile", ["d64", "d128", "d256", "d256v128"])
+@pytest.mark.parametrize("tile", ["d64", "d128", "d256", "d256v128", "d192v128"])
 def test_the_shipped_v3_forward_issues_a_steps_two_products_together(bench_script, tile):
     """The ping-pong (NOTES.md, v3.9): in a consumer's turn its mask-free step issues S_{t+1} = Q K^T and
     O += P_t V_t back to back, with no exponential between them, and hands the turn over (an mbarrier

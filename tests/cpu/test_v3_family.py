@@ -98,7 +98,9 @@ SERVED = {
     "Dqk 64, Dv 128 (the 128 tile)": dict(head_dim_qk=64, head_dim_v=128),
     "head dim 256": dict(head_dim_qk=256, head_dim_v=256),
     "head dim 192 (256 tile)": dict(head_dim_qk=192, head_dim_v=192),
-    "192/128 (the 256/128 pair)": dict(head_dim_qk=192, head_dim_v=128),
+    "192/128 (the 192/128 tile)": dict(head_dim_qk=192, head_dim_v=128),
+    "160/128 (the 192/128 tile)": dict(head_dim_qk=160, head_dim_v=128),
+    "256/128": dict(head_dim_qk=256, head_dim_v=128),
 }
 NOT_SERVED = {
     "head dim 32": dict(head_dim_qk=32, head_dim_v=32),
@@ -123,7 +125,8 @@ def test_serves_its_calls_on_sm_90_in_the_all_mode(case, v3_on, monkeypatch):
     (dict(seqlen_q=2048, seqlen_k=2047), False),
     (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=64, head_dim_v=64), False),
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
-], ids=["D=128 2k", "D=128 2k keys, short queries", "D=128 one key short", "D=64 4k", "dropout"])
+    (dict(seqlen_q=16384, seqlen_k=16384, head_dim_qk=192, head_dim_v=128), False),
+], ids=["D=128 2k", "D=128 2k keys, short queries", "D=128 one key short", "D=64 4k", "dropout", "192/128 16k"])
 def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(heads_k=8, **changes)
@@ -152,7 +155,8 @@ def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served
 
 def test_the_forward_tiles_take_192_rows_and_64_keys_at_head_dim_64_and_64_keys_at_256():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
-    for pair, tile in (((64, 64), (192, 64)), ((128, 128), (128, 128)), ((256, 256), (128, 64)), ((256, 128), (128, 64))):
+    for pair, tile in (((64, 64), (192, 64)), ((128, 128), (128, 128)), ((256, 256), (128, 64)), ((256, 128), (128, 64)),
+                       ((192, 128), (128, 128))):
         constexprs = variants[v3.fwd_key("bf16", pair)]["constexprs"]
         assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == tile
 
@@ -187,6 +191,59 @@ def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_for
     assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (2, 8, 2)
     descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
     assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("dims, fwd_pair, pair", [
+    ((192, 128), (192, 128), (256, 128)), ((160, 128), (192, 128), (256, 128)), ((136, 96), (192, 128), (256, 128)),
+    ((136, 64), (192, 128), (256, 256)), ((200, 128), (256, 128), (256, 128)), ((256, 128), (256, 128), (256, 128)),
+    ((192, 192), (256, 256), (256, 256)), ((256, 256), (256, 256), (256, 256)), ((128, 128), (128, 128), (128, 128)),
+    ((64, 128), (128, 128), (128, 128)),
+])
+def test_the_forward_takes_the_192_128_tile_where_it_holds_the_heads_and_the_rest_keeps_its_pair(dims, fwd_pair, pair):
+    """Queries and keys of 129..192 with values up to 128 pad within the forward's 192/128 tile; the portable
+    family and the v3 backward (head_dim_tiles) keep the pair they had for every head."""
+    p = problem(head_dim_qk=dims[0], head_dim_v=dims[1])
+    assert v3.fwd_pair(p) == fwd_pair
+    assert abi.head_dim_tiles(p) == pair
+
+
+def test_the_192_128_tile_is_the_forwards_alone():
+    """The portable kernels need power-of-two tiles: no portable variant and no v3 backward takes 192."""
+    assert v3.LATENT_PAIR not in abi.HEAD_DIM_PAIRS and v3.LATENT_PAIR not in v3.BWD_TILES
+    assert all(v["traits"].get("head_dim_qk_tile") != 192 for v in pp.variants("sm_90"))
+    backward = [v for v in v3.variants("sm_90") if v["traits"]["pass"] != "fwd"]
+    assert all(v["traits"].get("head_dim_qk_tile") != 192 for v in backward)
+
+
+def test_without_the_192_128_tile_the_forward_pads_to_256(monkeypatch):
+    tiles = {pair: tile for pair, tile in v3.FWD_TILES.items() if pair != v3.LATENT_PAIR}
+    monkeypatch.setattr(v3, "FWD_TILES", tiles)
+    assert v3.fwd_pair(problem(head_dim_qk=192, head_dim_v=128)) == (256, 128)
+
+
+def latent_operands(seqlen, regions):
+    """Stand-in operands of problem(head_dim_qk=192, head_dim_v=128, seqlen_q=seqlen_k=seqlen)'s tensors."""
+    q_rows, k_rows = (seqlen * 8 * 192, 8 * 192, 192, 1), (seqlen * 2 * 192, 2 * 192, 192, 1)
+    v_rows, out_rows = (seqlen * 2 * 128, 2 * 128, 128, 1), (seqlen * 8 * 128, 8 * 128, 128, 1)
+    strides = {"q": q_rows, "k": k_rows, "v": v_rows, "out": out_rows, "lse": (8 * seqlen, seqlen, 1)}
+    return pointed_operands(strides, regions)
+
+
+def test_the_all_mode_plans_a_192_128_forward_in_the_192_128_tile(v3_on):
+    p = problem(head_dim_qk=192, head_dim_v=128)  # 300 rows: three programs of 128 a (head, batch entry)
+    tensors = latent_operands(300, [v3.DESCRIPTOR_REGION])
+    (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
+    assert launch.variant == "fmha_fwd_v3_bf16_d192v128" and launch.grid == (3, 8, 2)
+    assert (launch.args["head_dim_qk_div8"], launch.args["head_dim_v_div8"]) == (24, 16)
+    assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * 3 * 8 * 2
+
+
+def test_the_measured_mode_leaves_the_192_128_forward_to_the_portable_family(monkeypatch):
+    monkeypatch.setattr(v3, "MODE", "measured")
+    p = problem(seqlen_q=16384, seqlen_k=16384, head_dim_qk=192, head_dim_v=128)
+    (launch,) = dispatch.plan_fwd(p, "sm_90", latent_operands(16384, []))
+    assert launch.variant == "fmha_fwd_bf16_d256v128_nobias_nodrop"
+    assert dispatch.fwd_scratch(p, "sm_90") == pp.fwd_scratch(p)
 
 
 @pytest.mark.parametrize("case", NOT_SERVED)
