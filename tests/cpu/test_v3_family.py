@@ -125,8 +125,13 @@ def test_serves_its_calls_on_sm_90_in_the_all_mode(case, v3_on, monkeypatch):
     (dict(seqlen_q=2048, seqlen_k=2047), False),
     (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=64, head_dim_v=64), False),
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
-    (dict(seqlen_q=16384, seqlen_k=16384, head_dim_qk=192, head_dim_v=128), False),
-], ids=["D=128 2k", "D=128 2k keys, short queries", "D=128 one key short", "D=64 4k", "dropout", "192/128 16k"])
+    (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=192, head_dim_v=128), True),
+    (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=192, head_dim_v=128), False),
+    (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=256, head_dim_v=128), True),
+    (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=256, head_dim_v=256), True),
+    (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=256, head_dim_v=256), False),
+], ids=["D=128 2k", "D=128 2k keys, short queries", "D=128 one key short", "D=64 4k", "dropout", "192/128 1k",
+        "192/128 one key short", "256/128 1k", "D=256 1k", "D=256 one key short"])
 def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(heads_k=8, **changes)
@@ -238,12 +243,13 @@ def test_the_all_mode_plans_a_192_128_forward_in_the_192_128_tile(v3_on):
     assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * 3 * 8 * 2
 
 
-def test_the_measured_mode_leaves_the_192_128_forward_to_the_portable_family(monkeypatch):
+def test_the_measured_mode_plans_a_192_128_forward_in_the_192_128_tile_from_1024_keys(monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
-    p = problem(seqlen_q=16384, seqlen_k=16384, head_dim_qk=192, head_dim_v=128)
-    (launch,) = dispatch.plan_fwd(p, "sm_90", latent_operands(16384, []))
-    assert launch.variant == "fmha_fwd_bf16_d256v128_nobias_nodrop"
-    assert dispatch.fwd_scratch(p, "sm_90") == pp.fwd_scratch(p)
+    for seqlen, variant in ((1024, "fmha_fwd_v3_bf16_d192v128"), (1000, "fmha_fwd_bf16_d256v128_nobias_nodrop")):
+        p = problem(seqlen_q=seqlen, seqlen_k=seqlen, head_dim_qk=192, head_dim_v=128)
+        regions = [v3.DESCRIPTOR_REGION] if seqlen >= 1024 else []
+        (launch,) = dispatch.plan_fwd(p, "sm_90", latent_operands(seqlen, regions))
+        assert launch.variant == variant
 
 
 @pytest.mark.parametrize("case", NOT_SERVED)
