@@ -4,7 +4,7 @@ they serve.
 A v3 kernel takes the signature of its function (abi.SIGNATURES), so a v3 launch is
 the portable plan's launch with another variant key and grid, plus one argument the portable kernels
 never need: Triton's `global_scratch`, the memory in which each program makes its TMA descriptors
-(GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
+(`fwd_global_scratch` and BWD_GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
 of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
 
 The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same one,
@@ -63,9 +63,10 @@ BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128))
 BWD_BLOCK_M = 64
 assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
-# 128-byte TMA descriptors a program: Q, K, V, O in the forward; K, V, Q, dO, dK, dV and the dQ accumulator
-# in the backward.
-GLOBAL_SCRATCH = {"fmha_fwd": 512, "fmha_bwd_dkdv": 896, "fmha_bwd_dkdv_ordered": 896}
+# 128-byte TMA descriptors a program: in the forward Q's, K's and V's (the loader's) and one of O for each
+# consumer (fwd_global_scratch); in the backward K, V, Q, dO, dK, dV and the dQ accumulator.
+DESCRIPTOR_BYTES = 128
+BWD_GLOBAL_SCRATCH = {"fmha_bwd_dkdv": 7 * DESCRIPTOR_BYTES, "fmha_bwd_dkdv_ordered": 7 * DESCRIPTOR_BYTES}
 GLOBAL_SCRATCH_ALIGN = 128
 DESCRIPTOR_REGION = "tma_descriptors"
 
@@ -137,9 +138,14 @@ def dq_convert_key(dtype, dqk_tile):
     return f"fmha_bwd_dq_convert_v3_{dtype}_d{dqk_tile}"
 
 
-def _gluon(variant, function):
-    return dict(variant, language="gluon", global_scratch=GLOBAL_SCRATCH[function],
-                global_scratch_align=GLOBAL_SCRATCH_ALIGN)
+def fwd_global_scratch(pair) -> int:
+    """The forward's descriptor bytes a program in the tile of `pair`: Q, K and V, and O for each of its
+    consumers (64 query rows each)."""
+    return DESCRIPTOR_BYTES * (3 + FWD_TILES[pair].block_m // 64)
+
+
+def _gluon(variant, scratch_bytes):
+    return dict(variant, language="gluon", global_scratch=scratch_bytes, global_scratch_align=GLOBAL_SCRATCH_ALIGN)
 
 
 def variants(arch: str) -> list[dict]:
@@ -158,7 +164,7 @@ def variants(arch: str) -> list[dict]:
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                           block_n=tile.block_n, deterministic=True, schedule=schedule, **{"pass": "fwd"})
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
-                                           module=KERNEL_MODULES["fwd"]), "fmha_fwd"))
+                                           module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
         for pair, tile in BWD_TILES.items():
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
@@ -170,7 +176,7 @@ def variants(arch: str) -> list[dict]:
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
                 out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, tile, constexprs,
-                                               traits, module=KERNEL_MODULES["bwd"]), function))
+                                               traits, module=KERNEL_MODULES["bwd"]), BWD_GLOBAL_SCRATCH[function]))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
@@ -210,7 +216,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
 def fwd_scratch(problem) -> Scratch:
     """The scratch of a forward the v3 family serves: the padding copies' regions (layout.fwd_scratch),
     then one region for its programs' descriptors."""
-    return padding_scratch(problem, _descriptor_region(GLOBAL_SCRATCH["fmha_fwd"] * _programs(problem), problem))
+    return padding_scratch(problem, _descriptor_region(fwd_global_scratch(fwd_pair(problem)) * _programs(problem), problem))
 
 
 def _descriptor_region(nbytes, problem) -> list:
@@ -239,7 +245,7 @@ def bwd_workspace(problem) -> Workspace:
     buffers."""
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
-    descriptors = _descriptor_region(GLOBAL_SCRATCH["fmha_bwd_dkdv"] * _bwd_programs(problem), problem)
+    descriptors = _descriptor_region(BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv"] * _bwd_programs(problem), problem)
     return backward_workspace(problem, strategy, order + descriptors)
 
 

@@ -16,8 +16,11 @@ entry), in partitions:
 Shared-memory tiles and TMA boxes are powers of two wide: Q and K tiles of the 192 head dims are held in two
 parts, their first 128 columns and the last 64 (the "rest"), S = Q K^T being the sum of two products.
 Tensor descriptors are made on the device, per (sequence, head), so their bounds are the sequence's and
-the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Making them takes
-Triton's global scratch memory (manifest `global_scratch`, per program), which the runtime provides.
+the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Each partition makes
+the ones it uses (the loader Q's, K's and V's, each consumer O's), so that the first copies wait for one
+descriptor, not four: making one takes about a microsecond, and the 128 tile's program at 2k keys about 30
+(NOTES.md, v3.11). They take Triton's global scratch memory (manifest `global_scratch`, per program), which
+the runtime provides.
 
 Sequences, windows and masks are the portable family's (kernels/portable/fmha_common.py, compiled as
 Gluon functions in kernels/v3/common.py): key j is visible from query i iff i + off - left <= j <= i + off +
@@ -32,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.v3.common import key_blocks, masked_block, rows_descriptor, sequence_extent, visible, window_sides
+from kernels.v3.common import key_blocks, masked_block, sequence_extent, visible, window_sides
 
 STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) fill 128 KiB beside Q's 32 KiB (D=128), 64 KiB (D=256)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -69,10 +72,27 @@ def _key_block(t, n_free, lo, full_lo, full_hi):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-            m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _descriptor(rows_base, stride_s, rows, dims, block_shape: gl.constexpr, layout: gl.constexpr):
+    """The TMA descriptor of `rows` rows of one head, `dims` wide, from `rows_base` (the sequence's first row
+    of the head): TMA fills what lies past `rows` or `dims` with zeros and clips stores there."""
+    return tma.make_tensor_descriptor(rows_base, [rows, dims], [stride_s, 1], block_shape, layout)
+
+
+@gluon.jit
+def _loader(q_rows, k_rows, v_rows, stride_q_s, stride_k_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, k_smem, k_rest_smem,
+            v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi,
+            CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, QK_BOX: gl.constexpr, BLOCK_DV: gl.constexpr):
+    """Makes Q's, K's and V's descriptors, each before its first copy and Q's first: making one takes about a
+    microsecond (its tensormap written to global memory, fenced, then fetched), Q's copies fly meanwhile."""
+    dtype: gl.constexpr = v_smem.dtype
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, k_smem.shape[2]], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
+    q_desc = _descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, QK_BOX], q_layout)
     for c in gl.static_range(CONSUMERS):
         _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
+    k_desc = _descriptor(k_rows, stride_k_s, sk, dqk, [BLOCK_N, QK_BOX], k_layout)
+    v_desc = _descriptor(v_rows, stride_v_s, sk, dv, [BLOCK_N, BLOCK_DV], v_layout)
     for t in range(n_blocks):
         stage = t % STAGES
         free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
@@ -238,8 +258,9 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_s
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-              turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-              BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr):
+              turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
+              scale_log2, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr,
+              PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -252,6 +273,9 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
+    # O's descriptor, made while Q's copy flies (each consumer its own: the loader's time is Q's, K's and V's)
+    o_desc = _descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
+                         gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
     mbarrier.wait(q_ready.index(c), 0)
     if PINGPONG:
         acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
@@ -350,17 +374,14 @@ def fmha_fwd(
     QK_WHOLE: gl.constexpr = _whole_width(BLOCK_DQK)
     QK_BOX: gl.constexpr = BLOCK_DQK - QK_WHOLE if QK_WHOLE < BLOCK_DQK else BLOCK_DQK
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, QK_WHOLE], dtype)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, QK_WHOLE], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_desc = rows_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, h64, stride_q_h, sq, dqk, [ROWS, QK_BOX],
-                             q_layout)
-    o_desc = rows_descriptor(Out, b64, stride_o_b, q_row0, stride_o_s, h64, stride_o_h, sq, dv, [ROWS, BLOCK_DV],
-                             o_layout)
-    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, QK_BOX],
-                             k_layout)
-    v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
-                             v_layout)
+    # The sequence's first row of the program's heads; the partitions make their descriptors from them
+    # (_loader, _consumer), so that no one waits for all four to be made
+    q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s + h64 * stride_q_h
+    o_base = Out + b64 * stride_o_b + q_row0 * stride_o_s + h64 * stride_o_h
+    k_rows = K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h
+    v_rows = V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h
     Lse_rows = Lse + b64 * lse_stride_b + h64 * lse_stride_h + q_row0
 
     gl.static_assert(BLOCK_DV <= QK_WHOLE, "O's tile reuses Q's")
@@ -401,25 +422,27 @@ def fmha_fwd(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                       v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_loader, (q_rows, k_rows, v_rows, stride_q_s, stride_k_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, k_smem,
+                       k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, m0, n_blocks, n_free, lo, full_lo,
+                       full_hi, CONSUMERS, BLOCK_N, QK_BOX, BLOCK_DV)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_desc, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                         scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                       v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_loader, (q_rows, k_rows, v_rows, stride_q_s, stride_k_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, k_smem,
+                       k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, m0, n_blocks, n_free, lo, full_lo,
+                       full_hi, CONSUMERS, BLOCK_N, QK_BOX, BLOCK_DV)),
         ], [4, 4, 1], [160, 160, 24])

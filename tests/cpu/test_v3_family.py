@@ -47,12 +47,27 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
         portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {})
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
-        assert v["global_scratch"] == v3.GLOBAL_SCRATCH[function]
+        assert v["global_scratch"] == plan_scratch(function, v["traits"])
         assert v["constexprs"]["BIAS_KIND"] == pp.BIAS_NONE and v["constexprs"]["DROPOUT"] is False
         if function.startswith("fmha_bwd_dkdv"):  # one set of entries; the 256 tiles run fmha_bwd_wide.py's program
             assert v["module"] == "kernels.v3.fmha_bwd"
     for key, function in rows.items():  # the portable family's kernels, built under this family's keys
         assert variants[key]["module"] == "kernels.portable.fmha_bwd" and "language" not in variants[key]
+
+
+def plan_scratch(function, traits) -> int:
+    """The global scratch a v3 variant of `function` declares, from its traits' tile."""
+    if function == "fmha_fwd":
+        return v3.fwd_global_scratch((traits["head_dim_qk_tile"], traits["head_dim_v_tile"]))
+    return v3.BWD_GLOBAL_SCRATCH[function]
+
+
+def test_a_forward_program_makes_q_k_v_and_one_o_descriptor_a_consumer():
+    """The loader makes Q's, K's and V's descriptors, each consumer its own of O (kernels/v3/fmha_fwd.py):
+    128 bytes each, two consumers in the 128-row tiles, three in the 192-row one."""
+    assert {pair: v3.fwd_global_scratch(pair) for pair in v3.FWD_PAIRS} == {
+        (64, 64): 768, (128, 128): 640, (256, 256): 640, (256, 128): 640, (192, 128): 640}
+    assert v3.BWD_GLOBAL_SCRATCH == {"fmha_bwd_dkdv": 896, "fmha_bwd_dkdv_ordered": 896}
 
 
 def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch):
@@ -64,7 +79,7 @@ def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch)
         assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
         if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3", "fmha_bwd_dkdv_ordered_v3")):
             # the build checked the compiler's figure against the plan's; the manifest records it
-            assert e.traits["global_scratch"] == v3.GLOBAL_SCRATCH[functions[e.key]]
+            assert e.traits["global_scratch"] == plan_scratch(functions[e.key], e.traits)
             assert e.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
             # a warpgroup a consumer (two, three in the forward's 192-row tile), then the loader warp (and the
             # ordered backward's dQ writer) in one more: whole warpgroups
@@ -195,7 +210,7 @@ def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_for
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
     assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (2, 8, 2)
     descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
-    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * 2 * 8 * 2
+    assert descriptors.nbytes == v3.fwd_global_scratch((64, 64)) * 2 * 8 * 2
 
 
 @pytest.mark.parametrize("dims, fwd_pair, pair", [
@@ -240,7 +255,7 @@ def test_the_all_mode_plans_a_192_128_forward_in_the_192_128_tile(v3_on):
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
     assert launch.variant == "fmha_fwd_v3_bf16_d192v128" and launch.grid == (3, 8, 2)
     assert (launch.args["head_dim_qk_div8"], launch.args["head_dim_v_div8"]) == (24, 16)
-    assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * 3 * 8 * 2
+    assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.fwd_global_scratch((192, 128)) * 3 * 8 * 2
 
 
 def test_the_measured_mode_plans_a_192_128_forward_in_the_192_128_tile_from_1024_keys(monkeypatch):
@@ -277,7 +292,7 @@ def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
     descriptors = scratch.regions[-1]
     programs = math.ceil(300 / 128) * 8 * 2
     assert descriptors.name == v3.DESCRIPTOR_REGION and not descriptors.zero_init
-    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_fwd"] * programs
+    assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0 and descriptors.offset >= padding.total_bytes
     assert scratch.total_bytes >= descriptors.offset + descriptors.nbytes
     assert dispatch.fwd_scratch(problem(seqlen_q=0), "sm_90").total_bytes == 0  # no programs, no descriptors
@@ -344,7 +359,7 @@ def test_a_served_call_launches_the_v3_kernel_and_a_hit_launches_the_same(monkey
     assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
     args = unpack(kernel, launch[2])
     assert args["Q"] == second.q.ptr and args["profile_scratch"] == 0
-    descriptors = v3.GLOBAL_SCRATCH["fmha_fwd"] * math.prod(launch[1])
+    descriptors = {v["key"]: v.get("global_scratch") for v in v3.variants("sm_90")}[kernel] * math.prod(launch[1])
     start, nbytes = scratch_of(args, made)  # inside a buffer the call allocated, with room for every program
     assert args["global_scratch"] % v3.GLOBAL_SCRATCH_ALIGN == 0
     assert args["global_scratch"] + descriptors <= start + nbytes
@@ -435,7 +450,7 @@ def test_the_wide_backward_plan_has_a_program_per_64_keys(v3_on):
     keys, and descriptors for each of its programs."""
     p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
     workspace = dispatch.bwd_workspace(p, "sm_90")
-    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * 5 * 2 * 2
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv"] * 5 * 2 * 2
     rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
     out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
     strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
@@ -456,7 +471,7 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     assert names[:4] == ["delta", "lse2", "dq_acc", v3.DESCRIPTOR_REGION] and names[4:]  # then padding
     assert workspace.region("dq_acc").zero_init
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2  # Hk = 8
+    assert descriptors.nbytes == v3.BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2  # Hk = 8
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0
 
 
@@ -573,7 +588,7 @@ def test_the_ordered_workspace_has_counters_for_the_families_query_blocks(ordere
     assert order.zero_init and order.dtype == "i32"
     assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / v3.BWD_BLOCK_M))
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3.GLOBAL_SCRATCH["fmha_bwd_dkdv_ordered"] * math.ceil(300 / 128) * 2 * 2
+    assert descriptors.nbytes == v3.BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv_ordered"] * math.ceil(300 / 128) * 2 * 2
 
 
 def test_the_ordered_plan_is_the_portable_ordered_launch_with_a_program_per_item(ordered_on):
