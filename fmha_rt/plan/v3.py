@@ -31,7 +31,7 @@ ARCHS = ("sm_90",)
 KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
 # 64 query rows a consumer warpgroup: 128 a program (two consumers) at head dims 128 and 256, 192 (three)
 # at 64; the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
-# consumers and a loader warp). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
+# consumers and two loader warps). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
 # of K and V fill 192 KiB of the 227 KiB a program may have, and each consumer's 64 x 256 fp32
 # accumulator takes 128 of its 240 registers; the (256, 128) pair (queries and keys of 193..256, values of
 # 65..128) takes the same tile, O in the first half of Q's tiles. At D=64 three consumers hold 160 registers
@@ -63,7 +63,7 @@ BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128))
 BWD_BLOCK_M = 64
 assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
-# 128-byte TMA descriptors a program: in the forward Q's, K's and V's (the loader's) and one of O for each
+# 128-byte TMA descriptors a program: in the forward Q's, K's and V's (the loaders') and one of O for each
 # consumer (fwd_global_scratch); in the backward K, V, Q, dO, dK, dV and the dQ accumulator.
 DESCRIPTOR_BYTES = 128
 BWD_GLOBAL_SCRATCH = {"fmha_bwd_dkdv": 7 * DESCRIPTOR_BYTES, "fmha_bwd_dkdv_ordered": 7 * DESCRIPTOR_BYTES}

@@ -11,15 +11,15 @@ entry), in partitions:
   others run their exponentials); a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before
   the softmax of key block j, so the two overlap, then O += P_j V_j with P_j from registers (the build
   choices SOFTMAX_TURNS and PINGPONG order the consumers: fmha_rt/plan/v3.py, FWD_SCHEDULE);
-- a loader (1 warp, 24 registers): TMA copies of the consumers' Q tiles, then K and V through a ring of
-  STAGES buffers, each released by every consumer.
+- two loaders (1 warp each, 24 registers, in one warpgroup): TMA copies of the consumers' Q tiles then
+  of V, and of K, each through a ring of STAGES buffers released by every consumer.
 Shared-memory tiles and TMA boxes are powers of two wide: Q and K tiles of the 192 head dims are held in two
 parts, their first 128 columns and the last 64 (the "rest"), S = Q K^T being the sum of two products.
 Tensor descriptors are made on the device, per (sequence, head), so their bounds are the sequence's and
 the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Each partition makes
-the ones it uses (the loader Q's, K's and V's, each consumer O's), so that the first copies wait for one
-descriptor, not four: making one takes about a microsecond, and the 128 tile's program at 2k keys about 30
-(NOTES.md, v3.11). They take Triton's global scratch memory (manifest `global_scratch`, per program), which
+the ones it uses (one loader Q's and V's, the other K's, each consumer O's), so that the first product's
+copies wait for one descriptor, not four: making one takes about a microsecond, and the 128 tile's program
+at 2k keys about 30 (NOTES.md, v3.11 and v3.12). They take Triton's global scratch memory (manifest `global_scratch`, per program), which
 the runtime provides.
 
 Sequences, windows and masks are the portable family's (kernels/portable/fmha_common.py, compiled as
@@ -79,29 +79,30 @@ def _descriptor(rows_base, stride_s, rows, dims, block_shape: gl.constexpr, layo
 
 
 @gluon.jit
-def _loader(q_rows, k_rows, v_rows, stride_q_s, stride_k_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, k_smem, k_rest_smem,
-            v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi,
-            CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, QK_BOX: gl.constexpr, BLOCK_DV: gl.constexpr):
-    """Makes Q's, K's and V's descriptors, each before its first copy and Q's first: making one takes about a
-    microsecond (its tensormap written to global memory, fenced, then fetched), Q's copies fly meanwhile."""
-    dtype: gl.constexpr = v_smem.dtype
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
-    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, k_smem.shape[2]], dtype)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    q_desc = _descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, QK_BOX], q_layout)
-    for c in gl.static_range(CONSUMERS):
-        _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
-    k_desc = _descriptor(k_rows, stride_k_s, sk, dqk, [BLOCK_N, QK_BOX], k_layout)
-    v_desc = _descriptor(v_rows, stride_v_s, sk, dv, [BLOCK_N, BLOCK_DV], v_layout)
+def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk, dqk, kv_dims, q_smem, q_rest_smem, kv_smem,
+            kv_rest_smem, q_ready, kv_ready, kv_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS: gl.constexpr,
+            BLOCK_N: gl.constexpr):
+    """One of the two loader warps: KEYS, the ring of K tiles; otherwise Q's tiles, then the ring of V tiles.
+    Each makes the descriptors it uses just before its first copy, so that Q's and K's, the first product's
+    operands, are made at the same time: making one takes about a microsecond (its tensormap written to
+    global memory, fenced, then fetched). A tile held in two parts (Q and K at 192) comes in boxes of its
+    rest's width."""
+    dtype: gl.constexpr = kv_smem.dtype
+    if not KEYS:
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
+        Q_BOX: gl.constexpr = q_rest_smem.shape[2]
+        q_desc = _descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
+        for c in gl.static_range(CONSUMERS):
+            _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_smem.shape[2]], dtype)
+    KV_BOX: gl.constexpr = kv_rest_smem.shape[2]
+    kv_desc = _descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
     for t in range(n_blocks):
         stage = t % STAGES
         free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
         n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
-        mbarrier.wait(k_empty.index(stage), free_phase)
-        _copy_qk_tile(k_desc, n0, k_ready.index(stage), k_smem.index(stage), k_rest_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), free_phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(stage), v_smem.index(stage))
+        mbarrier.wait(kv_empty.index(stage), free_phase)
+        _copy_qk_tile(kv_desc, n0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
 
 
 @gluon.jit
@@ -273,7 +274,7 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
-    # O's descriptor, made while Q's copy flies (each consumer its own: the loader's time is Q's, K's and V's)
+    # O's descriptor, made while Q's copy flies (each consumer its own: the loaders' time is Q's, K's and V's)
     o_desc = _descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
                          gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
     mbarrier.wait(q_ready.index(c), 0)
@@ -417,7 +418,7 @@ def fmha_fwd(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
-    # A consumer thread's registers (setmaxnreg): what the register file leaves beside the loader's warpgroup
+    # A consumer thread's registers (setmaxnreg): what the register file leaves beside the loaders' warpgroup
     # at 24 a thread (2 x 128 x 240 or 3 x 128 x 160, plus 128 x 24, within 65536).
     if CONSUMERS == 2:
         gl.warp_specialize([
@@ -427,10 +428,11 @@ def fmha_fwd(
             (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
                          turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
                          full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_loader, (q_rows, k_rows, v_rows, stride_q_s, stride_k_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, k_smem,
-                       k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, m0, n_blocks, n_free, lo, full_lo,
-                       full_hi, CONSUMERS, BLOCK_N, QK_BOX, BLOCK_DV)),
-        ], [4, 1], [240, 24])
+            (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
+                       q_ready, v_ready, v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+            (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
+                       q_ready, k_ready, k_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+        ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
@@ -442,7 +444,8 @@ def fmha_fwd(
             (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
                          turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
                          full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_loader, (q_rows, k_rows, v_rows, stride_q_s, stride_k_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, k_smem,
-                       k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, m0, n_blocks, n_free, lo, full_lo,
-                       full_hi, CONSUMERS, BLOCK_N, QK_BOX, BLOCK_DV)),
-        ], [4, 4, 1], [160, 160, 24])
+            (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
+                       q_ready, v_ready, v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+            (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
+                       q_ready, k_ready, k_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+        ], [4, 4, 1, 1], [160, 160, 24, 24])

@@ -88,20 +88,20 @@ def _wait_turn(c, k):
 
 
 def _forward_barriers(m, consumers, n_blocks):
-    """The barriers of the forward and its loader partition, shared by both schedules."""
+    """The barriers of the forward and its two loader partitions (K's ring; V's), shared by both schedules."""
     m.barriers.update({f"{name}{i}": Barrier(1) for name in ("k_ready", "v_ready") for i in range(STAGES)})
     m.barriers.update({f"{name}{i}": Barrier(consumers) for name in ("k_empty", "v_empty") for i in range(STAGES)})
     m.barriers.update({f"turn{c}": Barrier(1) for c in range(consumers)})
 
-    def loader():
+    def loader(kv):
         for t in range(n_blocks):
             stage, free = t % STAGES, ((t // STAGES) & 1) ^ 1
-            for kv in ("k", "v"):
-                yield ("wait", f"{kv}_empty{stage}", free)
-                yield ("write", f"{kv.upper()}{stage}", t)
-                yield ("arrive", f"{kv}_ready{stage}")
+            yield ("wait", f"{kv}_empty{stage}", free)
+            yield ("write", f"{kv.upper()}{stage}", t)
+            yield ("arrive", f"{kv}_ready{stage}")
 
-    m.add("loader", loader())
+    m.add("k_loader", loader("k"))
+    m.add("v_loader", loader("v"))
 
 
 def _forward(m, consumers, n_blocks, turns):

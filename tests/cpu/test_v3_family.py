@@ -63,7 +63,7 @@ def plan_scratch(function, traits) -> int:
 
 
 def test_a_forward_program_makes_q_k_v_and_one_o_descriptor_a_consumer():
-    """The loader makes Q's, K's and V's descriptors, each consumer its own of O (kernels/v3/fmha_fwd.py):
+    """The loaders make Q's, K's and V's descriptors, each consumer its own of O (kernels/v3/fmha_fwd.py):
     128 bytes each, two consumers in the 128-row tiles, three in the 192-row one."""
     assert {pair: v3.fwd_global_scratch(pair) for pair in v3.FWD_PAIRS} == {
         (64, 64): 768, (128, 128): 640, (256, 256): 640, (256, 128): 640, (192, 128): 640}
