@@ -4,7 +4,7 @@ they serve.
 A v3 kernel takes the signature of its function (abi.SIGNATURES), so a v3 launch is
 the portable plan's launch with another variant key and grid, plus one argument the portable kernels
 never need: Triton's `global_scratch`, the memory in which each program makes its TMA descriptors
-(`fwd_global_scratch` and BWD_GLOBAL_SCRATCH bytes a program, which the build checks against the compiler's figure). It is a region
+(`fwd_global_scratch` and `bwd_global_scratch` bytes a program, which the build checks against the compiler's figure). It is a region
 of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
 
 The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same one,
@@ -63,10 +63,11 @@ BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128))
 BWD_BLOCK_M = 64
 assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
-# 128-byte TMA descriptors a program: in the forward Q's, K's and V's (the loaders') and one of O for each
-# consumer (fwd_global_scratch); in the backward K, V, Q, dO, dK, dV and the dQ accumulator.
+# 128-byte TMA descriptors a program, each made by the partition that uses it: in the forward Q's, K's and
+# V's (the loaders') and one of O for each consumer (fwd_global_scratch); in the backward K's, V's, Q's and
+# dO's (the loaders') and dK's, dV's and the dQ accumulator's for each of the two consumers, but for the
+# ORDERED form's 64 and 128 tiles, where one dQ writer adds dQ (bwd_global_scratch).
 DESCRIPTOR_BYTES = 128
-BWD_GLOBAL_SCRATCH = {"fmha_bwd_dkdv": 7 * DESCRIPTOR_BYTES, "fmha_bwd_dkdv_ordered": 7 * DESCRIPTOR_BYTES}
 GLOBAL_SCRATCH_ALIGN = 128
 DESCRIPTOR_REGION = "tma_descriptors"
 
@@ -145,6 +146,14 @@ def fwd_global_scratch(pair) -> int:
     return DESCRIPTOR_BYTES * (3 + FWD_TILES[pair].block_m // 64)
 
 
+def bwd_global_scratch(function, pair) -> int:
+    """The dK/dV kernel's descriptor bytes a program (`function`: fmha_bwd_dkdv or fmha_bwd_dkdv_ordered) in
+    the tile of `pair`."""
+    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair not in BWD_WIDE_PAIRS
+    consumers = 2 * 2 + (1 if dq_writer else 2)
+    return DESCRIPTOR_BYTES * (4 + consumers)
+
+
 def _gluon(variant, scratch_bytes):
     return dict(variant, language="gluon", global_scratch=scratch_bytes, global_scratch_align=GLOBAL_SCRATCH_ALIGN)
 
@@ -177,7 +186,7 @@ def variants(arch: str) -> list[dict]:
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
                 out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, tile, constexprs,
-                                               traits, module=KERNEL_MODULES["bwd"]), BWD_GLOBAL_SCRATCH[function]))
+                                               traits, module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
@@ -246,7 +255,9 @@ def bwd_workspace(problem) -> Workspace:
     buffers."""
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
-    descriptors = _descriptor_region(BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv"] * _bwd_programs(problem), problem)
+    function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
+    descriptors = _descriptor_region(bwd_global_scratch(function, head_dim_tiles(problem)) * _bwd_programs(problem),
+                                     problem)
     return backward_workspace(problem, strategy, order + descriptors)
 
 

@@ -21,19 +21,20 @@ visible = gluon.jit(fmha_common.visible.fn)
 
 
 @gluon.jit
-def rows_descriptor(Base, b64, stride_b, row0, stride_s, head64, stride_h, rows, dims, block_shape, layout):
-    """Rows [row0, row0 + rows) of head `head64` of batch entry `b64`, `dims` wide, in tiles of
-    `block_shape`: TMA fills what lies past `rows` or `dims` with zeros and clips stores there."""
-    return tma.make_tensor_descriptor(Base + b64 * stride_b + row0 * stride_s + head64 * stride_h, [rows, dims],
-                                      [stride_s, 1], block_shape, layout)
+def rows_descriptor(rows_base, stride_s, rows, dims, block_shape: gl.constexpr, layout: gl.constexpr):
+    """`rows` rows of one head from `rows_base` (the sequence's first row of the head), `dims` wide, in tiles
+    of `block_shape`: TMA fills what lies past `rows` or `dims` with zeros and clips stores there."""
+    return tma.make_tensor_descriptor(rows_base, [rows, dims], [stride_s, 1], block_shape, layout)
 
 
 @gluon.jit
-def heads_descriptor(Base, b64, stride_b, row0, stride_s, stride_h, rows, heads, dims, block_rows, block_dims, layout):
-    """Rows [row0, row0 + rows) of every head of batch entry `b64` by (row, head, dim), in [block_rows, 1,
-    block_dims] tiles: one descriptor serves every query head of a group, with the same bounds as above."""
-    return tma.make_tensor_descriptor(Base + b64 * stride_b + row0 * stride_s, [rows, heads, dims],
-                                      [stride_s, stride_h, 1], [block_rows, 1, block_dims], layout)
+def heads_descriptor(rows_base, stride_s, stride_h, rows, heads, dims, block_rows: gl.constexpr, block_dims: gl.constexpr,
+                     layout: gl.constexpr):
+    """`rows` rows of every head from `rows_base` (the sequence's first row of head 0) by (row, head, dim), in
+    [block_rows, 1, block_dims] tiles: one descriptor serves every query head of a group, with the same bounds
+    as above."""
+    return tma.make_tensor_descriptor(rows_base, [rows, heads, dims], [stride_s, stride_h, 1],
+                                      [block_rows, 1, block_dims], layout)
 
 
 @builtin
@@ -78,21 +79,30 @@ STAGES = gl.constexpr(2)  # the backward's Q/dO ring depth
 
 
 @gluon.jit
-def load_keys_and_query_blocks(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
-                               q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M: gl.constexpr):
-    """The backward's loader partition (fmha_bwd.py's and fmha_bwd_wide.py's): K and V of the program once,
-    then Q and dO of each step through the ring of STAGES buffers."""
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_ready, v_smem)
+def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo_s, stride_qo_h, qo_dims, kv_smem, qo_smem,
+                               kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0, n_steps,
+                               BLOCK_M: gl.constexpr):
+    """One of the backward's two loader warps (fmha_bwd.py's and fmha_bwd_wide.py's): one copies K and Q, the
+    other V and dO. Each makes its two descriptors, each before its first copy: its key tile's (the
+    program's rows of the key head), copied once, and its query tiles', by (row, query head, dim) so that
+    one serves every head of the group, copied each step through the ring of STAGES buffers. Making a
+    descriptor takes about a microsecond, so the first step waits for two, not for seven made in a row.
+    Both loaders arrive on `kv_ready` and `q_ready` (count 2), each expecting its own bytes."""
+    kv_box: gl.constexpr = kv_smem.shape
+    kv_layout: gl.constexpr = kv_smem.layout
+    qo_box: gl.constexpr = qo_smem.shape[3]
+    qo_layout: gl.constexpr = qo_smem.layout
+    kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, kv_box, kv_layout)
+    mbarrier.expect(kv_ready, kv_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kv_desc, [n0, 0], kv_ready, kv_smem)
+    qo_desc = heads_descriptor(qo_rows, stride_qo_s, stride_qo_h, sq, num_heads_q, qo_dims, BLOCK_M, qo_box, qo_layout)
     for t in range(n_steps):
         stage = t % STAGES
         mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's last phase is done
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(stage), qo_desc.block_type.nbytes)
         g = t // blocks
         m0 = (lo + t - g * blocks) * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [m0, h0 + g, 0], q_ready.index(stage), q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [m0, h0 + g, 0], q_ready.index(stage), do_smem.index(stage))
+        tma.async_copy_global_to_shared(qo_desc, [m0, h0 + g, 0], q_ready.index(stage), qo_smem.index(stage))
 
 
 @gluon.jit

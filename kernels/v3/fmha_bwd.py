@@ -101,24 +101,24 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
         dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full)
-        return dk, dv
-    # dQ goes to the accumulator through shared memory, one bulk TMA addition of the tile (the memory
-    # system adds; rows past the sequence and columns past the head dim are clipped by the descriptor):
-    # element-wise atomics, 16 a thread a step, held the warps until the LSU queue drained them (NOTES.md,
-    # v3.1 attempt). The previous step's addition must have read the buffer first.
-    tma.store_wait(0)
-    dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
-    fence_async_shared()
-    tma_add_shared_to_global(dq_desc, [m0, h0 + g, c * (BLOCK_DQK // 2)], dq_c)
+    else:
+        # dQ goes to the accumulator through shared memory, one bulk TMA addition of the tile (the memory
+        # system adds; rows past the sequence and columns past the head dim are clipped by the descriptor):
+        # element-wise atomics, 16 a thread a step, held the warps until the LSU queue drained them (NOTES.md,
+        # v3.1 attempt). The previous step's addition must have read the buffer first.
+        tma.store_wait(0)
+        dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
+        fence_async_shared()
+        tma_add_shared_to_global(dq_desc, [m0, h0 + g, c * (BLOCK_DQK // 2)], dq_c)
     return dk, dv
 
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-              ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-              dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-              softmax_scale, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
-              BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
+              ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dq_s,
+              stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n0, lo, blocks,
+              full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale, BLOCK_M: gl.constexpr,
+              HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DQK, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,6 +130,20 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     dq_c = dq_smem.index(c)
     dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
     dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
+    # This consumer's descriptors, made while the loaders' first copies fly: its halves of dK and dV, and
+    # the fp32 dQ accumulator by (row, query head, dim) in its half of the columns (the ORDERED form's
+    # writer makes its own)
+    dtype: gl.constexpr = q_smem.dtype
+    dk_desc = rows_descriptor(dk_rows, stride_dk_s, sk, dqk, [HALF_N, BLOCK_DQK],
+                              gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype))
+    dv_desc = rows_descriptor(dv_rows, stride_dv_s, sk, dv_dims, [HALF_N, BLOCK_DV],
+                              gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype))
+    if ORDERED:
+        dq_desc = None
+    else:
+        dq_layout: gl.constexpr = dq_smem.layout
+        dq_desc = heads_descriptor(dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, BLOCK_M, BLOCK_DQK // 2,
+                                   dq_layout)
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
         dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty, ds_full,
@@ -140,7 +154,6 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
         # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
         last = n_steps - 1
         mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
-    dtype: gl.constexpr = q_smem.dtype
     dk_out = k_smem.slice(c * HALF_N, HALF_N)
     dv_out = v_smem.slice(c * HALF_N, HALF_N)
     dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
@@ -163,13 +176,17 @@ def _release(counter, token):
 
 
 @gluon.jit
-def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, Counters, counters_per_head, h0, n0, lo, blocks, n_steps, off, left,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
+def _dq_writer(dq_smem, dq_full, dq_empty, dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, Counters,
+               counters_per_head, h0, n0, lo, blocks, n_steps, off, left, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_DQK: gl.constexpr):
     """The ORDERED form's dQ writer: step t's tile, once both consumers have left their halves and the
     tile's counter equals this key block's rank, goes to the accumulator by two bulk TMA reductions. The
     counter is released one step later, after the next tile's reductions are issued, once these are
     complete: the wait for completion overlaps the next step instead of adding to it. Holding it that
     long cannot deadlock: only larger key blocks (later tickets) wait for this one."""
+    dq_layout: gl.constexpr = dq_smem.layout
+    dq_desc = heads_descriptor(dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, BLOCK_M, BLOCK_DQK // 2,
+                               dq_layout)
     token = n0
     previous = Counters
     for t in range(n_steps):
@@ -320,29 +337,20 @@ def _dkdv_program(
         v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
         do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
-        dk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype)
-        dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype)
-        k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
-                                 k_layout)
-        v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
-                                 v_layout)
-        # Q and dO by (row, query head, dim), so that one descriptor serves every head of the group
-        q_desc = heads_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, stride_q_h, sq, num_heads_q, dqk, BLOCK_M,
-                                  BLOCK_DQK, q_layout)
-        do_desc = heads_descriptor(dO, b64, stride_do_b, q_row0, stride_do_s, stride_do_h, sq, num_heads_q, dv, BLOCK_M,
-                                   BLOCK_DV, do_layout)
-        dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk, [HALF_N, BLOCK_DQK],
-                                  dk_layout)
-        dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv, [HALF_N, BLOCK_DV],
-                                  dv_layout)
+        # The sequence's first rows: of the key head in K, V, dK and dV; of every head in Q, dO and the fp32 dQ
+        # accumulator (whose rows are the head dim rounded up to 8, not the tile, so the column bound of its
+        # descriptor keeps a tile's additions off the next head). The partitions make the descriptors.
+        k_rows = K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h
+        v_rows = V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h
+        dk_rows = dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
+        dv_rows = dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h
+        q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s
+        do_rows = dO + b64 * stride_do_b + q_row0 * stride_do_s
+        dq_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s
         stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
         Lse2_head0 = Lse2 + stats
         Delta_head0 = Delta + stats
-        # the fp32 dQ accumulator as Q, in each consumer's half of the columns; its rows are the head dim rounded
-        # up to 8, not the tile, so the column bound keeps a tile's additions off the next head
         dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
-        dq_desc = heads_descriptor(DqAcc, b64, stride_dqacc_b, q_row0, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
-                                   BLOCK_M, BLOCK_DQK // 2, dq_acc_layout)
 
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
@@ -358,9 +366,9 @@ def _dkdv_program(
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
+        mbarrier.init(kv_ready, count=2)  # both loaders' key tiles are in
         for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_ready.index(i), count=2)  # both loaders' query tiles are in
             mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)  # both halves of dS are in
@@ -375,28 +383,41 @@ def _dkdv_program(
             counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
             gl.warp_specialize([
                 (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-                             dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
-                             scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
+                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
+                             dqk, dv, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
                 (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-                             dk_desc, dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
-                             scale_log2, softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
-                (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
-                                              q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
-                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo,
-                              blocks, n_steps, off, left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
-            ], [4, 1, 1], [240, 24, 24])
+                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
+                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
+                             dqk, dv, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
+                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
+                                              n_steps, BLOCK_M)),
+                (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
+                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
+                                              n_steps, BLOCK_M)),
+                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_rows, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
+                              counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, off, left, BLOCK_M,
+                              BLOCK_N, BLOCK_DQK)),
+            ], [4, 1, 1, 1], [240, 24, 24, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
-                             dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dqacc_s,
+                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv, n0, lo,
+                             blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+                             BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
                 (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, dk_desc,
-                             dv_desc, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
-                (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
-                                              q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
-            ], [4, 1], [240, 24])
+                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dqacc_s,
+                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv, n0, lo,
+                             blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
+                             BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
+                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
+                                              n_steps, BLOCK_M)),
+                (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
+                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
+                                              n_steps, BLOCK_M)),
+            ], [4, 1, 1], [240, 24, 24])

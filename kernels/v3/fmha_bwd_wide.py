@@ -76,9 +76,10 @@ def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty,
-              p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc,
-              dv_desc, counters, counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left,
-              right, scale_log2, softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
+              p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dq_s,
+              stride_dq_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, counters,
+              counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
+              softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
               BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
     HALF_DQK: gl.constexpr = BLOCK_DQK // 2
     HALF_DV: gl.constexpr = BLOCK_DV // 2
@@ -94,6 +95,16 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
     QUARTERS: gl.constexpr = HALF_DQK // DQ_COLUMNS  # a consumer's dQ additions (bulk groups) a step
     dk = gl.zeros([BLOCK_N, HALF_DQK], gl.float32, dk_layout)
     dv = gl.zeros([BLOCK_N, HALF_DV], gl.float32, dv_layout)
+    # This consumer's descriptors, made while the loaders' first copies fly: dK and dV by halves of the head
+    # dims, in K's and V's swizzles (they leave through K's and V's memory), and the fp32 dQ accumulator
+    dk_out_layout: gl.constexpr = k_smem.layout
+    dv_out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF_DV], dtype)
+    v_layout: gl.constexpr = v_smem.layout
+    gl.static_assert(dv_out_layout.swizzle_byte_width == v_layout.swizzle_byte_width, "dV's tiles take V's swizzle")
+    dq_acc_layout: gl.constexpr = dq_smem.layout
+    dk_desc = rows_descriptor(dk_rows, stride_dk_s, sk, dqk, [BLOCK_N, HALF_DQK], dk_out_layout)
+    dv_desc = rows_descriptor(dv_rows, stride_dv_s, sk, dv_dims, [BLOCK_N, HALF_DV], dv_out_layout)
+    dq_desc = heads_descriptor(dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, BLOCK_M, DQ_COLUMNS, dq_acc_layout)
     token = n0  # orders the ORDERED form's waits and fences
     previous = counters
     mbarrier.wait(kv_ready, 0)
@@ -205,30 +216,20 @@ def wide_program(
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
     do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
-    # dK and dV leave through K's and V's memory in their swizzles (a buffer is aligned for its own)
-    dk_layout: gl.constexpr = k_layout
-    dv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV // 2], dtype)
-    gl.static_assert(dv_layout.swizzle_byte_width == v_layout.swizzle_byte_width, "dV's tiles take V's swizzle")
-    k_desc = rows_descriptor(K, b64, stride_k_b, k_row0, stride_k_s, hk64, stride_k_h, sk, dqk, [BLOCK_N, BLOCK_DQK],
-                             k_layout)
-    v_desc = rows_descriptor(V, b64, stride_v_b, k_row0, stride_v_s, hk64, stride_v_h, sk, dv, [BLOCK_N, BLOCK_DV],
-                             v_layout)
-    q_desc = heads_descriptor(Q, b64, stride_q_b, q_row0, stride_q_s, stride_q_h, sq, num_heads_q, dqk, BLOCK_M,
-                              BLOCK_DQK, q_layout)
-    do_desc = heads_descriptor(dO, b64, stride_do_b, q_row0, stride_do_s, stride_do_h, sq, num_heads_q, dv, BLOCK_M,
-                               BLOCK_DV, do_layout)
-    dk_desc = rows_descriptor(dK, b64, stride_dk_b, k_row0, stride_dk_s, hk64, stride_dk_h, sk, dqk,
-                              [BLOCK_N, BLOCK_DQK // 2], dk_layout)
-    dv_desc = rows_descriptor(dV, b64, stride_dv_b, k_row0, stride_dv_s, hk64, stride_dv_h, sk, dv,
-                              [BLOCK_N, BLOCK_DV // 2], dv_layout)
+    # The sequence's first rows: of the key head in K, V, dK and dV; of every head in Q, dO and the fp32 dQ
+    # accumulator (whose rows are the head dim rounded up to 8, not the tile, so the column bound of its
+    # descriptor keeps a quarter's additions off the next head). The partitions make the descriptors.
+    k_rows = K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h
+    v_rows = V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h
+    dk_rows = dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
+    dv_rows = dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h
+    q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s
+    do_rows = dO + b64 * stride_do_b + q_row0 * stride_do_s
+    dq_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s
     stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
     Lse2_head0 = Lse2 + stats
     Delta_head0 = Delta + stats
-    # the fp32 dQ accumulator as Q, in [BLOCK_M, 1, DQ_COLUMNS] quarters; its rows are the head dim rounded up
-    # to 8, not the tile, so the column bound keeps a quarter's additions off the next head
     dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, DQ_COLUMNS], gl.float32)
-    dq_desc = heads_descriptor(DqAcc, b64, stride_dqacc_b, q_row0, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
-                               BLOCK_M, DQ_COLUMNS, dq_acc_layout)
 
     sp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
@@ -245,9 +246,9 @@ def wide_program(
     p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_ready, count=2)  # both loaders' key tiles are in
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=2)  # both loaders' query tiles are in
         mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
     mbarrier.init(p_full, count=1)  # consumer 0 made P
     mbarrier.init(p_empty, count=2)  # both consumers' products read it
@@ -263,13 +264,19 @@ def wide_program(
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, p_full,
-                     p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc,
-                     dv_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq,
-                     sk, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
+                     p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dqacc_s,
+                     stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv, counters,
+                     gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                     scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (_consumer, (1, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, q_empty, p_full,
-                     p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, dk_desc,
-                     dv_desc, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq,
-                     sk, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
-        (load_keys_and_query_blocks, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
-                                      q_ready, q_empty, n0, lo, blocks, h0, n_steps, BLOCK_M)),
-    ], [4, 1], [240, 24])
+                     p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dqacc_s,
+                     stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv, counters,
+                     gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
+                     scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
+        (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
+                                      kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0, n_steps,
+                                      BLOCK_M)),
+        (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
+                                      kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0, n_steps,
+                                      BLOCK_M)),
+    ], [4, 1, 1], [240, 24, 24])

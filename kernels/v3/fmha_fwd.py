@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.v3.common import key_blocks, masked_block, sequence_extent, visible, window_sides
+from kernels.v3.common import key_blocks, masked_block, rows_descriptor, sequence_extent, visible, window_sides
 
 STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) fill 128 KiB beside Q's 32 KiB (D=128), 64 KiB (D=256)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -72,13 +72,6 @@ def _key_block(t, n_free, lo, full_lo, full_hi):
 
 
 @gluon.jit
-def _descriptor(rows_base, stride_s, rows, dims, block_shape: gl.constexpr, layout: gl.constexpr):
-    """The TMA descriptor of `rows` rows of one head, `dims` wide, from `rows_base` (the sequence's first row
-    of the head): TMA fills what lies past `rows` or `dims` with zeros and clips stores there."""
-    return tma.make_tensor_descriptor(rows_base, [rows, dims], [stride_s, 1], block_shape, layout)
-
-
-@gluon.jit
 def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk, dqk, kv_dims, q_smem, q_rest_smem, kv_smem,
             kv_rest_smem, q_ready, kv_ready, kv_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS: gl.constexpr,
             BLOCK_N: gl.constexpr):
@@ -91,12 +84,12 @@ def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk
     if not KEYS:
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
         Q_BOX: gl.constexpr = q_rest_smem.shape[2]
-        q_desc = _descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
+        q_desc = rows_descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
         for c in gl.static_range(CONSUMERS):
             _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_smem.shape[2]], dtype)
     KV_BOX: gl.constexpr = kv_rest_smem.shape[2]
-    kv_desc = _descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
+    kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
     for t in range(n_blocks):
         stage = t % STAGES
         free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
@@ -275,7 +268,7 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
     # O's descriptor, made while Q's copy flies (each consumer its own: the loaders' time is Q's, K's and V's)
-    o_desc = _descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
+    o_desc = rows_descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
                          gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
     mbarrier.wait(q_ready.index(c), 0)
     if PINGPONG:

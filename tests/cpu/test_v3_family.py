@@ -57,9 +57,8 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
 
 def plan_scratch(function, traits) -> int:
     """The global scratch a v3 variant of `function` declares, from its traits' tile."""
-    if function == "fmha_fwd":
-        return v3.fwd_global_scratch((traits["head_dim_qk_tile"], traits["head_dim_v_tile"]))
-    return v3.BWD_GLOBAL_SCRATCH[function]
+    pair = (traits["head_dim_qk_tile"], traits["head_dim_v_tile"])
+    return v3.fwd_global_scratch(pair) if function == "fmha_fwd" else v3.bwd_global_scratch(function, pair)
 
 
 def test_a_forward_program_makes_q_k_v_and_one_o_descriptor_a_consumer():
@@ -67,7 +66,16 @@ def test_a_forward_program_makes_q_k_v_and_one_o_descriptor_a_consumer():
     128 bytes each, two consumers in the 128-row tiles, three in the 192-row one."""
     assert {pair: v3.fwd_global_scratch(pair) for pair in v3.FWD_PAIRS} == {
         (64, 64): 768, (128, 128): 640, (256, 256): 640, (256, 128): 640, (192, 128): 640}
-    assert v3.BWD_GLOBAL_SCRATCH == {"fmha_bwd_dkdv": 896, "fmha_bwd_dkdv_ordered": 896}
+
+
+def test_a_backward_program_makes_four_loader_and_three_consumer_descriptors_a_consumer():
+    """The two loaders make K's, V's, Q's and dO's descriptors, each consumer its own of dK, dV and the dQ
+    accumulator (kernels/v3/fmha_bwd.py, fmha_bwd_wide.py), but in the ORDERED form's 64 and 128 tiles,
+    where the dQ writer makes the one of the accumulator."""
+    sizes = {(f, pair): v3.bwd_global_scratch(f, pair) for f in ("fmha_bwd_dkdv", "fmha_bwd_dkdv_ordered")
+             for pair in v3.BWD_PAIRS}
+    assert {key: n for key, n in sizes.items() if n != 1280} == {
+        ("fmha_bwd_dkdv_ordered", (64, 64)): 1152, ("fmha_bwd_dkdv_ordered", (128, 128)): 1152}
 
 
 def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch):
@@ -450,7 +458,7 @@ def test_the_wide_backward_plan_has_a_program_per_64_keys(v3_on):
     keys, and descriptors for each of its programs."""
     p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
     workspace = dispatch.bwd_workspace(p, "sm_90")
-    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv"] * 5 * 2 * 2
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * 5 * 2 * 2
     rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
     out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
     strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
@@ -471,7 +479,7 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     assert names[:4] == ["delta", "lse2", "dq_acc", v3.DESCRIPTOR_REGION] and names[4:]  # then padding
     assert workspace.region("dq_acc").zero_init
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3.BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv"] * math.ceil(300 / 128) * 8 * 2  # Hk = 8
+    assert descriptors.nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * math.ceil(300 / 128) * 8 * 2  # Hk = 8
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0
 
 
@@ -588,7 +596,7 @@ def test_the_ordered_workspace_has_counters_for_the_families_query_blocks(ordere
     assert order.zero_init and order.dtype == "i32"
     assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / v3.BWD_BLOCK_M))
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3.BWD_GLOBAL_SCRATCH["fmha_bwd_dkdv_ordered"] * math.ceil(300 / 128) * 2 * 2
+    assert descriptors.nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv_ordered", (128, 128)) * math.ceil(300 / 128) * 2 * 2
 
 
 def test_the_ordered_plan_is_the_portable_ordered_launch_with_a_program_per_item(ordered_on):
