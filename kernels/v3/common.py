@@ -86,7 +86,7 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     other V and dO. Each makes its two descriptors, each before its first copy: its key tile's (the
     program's rows of the key head), copied once, and its query tiles', by (row, query head, dim) so that
     one serves every head of the group, copied each step through the ring of STAGES buffers. Making a
-    descriptor takes about a microsecond, so the first step waits for two, not for seven made in a row.
+    descriptor takes about a microsecond, so the first step waits for two of them, not seven made in a row.
     Both loaders arrive on `kv_ready` and `q_ready` (count 2), each expecting its own bytes."""
     kv_box: gl.constexpr = kv_smem.shape
     kv_layout: gl.constexpr = kv_smem.layout

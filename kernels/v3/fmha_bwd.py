@@ -16,17 +16,19 @@ group. Three partitions:
   them as transposed operands, and where dS, once both consumers' halves are in, gives dQ = dS K for
   this consumer's half of the head dim, added to the accumulator from shared memory by one bulk TMA
   reduction;
-- a loader (1 warp): K and V of the program once, then Q and dO of each (query head, query block)
-  through a ring of STAGES buffers that both consumers release.
+- two loaders (1 warp each, one warpgroup): K, and V, of the program once, then Q, and dO, of each (query
+  head, query block) through a ring of STAGES buffers that both consumers release.
 The ORDERED form (fmha_bwd_dkdv_ordered, deterministic) differs in two places. A program takes its (key
 block, key head, batch entry) from a ticket, key block slowest, and its dQ tiles are added in key-block
 order (kernels/portable/dq_order.py: the protocol, and why every program finishes): the consumers leave
-their dQ halves in shared memory, and a fourth partition, the dQ writer (1 warp), waits for the tile's
+their dQ halves in shared memory, and another partition, the dQ writer (1 warp), waits for the tile's
 counter to reach this key block's rank, adds both halves by bulk TMA reductions, frees the buffers once
 they are read, and counts the key block in once the additions are complete, one step later, so that the
 round trip to memory overlaps the next step.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
-device in Triton's global scratch (seven a program), with the sequence's rows and the head dims as bounds.
+device in Triton's global scratch, with the sequence's rows and the head dims as bounds, each by the
+partition that uses it (the loaders K's, V's, Q's and dO's; each consumer its dK's, dV's and dQ's, the
+dQ writer its dQ's): the first step waits for two of them, not seven made in a row (NOTES.md, v3.13).
 The ORDERED form's protocol (the dQ hand-over, the writer's counters) is modelled in
 tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here changes it there.
 """

@@ -15,7 +15,7 @@ a step (one query block of 64 rows of one query head of the group) goes
 
 P and dS have one buffer each: consumer 0 writes the next P once both consumers' products have read the
 last (an mbarrier of count 2), consumer 1 the next dS likewise. Q and dO come through a ring of STAGES
-buffers by (row, query head, dim) descriptors that serve the group, K and V once, all by the backward's loader
+buffers by (row, query head, dim) descriptors that serve the group, K and V once, all by the backward's loaders
 (kernels/v3/common.py). dK (times the softmax scale) and dV leave through the shared memory of K and V by TMA.
 
 fmha_bwd.py's entry points (fmha_bwd_dkdv, and fmha_bwd_dkdv_ordered for the ORDERED form) run this
