@@ -4,8 +4,9 @@ they serve.
 A v3 kernel takes the signature of its function (abi.SIGNATURES), so a v3 launch is
 the portable plan's launch with another variant key and grid, plus one argument the portable kernels
 never need: Triton's `global_scratch`, the memory in which each program makes its TMA descriptors
-(`fwd_global_scratch` and `bwd_global_scratch` bytes a program, which the build checks against the compiler's figure). It is a region
-of the call's scratch buffer: the forward's (`fwd_scratch`) or the backward's workspace.
+(`fwd_global_scratch` and `bwd_global_scratch` bytes a program, which the build checks against the
+compiler's figure). It is a region of the call's scratch buffer: the forward's (`fwd_scratch`) or the
+backward's workspace.
 
 The forward serves sm_90, fp16 and bf16, head dims in the 64, 128 or 256 tile (both of them in the same one,
 or 192 or 256 for queries and keys with 128 for values: `fwd_pair`), MHA, GQA and MQA, no mask, causal and sliding

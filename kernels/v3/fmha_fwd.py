@@ -19,8 +19,8 @@ Tensor descriptors are made on the device, per (sequence, head), so their bounds
 the head dims': TMA fills rows and columns past them with zeros and clips O's stores. Each partition makes
 the ones it uses (one loader Q's and V's, the other K's, each consumer O's), so that the first product's
 copies wait for one descriptor, not four: making one takes about a microsecond, and the 128 tile's program
-at 2k keys about 30 (NOTES.md, v3.11 and v3.12). They take Triton's global scratch memory (manifest `global_scratch`, per program), which
-the runtime provides.
+at 2k keys about 30 (NOTES.md, v3.11 and v3.12). They take Triton's global scratch memory (manifest
+`global_scratch`, per program), which the runtime provides.
 
 Sequences, windows and masks are the portable family's (kernels/portable/fmha_common.py, compiled as
 Gluon functions in kernels/v3/common.py): key j is visible from query i iff i + off - left <= j <= i + off +
