@@ -106,6 +106,32 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
 
 
 @gluon.jit
+def backward_rows(Q, K, V, dO, dK, dV, DqAcc, Lse2, Delta, b, hk, h0, q_start, k_start, is_varlen, stride_q_b, stride_q_s,
+                  stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
+                  stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
+                  stride_dqacc_s, stride_delta_b, stride_delta_h):
+    """The sequence's first rows in a dK/dV program's arrays (fmha_bwd.py's and fmha_bwd_wide.py's): of key
+    head hk in K, V, dK and dV; of every head in Q, dO and the fp32 dQ accumulator (whose rows are the head
+    dim rounded up to 8, not the tile, so the column bound of its descriptor keeps additions off the next
+    head); then the row statistics Lse2 and Delta of the group's first query head h0. The partitions make
+    their descriptors from them."""
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    h0_64 = h0.to(gl.int64)
+    q_row0 = q_start.to(gl.int64)
+    k_row0 = k_start.to(gl.int64)
+    k_rows = K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h
+    v_rows = V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h
+    dk_rows = dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
+    dv_rows = dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h
+    q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s
+    do_rows = dO + b64 * stride_do_b + q_row0 * stride_do_s
+    dq_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s
+    stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
+    return k_rows, v_rows, dk_rows, dv_rows, q_rows, do_rows, dq_rows, Lse2 + stats, Delta + stats
+
+
+@gluon.jit
 def key_block_steps(n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr):
     """The query blocks that see the key block at n0 of a backward program, and its steps: (off, left,

@@ -39,9 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (STAGES, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, row_stats_start,
-                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible)
+from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
+                               key_block_steps, load_keys_and_query_blocks, order_counters, rows_descriptor, sequence_extent,
+                               tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
@@ -327,11 +327,6 @@ def _dkdv_program(
             n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         h0 = hk * kv_group_size  # the group's first query head
 
-        b64 = b.to(gl.int64)
-        hk64 = hk.to(gl.int64)
-        h0_64 = h0.to(gl.int64)
-        q_row0 = q_start.to(gl.int64)
-        k_row0 = k_start.to(gl.int64)
         dqk = head_dim_qk_div8 * 8
         dv = head_dim_v_div8 * 8
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -339,19 +334,11 @@ def _dkdv_program(
         v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
         do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
-        # The sequence's first rows: of the key head in K, V, dK and dV; of every head in Q, dO and the fp32 dQ
-        # accumulator (whose rows are the head dim rounded up to 8, not the tile, so the column bound of its
-        # descriptor keeps a tile's additions off the next head). The partitions make the descriptors.
-        k_rows = K + b64 * stride_k_b + k_row0 * stride_k_s + hk64 * stride_k_h
-        v_rows = V + b64 * stride_v_b + k_row0 * stride_v_s + hk64 * stride_v_h
-        dk_rows = dK + b64 * stride_dk_b + k_row0 * stride_dk_s + hk64 * stride_dk_h
-        dv_rows = dV + b64 * stride_dv_b + k_row0 * stride_dv_s + hk64 * stride_dv_h
-        q_rows = Q + b64 * stride_q_b + q_row0 * stride_q_s
-        do_rows = dO + b64 * stride_do_b + q_row0 * stride_do_s
-        dq_rows = DqAcc + b64 * stride_dqacc_b + q_row0 * stride_dqacc_s
-        stats = b64 * stride_delta_b + h0_64 * stride_delta_h + row_stats_start(q_start, b, is_varlen)
-        Lse2_head0 = Lse2 + stats
-        Delta_head0 = Delta + stats
+        k_rows, v_rows, dk_rows, dv_rows, q_rows, do_rows, dq_rows, Lse2_head0, Delta_head0 = backward_rows(
+            Q, K, V, dO, dK, dV, DqAcc, Lse2, Delta, b, hk, h0, q_start, k_start, is_varlen, stride_q_b, stride_q_s,
+            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_dk_b,
+            stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_delta_b,
+            stride_delta_h)
         dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
 
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
