@@ -151,8 +151,9 @@ def bwd_global_scratch(function, pair) -> int:
     """The dK/dV kernel's descriptor bytes a program (`function`: fmha_bwd_dkdv or fmha_bwd_dkdv_ordered) in
     the tile of `pair`."""
     dq_writer = function == "fmha_bwd_dkdv_ordered" and pair not in BWD_WIDE_PAIRS
-    consumers = 2 * 2 + (1 if dq_writer else 2)
-    return DESCRIPTOR_BYTES * (4 + consumers)
+    loaders = 4  # K, V, Q, dO
+    consumers = 2 * (2 if dq_writer else 3)  # each consumer's dK, dV and, without a writer, dQ accumulator
+    return DESCRIPTOR_BYTES * (loaders + consumers + int(dq_writer))
 
 
 def _gluon(variant, scratch_bytes):
