@@ -47,6 +47,9 @@ def _rank(rank, world, seed, store_path, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f)
+    # Every rank leaves its last collective before any tears gloo down: a rank destroying the group while
+    # another is still in one aborted the process ("terminate called without an active exception") under load.
+    dist.barrier()
     dist.destroy_process_group()
 
 
