@@ -62,6 +62,10 @@ BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (25
              (256, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128))
+# Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
+# head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
+# ORDERED form takes one block a ticket, and the wide program one block.
+BWD_TILES_PER_PROGRAM = {pair: 1 if pair in BWD_WIDE_PAIRS else 2 for pair in BWD_TILES}
 BWD_BLOCK_M = 64
 assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
 # 128-byte TMA descriptors a program, each made by the partition that uses it: in the forward Q's, K's and
@@ -183,7 +187,7 @@ def variants(arch: str) -> list[dict]:
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
                 if strategy == DQ_ATOMIC:  # the ordered function always adds dQ (its tickets go key block slowest)
-                    constexprs["DQ_ATOMIC"] = True
+                    constexprs |= {"DQ_ATOMIC": True, "TILES": BWD_TILES_PER_PROGRAM[pair]}
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
@@ -245,9 +249,10 @@ def _programs(problem) -> int:
     return blocks * problem.heads_q * problem.batch
 
 
-def _bwd_programs(problem) -> int:
-    """The dK/dV programs: one per (key block, key head, batch entry), in both strategies."""
-    return -(-problem.seqlen_k // BWD_TILES[head_dim_tiles(problem)].block_n) * problem.heads_k * problem.batch
+def _bwd_programs(problem, tiles=1) -> int:
+    """The dK/dV programs: one per `tiles` key blocks of a (key head, batch entry)."""
+    block_n = BWD_TILES[head_dim_tiles(problem)].block_n * tiles
+    return -(-problem.seqlen_k // block_n) * problem.heads_k * problem.batch
 
 
 def bwd_workspace(problem) -> Workspace:
@@ -258,8 +263,9 @@ def bwd_workspace(problem) -> Workspace:
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
-    descriptors = _descriptor_region(bwd_global_scratch(function, head_dim_tiles(problem)) * _bwd_programs(problem),
-                                     problem)
+    pair = head_dim_tiles(problem)
+    tiles = 1 if strategy == DQ_ORDERED else BWD_TILES_PER_PROGRAM[pair]
+    descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, tiles), problem)
     return backward_workspace(problem, strategy, order + descriptors)
 
 
@@ -281,7 +287,8 @@ def plan_bwd(problem, operands) -> list:
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
-        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), BWD_TILES[pair].block_n, scratch)]
+        keys = BWD_TILES[pair].block_n * BWD_TILES_PER_PROGRAM[pair]  # a program's keys
+        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
 

@@ -80,29 +80,46 @@ STAGES = gl.constexpr(2)  # the backward's Q/dO ring depth
 
 @gluon.jit
 def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo_s, stride_qo_h, qo_dims, kv_smem, qo_smem,
-                               kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0, n_steps,
-                               BLOCK_M: gl.constexpr):
+                               kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size, window_left,
+                               window_right, bottom_right, n_first, n_second, n_tiles, h0, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr):
     """One of the backward's two loader warps (fmha_bwd.py's and fmha_bwd_wide.py's): one copies K and Q, the
     other V and dO. Each makes its two descriptors, each before its first copy: its key tile's (the
-    program's rows of the key head), copied once, and its query tiles', by (row, query head, dim) so that
-    one serves every head of the group, copied each step through the ring of STAGES buffers. Making a
-    descriptor takes about a microsecond, so the first step waits for two of them, not seven made in a row.
-    Both loaders arrive on `kv_ready` and `q_ready` (count 2), each expecting its own bytes."""
+    program's rows of the key head), and its query tiles', by (row, query head, dim) so that one serves
+    every head of the group. Making a descriptor takes about a microsecond, so the first step waits for two
+    of them, not seven made in a row. Both loaders arrive on `kv_ready` and `q_ready` (count 2), each
+    expecting its own bytes.
+
+    A program runs the key blocks n_first and, if n_tiles is 2, n_second (pairs of the atomic form's 64 and
+    128 tiles: TILES): each key tile once the consumers have given its buffer back (`kv_free`: dK and dV of
+    the block before left through it), then the tile's query tiles through the ring of STAGES buffers, which
+    runs on from block to block."""
     kv_box: gl.constexpr = kv_smem.shape
     kv_layout: gl.constexpr = kv_smem.layout
     qo_box: gl.constexpr = qo_smem.shape[3]
     qo_layout: gl.constexpr = qo_smem.layout
     kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, kv_box, kv_layout)
-    mbarrier.expect(kv_ready, kv_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(kv_desc, [n0, 0], kv_ready, kv_smem)
     qo_desc = heads_descriptor(qo_rows, stride_qo_s, stride_qo_h, sq, num_heads_q, qo_dims, BLOCK_M, qo_box, qo_layout)
-    for t in range(n_steps):
-        stage = t % STAGES
-        mbarrier.wait(q_empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's last phase is done
-        mbarrier.expect(q_ready.index(stage), qo_desc.block_type.nbytes)
-        g = t // blocks
-        m0 = (lo + t - g * blocks) * BLOCK_M
-        tma.async_copy_global_to_shared(qo_desc, [m0, h0 + g, 0], q_ready.index(stage), qo_smem.index(stage))
+    r0 = n_tiles * 0
+    kv_phase = n_tiles * 0
+    for i in range(n_tiles):
+        n0 = gl.where(i == 0, n_first, n_second) * BLOCK_N
+        if n0 < sk:
+            off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
+                n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
+            mbarrier.wait(kv_free, kv_phase ^ 1)  # a fresh barrier's last phase is done
+            mbarrier.expect(kv_ready, kv_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kv_desc, [n0, 0], kv_ready, kv_smem)
+            for t in range(n_steps):
+                r = r0 + t
+                stage = r % STAGES
+                mbarrier.wait(q_empty.index(stage), ((r // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(stage), qo_desc.block_type.nbytes)
+                g = t // blocks
+                m0 = (lo + t - g * blocks) * BLOCK_M
+                tma.async_copy_global_to_shared(qo_desc, [m0, h0 + g, 0], q_ready.index(stage), qo_smem.index(stage))
+            r0 += n_steps
+            kv_phase ^= 1
 
 
 @gluon.jit

@@ -45,19 +45,21 @@ from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_as
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
-def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
+def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
           ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
           lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr):
-    """Step t: one query block of one query head of the group against this consumer's keys. dK and dV
-    accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form)."""
+    """Step t: one query block of one query head of the group against this consumer's keys, the program's
+    step r0 + t in the Q/dO ring and the dS buffers (r0: the steps of its key blocks before this one). dK and
+    dV accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DQK // 2, 16])
     dtype: gl.constexpr = q_smem.dtype
-    stage = t % STAGES
-    buf = t % 2
+    r = r0 + t
+    stage = r % STAGES
+    buf = r % 2
     g = t // blocks
     block = lo + t - g * blocks
     m0 = block * BLOCK_M
@@ -68,7 +70,7 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     lse2 = gl.load(Lse2_rows + queries, mask=queries < sq, other=float("inf"))
     delta = gl.load(Delta_rows + queries, mask=queries < sq, other=0.0)
-    mbarrier.wait(q_ready.index(stage), (t // STAGES) & 1)
+    mbarrier.wait(q_ready.index(stage), (r // STAGES) & 1)
     # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
     q_j = q_smem.index(stage).reshape([BLOCK_M, BLOCK_DQK])
     do_j = do_smem.index(stage).reshape([BLOCK_M, do_smem.shape[3]])
@@ -84,7 +86,7 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     p_c.store(p.to(dtype))
     dp = warpgroup_mma_wait(0, deps=(dp,))
     ds = (p * (dp - delta[:, None])).to(dtype)
-    mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)  # the other consumer is done with this buffer
+    mbarrier.wait(ds_empty.index(buf), ((r // 2) & 1) ^ 1)  # the other consumer is done with this buffer
     ds_buf = ds_smem.index(buf)
     ds_c = ds_buf.slice(c * HALF_N, HALF_N, dim=1)
     ds_c.store(ds)
@@ -92,14 +94,14 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
     mbarrier.arrive(ds_full.index(buf))
     dv = warpgroup_mma(p_c.permute((1, 0)), do_j, dv, is_async=True)
     dk = warpgroup_mma(ds_c.permute((1, 0)), q_j, dk, is_async=True)
-    mbarrier.wait(ds_full.index(buf), (t // 2) & 1)
+    mbarrier.wait(ds_full.index(buf), (r // 2) & 1)
     dq = warpgroup_mma(ds_buf, k_cols, gl.zeros([BLOCK_M, BLOCK_DQK // 2], gl.float32, dq_layout),
                        use_acc=False, is_async=True)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     mbarrier.arrive(ds_empty.index(buf))
     mbarrier.arrive(q_empty.index(stage))
     if ORDERED:  # the writer adds the tile when its turn comes; it must have read the previous one
-        mbarrier.wait(dq_empty, (t & 1) ^ 1)
+        mbarrier.wait(dq_empty, (r & 1) ^ 1)
         dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full)
@@ -116,11 +118,15 @@ def _step(t, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
+def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready, q_empty,
               ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dq_s,
-              stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n0, lo, blocks,
-              full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale, BLOCK_M: gl.constexpr,
-              HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
+              stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n_first, n_second,
+              n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right, scale_log2, softmax_scale,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+              ORDERED: gl.constexpr):
+    """Consumer c (BLOCK_N / 2 keys of each of the program's key blocks): per key block, its steps, then its
+    dK and dV out through K's and V's memory, which it then gives back to the loaders (`kv_free`)."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DQK, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,8 +136,6 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     k_cols = k_smem.slice(c * (BLOCK_DQK // 2), BLOCK_DQK // 2, dim=1)
     p_c = p_smem.index(c)
     dq_c = dq_smem.index(c)
-    dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
-    dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
     # This consumer's descriptors, made while the loaders' first copies fly: its halves of dK and dV, and
     # the fp32 dQ accumulator by (row, query head, dim) in its half of the columns (the ORDERED form's
     # writer makes its own)
@@ -146,24 +150,36 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
         dq_layout: gl.constexpr = dq_smem.layout
         dq_desc = heads_descriptor(dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, BLOCK_M, BLOCK_DQK // 2,
                                    dq_layout)
-    mbarrier.wait(kv_ready, 0)
-    for t in tl.range(n_steps, disable_licm=True):
-        dk, dv = _step(t, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty, ds_full,
-                       ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0, lo,
-                       blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK,
-                       ORDERED)
-    if n_steps > 0:
-        # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
-        last = n_steps - 1
-        mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
     dk_out = k_smem.slice(c * HALF_N, HALF_N)
     dv_out = v_smem.slice(c * HALF_N, HALF_N)
-    dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
-    dv_out.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [n0 + c * HALF_N, 0], dk_out)
-    tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
-    tma.store_wait(0)
+    r0 = n_tiles * 0
+    kv_phase = n_tiles * 0
+    for i in range(n_tiles):
+        n0 = gl.where(i == 0, n_first, n_second) * BLOCK_N
+        if n0 < sk:
+            off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
+                n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
+            dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
+            dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
+            mbarrier.wait(kv_ready, kv_phase)
+            for t in tl.range(n_steps, disable_licm=True):
+                dk, dv = _step(t, r0, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
+                               ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
+                               n0, lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2, BLOCK_M, HALF_N,
+                               BLOCK_DQK, ORDERED)
+            if n_steps > 0:
+                # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
+                last = r0 + n_steps - 1
+                mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
+            dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
+            dv_out.store(dv.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_desc, [n0 + c * HALF_N, 0], dk_out)
+            tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
+            tma.store_wait(0)
+            mbarrier.arrive(kv_free)  # K's and V's memory is the loaders' again
+            r0 += n_steps
+            kv_phase ^= 1
 
 
 @gluon.jit
@@ -232,11 +248,14 @@ def fmha_bwd_dkdv(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1,
 ):
     """A program per (key block, key head, batch entry), the key block the grid's fastest dimension: a head's
     key blocks start together. (Key blocks slowest, as the ORDERED form's tickets go, was measured 0.54-0.96x
-    at D=128 without GQA: programs adding into the same dQ rows at once; NOTES.md.)"""
+    at D=128 without GQA: programs adding into the same dQ rows at once; NOTES.md.) TILES (a build choice of
+    the 64 and 128 tiles): 2 gives a program key blocks p and N - 1 - p of its (key head, batch entry), N
+    blocks in all, so that under a causal mask every program has about the same steps and one prologue
+    serves two key blocks."""
     gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
     n_block = gl.program_id(0)
     hk = gl.program_id(1)
@@ -248,7 +267,7 @@ def fmha_bwd_dkdv(
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False)
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES)
 
 
 @gluon.jit
@@ -288,7 +307,7 @@ def fmha_bwd_dkdv_ordered(
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True)
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True, 1)
 
 
 @gluon.jit
@@ -301,12 +320,15 @@ def _dkdv_program(
     seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr,
+    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr, TILES: gl.constexpr,
 ):
-    """Key block n_block of key head hk of batch entry b (the module docstring); DqOrder the order region
-    of the ORDERED form, None otherwise. The 256 tiles run fmha_bwd_wide.py's program instead."""
+    """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
+    block paired with it; DqOrder the order region of the ORDERED form, None otherwise. The 256 tiles run
+    fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
+    gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_DQK <= 128),
+                     "pairs of key blocks: the atomic form of the 64 and 128 tiles")
     if BLOCK_DQK > 128:
         wide_program(
             n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
@@ -320,11 +342,15 @@ def _dkdv_program(
         HALF_N: gl.constexpr = BLOCK_N // 2
         q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
         k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
-        n0 = n_block * BLOCK_N
-        if n0 >= sk:
+        n_first = n_block  # the heavier of a pair under a causal mask (more query blocks see it)
+        if TILES == 2:
+            n_second = gl.cdiv(seqlen_k, BLOCK_N) - 1 - n_block
+            n_tiles = gl.where(n_first < n_second, 2, 1)
+        else:
+            n_second = n_first
+            n_tiles = n_block * 0 + 1
+        if n_first * BLOCK_N >= sk:  # n_second is past it too
             return
-        off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
-            n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         h0 = hk * kv_group_size  # the group's first query head
 
         dqk = head_dim_qk_div8 * 8
@@ -351,11 +377,13 @@ def _dkdv_program(
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_acc_layout)  # one a consumer
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=2)  # both loaders' key tiles are in
+        mbarrier.init(kv_free, count=2)  # both consumers' dK and dV have left K's and V's memory
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=2)  # both loaders' query tiles are in
             mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
@@ -370,43 +398,52 @@ def _dkdv_program(
             mbarrier.init(dq_full, count=2)  # both consumers' halves are in
             mbarrier.init(dq_empty, count=1)  # the writer has read them
             counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
+            n0 = n_first * BLOCK_N  # one key block a program
+            off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
+                n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             gl.warp_specialize([
-                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
-                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
-                             dqk, dv, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
-                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
-                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
-                             dqk, dv, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-                             softmax_scale, BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, True)),
+                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                             q_empty, ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h,
+                             dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
+                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
+                             window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                             True)),
+                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                             q_empty, ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h,
+                             dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
+                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
+                             window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                             True)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
-                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
-                                              n_steps, BLOCK_M)),
+                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
+                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
+                                              BLOCK_M, BLOCK_N)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
-                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
-                                              n_steps, BLOCK_M)),
+                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
+                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
+                                              BLOCK_M, BLOCK_N)),
                 (_dq_writer, (dq_smem, dq_full, dq_empty, dq_rows, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
                               counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, off, left, BLOCK_M,
                               BLOCK_N, BLOCK_DQK)),
             ], [4, 1, 1, 1], [240, 24, 24, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dqacc_s,
-                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv, n0, lo,
-                             blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-                             BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
-                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, q_ready, q_empty,
-                             ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dqacc_s,
-                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv, n0, lo,
-                             blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2, softmax_scale,
-                             BLOCK_M, HALF_N, BLOCK_DQK, BLOCK_DV, False)),
+                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                             q_empty, ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
+                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
+                             dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False)),
+                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                             q_empty, ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
+                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
+                             dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
-                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
-                                              n_steps, BLOCK_M)),
+                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
+                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
+                                              BLOCK_M, BLOCK_N)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
-                                              kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0,
-                                              n_steps, BLOCK_M)),
+                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
+                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
+                                              BLOCK_M, BLOCK_N)),
             ], [4, 1, 1], [240, 24, 24])

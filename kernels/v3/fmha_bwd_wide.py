@@ -227,6 +227,7 @@ def wide_program(
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, DQ_COLUMNS], dq_acc_layout)  # one a consumer
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # one key block a program: never waited on
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -234,6 +235,7 @@ def wide_program(
     ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=2)  # both loaders' key tiles are in
+    mbarrier.init(kv_free, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=2)  # both loaders' query tiles are in
         mbarrier.init(q_empty.index(i), count=2)  # both consumers release a stage
@@ -261,9 +263,11 @@ def wide_program(
                      gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right,
                      scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
-                                      kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0, n_steps,
-                                      BLOCK_M)),
+                                      kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
+                                      window_left, window_right, bottom_right, n_block, n_block, 1, h0, BLOCK_M,
+                                      BLOCK_N)),
         (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
-                                      kv_ready, q_ready, q_empty, sq, sk, num_heads_q, n0, lo, blocks, h0, n_steps,
-                                      BLOCK_M)),
+                                      kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
+                                      window_left, window_right, bottom_right, n_block, n_block, 1, h0, BLOCK_M,
+                                      BLOCK_N)),
     ], [4, 1, 1], [240, 24, 24])

@@ -262,6 +262,66 @@ def test_the_wide_backward_never_deadlocks_nor_overwrites_a_buffer_being_read():
 # ----------------------------------------------------------- ORDERED backward (kernels/v3/fmha_bwd.py)
 
 
+def _paired_backward(m, tiles):
+    """The atomic dK/dV program of the 64 and 128 tiles (kernels/v3/fmha_bwd.py) through its key blocks
+    (`tiles`: each block's steps; TILES = 2 gives a program two). One loader copies K then the steps' Q tiles,
+    the other V then dO, through a ring that runs on from block to block; each key block's K and V wait
+    until both consumers have given the buffers back (`kv_free`: their dK and dV left through them). A
+    consumer's step reads its half of K and V, both halves of dS, and all of K for its dQ product; its dK
+    and dV go into its halves of K's and V's memory once the other consumer's last dQ product is done."""
+    b = {f"{name}{i}": Barrier(2) for name in ("q_ready", "q_empty") for i in range(STAGES)}
+    b |= {f"{name}{i}": Barrier(2) for name in ("ds_full", "ds_empty") for i in range(2)}
+    m.barriers.update(b | {"kv_ready": Barrier(2), "kv_free": Barrier(2)})
+
+    def loader(kv, qo):
+        r = 0
+        for i, n_steps in enumerate(tiles):
+            yield from (("wait", "kv_free", (i & 1) ^ 1), ("write", f"{kv}.0", i), ("write", f"{kv}.1", i),
+                        ("arrive", "kv_ready"))
+            for t in range(r, r + n_steps):
+                stage = t % STAGES
+                yield from (("wait", f"q_empty{stage}", ((t // STAGES) & 1) ^ 1), ("write", f"{qo}{stage}", t),
+                            ("arrive", f"q_ready{stage}"))
+            r += n_steps
+
+    def consumer(c):
+        r = 0
+        for i, n_steps in enumerate(tiles):
+            yield ("wait", "kv_ready", i & 1)
+            for t in range(r, r + n_steps):
+                stage, buf = t % STAGES, t % 2
+                yield from (("wait", f"q_ready{stage}", (t // STAGES) & 1), ("read", f"Q{stage}", t),
+                            ("read", f"dO{stage}", t), ("read", f"K.{c}", i), ("read", f"V.{c}", i),
+                            ("wait", f"ds_empty{buf}", ((t // 2) & 1) ^ 1), ("write", f"dS{buf}.{c}", t),
+                            ("arrive", f"ds_full{buf}"), ("wait", f"ds_full{buf}", (t // 2) & 1),
+                            ("read", f"dS{buf}.0", t), ("read", f"dS{buf}.1", t), ("read", "K.0", i), ("read", "K.1", i),
+                            ("arrive", f"ds_empty{buf}"), ("arrive", f"q_empty{stage}"))
+            if n_steps:
+                last = r + n_steps - 1
+                yield ("wait", f"ds_empty{last % 2}", (last // 2) & 1)
+            yield from (("write", f"K.{c}", ("dK", i)), ("write", f"V.{c}", ("dV", i)), ("log", ("dK dV", i, c)),
+                        ("arrive", "kv_free"))
+            r += n_steps
+
+    for name, partition in (("k_loader", loader("K", "Q")), ("v_loader", loader("V", "dO")), ("consumer0", consumer(0)),
+                            ("consumer1", consumer(1))):
+        m.add(name, partition)
+
+
+def test_the_atomic_backward_runs_two_key_blocks_a_program_through_one_ring():
+    """TILES = 2: a heavy and a light key block under a causal mask, blocks no query sees, odd step counts
+    that end a block mid-ring; no loader overwrites K or V while a consumer still reads them (a read would
+    see the next block's), and no consumer's dK overwrites K before the other's last dQ product is done."""
+    rng = random.Random(SEED)
+    for tiles in ([3, 1], [2, 2], [0, 3], [4, 0], [1, 1], [5, 3], [2]):
+        for _ in range(300):
+            m = Machine(rng)
+            _paired_backward(m, tiles)
+            while m.step():
+                pass
+            assert sorted(m.log) == sorted(("dK dV", i, c) for i in range(len(tiles)) for c in range(2))
+
+
 def _ordered_program(m, p, tiles):
     """Program p (its ticket: key block p of one head) over its steps' dQ tiles [(tile, rank)]."""
     n = len(tiles)

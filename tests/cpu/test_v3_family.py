@@ -471,6 +471,17 @@ def test_the_wide_backward_plan_has_a_program_per_64_keys(v3_on):
     assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
 
 
+def test_an_atomic_backward_program_runs_two_key_blocks_but_in_the_wide_tiles():
+    """TILES = 2 (kernels/v3/fmha_bwd.py) in the atomic dK/dV kernels of the 64 and 128 tiles; the wide
+    program and every ORDERED kernel take one key block a program."""
+    for v in v3.variants("sm_90"):
+        if v["function"] == "fmha_bwd_dkdv":
+            pair = (v["traits"]["head_dim_qk_tile"], v["traits"]["head_dim_v_tile"])
+            assert v["constexprs"]["TILES"] == (1 if pair in v3.BWD_WIDE_PAIRS else 2)
+        elif v["function"] == "fmha_bwd_dkdv_ordered":
+            assert "TILES" not in v["constexprs"]
+
+
 def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     p = problem(heads_k=8, head_dim_qk=100, head_dim_v=100)
     workspace = dispatch.bwd_workspace(p, "sm_90")
@@ -479,7 +490,8 @@ def test_the_backward_workspace_is_the_atomic_strategys_with_descriptors(v3_on):
     assert names[:4] == ["delta", "lse2", "dq_acc", v3.DESCRIPTOR_REGION] and names[4:]  # then padding
     assert workspace.region("dq_acc").zero_init
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * math.ceil(300 / 128) * 8 * 2  # Hk = 8
+    programs = math.ceil(300 / 256) * 8 * 2  # Hk = 8; two key blocks of 128 a program
+    assert descriptors.nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * programs
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0
 
 
@@ -506,7 +518,8 @@ def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     for launch, twin in zip(launches, portable):
         assert launch.args == {**twin.args, **({"global_scratch": tensors.regions[v3.DESCRIPTOR_REGION]}
                                                if launch.variant.startswith("fmha_bwd_dkdv") else {})}
-    assert launches[1].grid == (3, 2, 2) and launches[1].args["DqAcc"] is tensors.regions["dq_acc"]  # a program per kv head
+    # a program per two key blocks of 128 of a kv head
+    assert launches[1].grid == (2, 2, 2) and launches[1].args["DqAcc"] is tensors.regions["dq_acc"]
     assert launches[1].args["kv_group_size"] == 4
 
 
