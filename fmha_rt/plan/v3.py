@@ -54,6 +54,9 @@ FWD_SCHEDULE = {(64, 64): PINGPONG, (128, 128): PINGPONG, (256, 256): PINGPONG, 
                 (192, 128): PINGPONG}
 # The build choices of each schedule: constexprs beyond the signature's
 SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True}}
+# Query blocks a forward program runs (the kernel's TILES): 2 pairs block M - 1 - p with block p of a (head,
+# batch entry), so that causal programs have equal work and one prologue serves two tiles (ping-pong only).
+FWD_TILES_PER_PROGRAM = {pair: 2 if schedule == PINGPONG else 1 for pair, schedule in FWD_SCHEDULE.items()}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
@@ -176,7 +179,7 @@ def variants(arch: str) -> list[dict]:
             constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False}
             schedule = FWD_SCHEDULE[pair]
-            constexprs |= SCHEDULE_CONSTEXPRS[schedule]
+            constexprs |= SCHEDULE_CONSTEXPRS[schedule] | {"TILES": FWD_TILES_PER_PROGRAM[pair]}
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                           block_n=tile.block_n, deterministic=True, schedule=schedule, **{"pass": "fwd"})
             out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
@@ -240,12 +243,14 @@ def _descriptor_region(nbytes, problem) -> list:
     return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if has_work(problem) else []
 
 
-def _fwd_block_m(problem) -> int:
-    return FWD_TILES[fwd_pair(problem)].block_m
+def _fwd_rows(problem) -> int:
+    """The query rows a forward program runs: its tiles' rows."""
+    pair = fwd_pair(problem)
+    return FWD_TILES[pair].block_m * FWD_TILES_PER_PROGRAM[pair]
 
 
 def _programs(problem) -> int:
-    blocks = -(-problem.seqlen_q // _fwd_block_m(problem))
+    blocks = -(-problem.seqlen_q // _fwd_rows(problem))
     return blocks * problem.heads_q * problem.batch
 
 
@@ -300,4 +305,4 @@ def plan_fwd(problem, operands) -> list:
         return []
     key = fwd_key(problem.dtype, fwd_pair(problem))
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
-    return [forward_launch(key, problem, operands, _fwd_block_m(problem), scratch)]
+    return [forward_launch(key, problem, operands, _fwd_rows(problem), scratch)]

@@ -73,29 +73,41 @@ def _key_block(t, n_free, lo, full_lo, full_hi):
 
 @gluon.jit
 def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk, dqk, kv_dims, q_smem, q_rest_smem, kv_smem,
-            kv_rest_smem, q_ready, kv_ready, kv_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS: gl.constexpr,
-            BLOCK_N: gl.constexpr):
+            kv_rest_smem, q_ready, q_free, kv_ready, kv_empty, m_first, m_second, n_tiles, off, left, right,
+            CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One of the two loader warps: KEYS, the ring of K tiles; otherwise Q's tiles, then the ring of V tiles.
     Each makes the descriptors it uses just before its first copy, so that Q's and K's, the first product's
     operands, are made at the same time: making one takes about a microsecond (its tensormap written to
     global memory, fenced, then fetched). A tile held in two parts (Q and K at 192) comes in boxes of its
-    rest's width."""
+    rest's width. The program's tiles follow each other in the ring; a tile's Q copies wait until its
+    consumer has given the Q buffer back (`q_free`: O of the tile before left through it)."""
     dtype: gl.constexpr = kv_smem.dtype
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
+    Q_BOX: gl.constexpr = q_rest_smem.shape[2]
     if not KEYS:
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
-        Q_BOX: gl.constexpr = q_rest_smem.shape[2]
         q_desc = rows_descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
-        for c in gl.static_range(CONSUMERS):
-            _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_smem.shape[2]], dtype)
     KV_BOX: gl.constexpr = kv_rest_smem.shape[2]
     kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
-    for t in range(n_blocks):
-        stage = t % STAGES
-        free_phase = ((t // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
-        n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
-        mbarrier.wait(kv_empty.index(stage), free_phase)
-        _copy_qk_tile(kv_desc, n0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
+    r0 = n_tiles * 0
+    q_phase = n_tiles * 0
+    for i in range(n_tiles):
+        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left, right,
+                                                                          BLOCK_M, BLOCK_N)
+        if active:
+            if not KEYS:
+                for c in gl.static_range(CONSUMERS):
+                    mbarrier.wait(q_free.index(c), q_phase ^ 1)  # a fresh barrier's previous phase counts as complete
+                    _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
+            for t in range(n_blocks):
+                r = r0 + t
+                stage = r % STAGES
+                free_phase = ((r // STAGES) & 1) ^ 1
+                n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
+                mbarrier.wait(kv_empty.index(stage), free_phase)
+                _copy_qk_tile(kv_desc, n0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
+            r0 += n_blocks
+            q_phase ^= 1
 
 
 @gluon.jit
@@ -188,10 +200,12 @@ def _step(t, s, acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, 
 
 
 @gluon.jit
-def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
-                   v_empty, turn, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, MASKED: gl.constexpr):
-    """Step t of the ping-pong (_pingpong_blocks): in its turn t + 1 the consumer issues S_{t+1} and
+def _pingpong_step(t, r0, k0, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready,
+                   k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo, full_lo, full_hi, scale_log2,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
+                   MASKED: gl.constexpr):
+    """Step t of the ping-pong (_pingpong_blocks), the ring's block r0 + t and turn k0 + t + 1 of the program
+    (r0 and k0: what the program's tiles before this one took): in its turn the consumer issues S_{t+1} and
     O += P_t V_t back to back and passes the turn on; then block t+1's softmax runs beside P_t V_t and the
     other consumers' products. Returns (O, P_{t+1}, alpha_{t+1}, row max, row sum). MASKED: block t+1 may
     hold keys a row does not see.
@@ -199,50 +213,53 @@ def _pingpong_step(t, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, q_rest, k_sme
     ptxas moves P_t V_t's wait up to the row max, above the exponentials, so that the softmax runs beside
     the other consumers' products only. Keeping the wait below them (the row sums stored to shared memory
     before it, as _softmax_in_turn does) measured 0.96-1.0x of this form (NOTES.md, v3.9)."""
-    _wait_turn(turn, t + 1, c)
-    s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, t + 1, s_layout, BLOCK_N)
-    acc = _issue_product(acc, p, alpha, t, v_smem, v_ready, o_layout)
+    _wait_turn(turn, k0 + t + 1, c)
+    s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, r0 + t + 1, s_layout, BLOCK_N)
+    acc = _issue_product(acc, p, alpha, r0 + t, v_smem, v_ready, o_layout)
     mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
     s = warpgroup_mma_wait(1, deps=(s,))  # the older of the two products
-    mbarrier.arrive(k_empty.index((t + 1) % STAGES))
+    mbarrier.arrive(k_empty.index((r0 + t + 1) % STAGES))
     n0 = _key_block(t + 1, n_free, lo, full_lo, full_hi) * BLOCK_N
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, MASKED, n0, rows, off, left, right, sk, scale_log2, s_layout,
                                        BLOCK_N)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(t % STAGES))
+    mbarrier.arrive(v_empty.index((r0 + t) % STAGES))
     return acc, p, alpha, m_i, l_i
 
 
 @gluon.jit
 def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     turn, rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2, s_layout: gl.constexpr,
-                     o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
+                     turn, rows, sk, off, left, right, r0, k0, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+                     s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
     """A consumer's key blocks in FlashAttention-3's schedule (PINGPONG): every product is issued in the
     consumer's turn (S_0 in turn 0, step t's two in turn t + 1, the last P V in turn n_blocks), and the
     turn goes round the consumers (the mbarriers `turn`), so the tensor cores take their products in
     alternation and one consumer's exponentials run beside the others' products, its own P V included.
-    Returns (O, row max, row sum) after every key block."""
+    The tile's blocks are the ring's r0, r0 + 1, ... and its turns k0, k0 + 1, ... (what the program's tiles
+    before this one left). Returns (O, row max, row sum) after every key block."""
     if n_blocks > 0:
-        _wait_turn(turn, 0, c)
-        s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, 0, s_layout, BLOCK_N)
+        _wait_turn(turn, k0, c)
+        s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, r0, s_layout, BLOCK_N)
         mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(r0 % STAGES))
         n0 = _key_block(0, n_free, lo, full_lo, full_hi) * BLOCK_N
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_free <= 0, n0, rows, off, left, right, sk, scale_log2,
                                            s_layout, BLOCK_N)
         # As in _consumer, the steps whose softmax needs no mask (block t + 1 mask-free) and the others as two loops
         free_steps = gl.maximum(n_free - 1, 0)
         for t in range(free_steps):
-            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready,
-                                                     v_ready, k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
-                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, False)
+            acc, p, alpha, m_i, l_i = _pingpong_step(t, r0, k0, acc, p, alpha, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem,
+                                                     v_smem, k_ready, v_ready, k_empty, v_empty, turn, rows, sk, off, left,
+                                                     right, n_free, lo, full_lo, full_hi, scale_log2, s_layout, o_layout,
+                                                     BLOCK_N, CONSUMERS, False)
         for t in range(free_steps, n_blocks - 1):
-            acc, p, alpha, m_i, l_i = _pingpong_step(t, acc, p, alpha, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready,
-                                                     v_ready, k_empty, v_empty, turn, rows, sk, off, left, right, n_free, lo,
-                                                     full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS, True)
-        last = n_blocks - 1
-        _wait_turn(turn, n_blocks, c)
+            acc, p, alpha, m_i, l_i = _pingpong_step(t, r0, k0, acc, p, alpha, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem,
+                                                     v_smem, k_ready, v_ready, k_empty, v_empty, turn, rows, sk, off, left,
+                                                     right, n_free, lo, full_lo, full_hi, scale_log2, s_layout, o_layout,
+                                                     BLOCK_N, CONSUMERS, True)
+        last = r0 + n_blocks - 1
+        _wait_turn(turn, k0 + n_blocks, c)
         acc = _issue_product(acc, p, alpha, last, v_smem, v_ready, o_layout)
         mbarrier.arrive(turn.index((c + 1) % CONSUMERS))
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -251,10 +268,12 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_s
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-              turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-              scale_log2, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr, TURNS: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                   turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                   full_lo, full_hi, scale_log2, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr,
+                   TURNS: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer c's rows of the tile at query row m0: its Q (copy phase q_phase), its key blocks (the ring's
+    from r0, the turns from k0: _pingpong_blocks), then O and the LSE out."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -267,15 +286,12 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
-    # O's descriptor, made while Q's copy flies (each consumer its own: the loaders' time is Q's, K's and V's)
-    o_desc = rows_descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
-                         gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
-    mbarrier.wait(q_ready.index(c), 0)
+    mbarrier.wait(q_ready.index(c), q_phase)
     if PINGPONG:
         acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
-                                         v_empty, turn, rows, sk, off, left, right, n_blocks, n_free, lo, full_lo, full_hi,
-                                         scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS)
-    elif n_blocks > 0:
+                                         v_empty, turn, rows, sk, off, left, right, r0, k0, n_blocks, n_free, lo, full_lo,
+                                         full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS)
+    elif n_blocks > 0:  # (one tile a program: its blocks are the ring's first, its turns the first)
         s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, 0, s_layout, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
@@ -314,6 +330,41 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
     gl.store(Lse_rows + rows, lse, mask=rows < sq)
     tma.store_wait(0)
 
+@gluon.jit
+def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The program's i-th tile (0: m_first's query rows, 1: m_second's): its first row m0, whether the
+    sequence has rows there, and its key blocks (lo, full_lo, full_hi, n_blocks, n_free)."""
+    m0 = gl.where(i == 0, m_first, m_second) * BLOCK_M
+    lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
+    return m0, m0 < sq, lo, full_lo, full_hi, hi - lo, full_hi - full_lo
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
+              v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off, left, right,
+              scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr,
+              TURNS: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer c through the program's tiles: each takes the ring's blocks and the turns where the tile
+    before it left them, and its Q tile is given back to the loader (`q_free`) once O has left through it."""
+    dtype: gl.constexpr = v_smem.dtype
+    # O's descriptor, made while Q's copy flies (each consumer its own: the loaders' time is Q's, K's and V's)
+    o_desc = rows_descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
+                             gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
+    r0 = n_tiles * 0
+    k0 = n_tiles * 0
+    q_phase = n_tiles * 0
+    for i in range(n_tiles):
+        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left, right,
+                                                                          BLOCK_M, BLOCK_N)
+        if active:
+            _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                           turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right, n_blocks,
+                           n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, TURNS, PINGPONG)
+            mbarrier.arrive(q_free.index(c))
+            r0 += n_blocks
+            k0 += gl.where(n_blocks > 0, n_blocks + 1, 0)
+            q_phase ^= 1
+
 
 @gluon.jit
 def fmha_fwd(
@@ -331,29 +382,37 @@ def fmha_fwd(
     drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, SOFTMAX_TURNS: gl.constexpr = False,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, TILES: gl.constexpr = 1,
 ):
     """SOFTMAX_TURNS and PINGPONG (build choices of the tile, not arguments; at most one): the consumers take
-    turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks)."""
+    turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks). TILES (a
+    build choice too): 1, a program per query block; 2 (with PINGPONG), a program per pair of query blocks
+    of one (head, batch entry), block M - 1 - p with block p (M blocks in all), so that under a causal mask
+    every program has about the same work and one prologue serves two tiles."""
     gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
     gl.static_assert(not (SOFTMAX_TURNS and PINGPONG), "one schedule of the consumers' turns")
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "two or three consumer warpgroups")
+    gl.static_assert(TILES == 1 or (TILES == 2 and PINGPONG), "two tiles a program take the ping-pong")
     # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
-    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    pid = gl.program_id(0)
+    m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+    m_first = m_blocks - 1 - pid
+    if TILES == 2:
+        m_second = pid
+        n_tiles = gl.where(pid < m_first, 2, 1)
+    else:
+        m_second = m_first
+        n_tiles = m_blocks * 0 + 1
     h = gl.program_id(1)
     b = gl.program_id(2)
     q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
     k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
-    m0 = m_block * BLOCK_M
-    if m0 >= sq:
+    if gl.minimum(m_first, m_second) * BLOCK_M >= sq:  # no tile of the program holds rows of the sequence
         return
     off = gl.where(bottom_right != 0, sk - sq, 0)
     left, right = window_sides(window_left, window_right, sq, sk)
-    lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
-    n_blocks = hi - lo
-    n_free = full_hi - full_lo
 
     b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
@@ -390,12 +449,14 @@ def fmha_fwd(
         k_rest_smem = k_smem
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_free.index(c), count=1)  # the consumer's O of a tile has left through its Q buffer
     # The turns' barriers (SOFTMAX_TURNS, PINGPONG) and the row sums of SOFTMAX_TURNS; unused,
     # they take no memory
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -415,30 +476,34 @@ def fmha_fwd(
     # at 24 a thread (2 x 128 x 240 or 3 x 128 x 160, plus 128 x 24, within 65536).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
-                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
-                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
+                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
+                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
-                       q_ready, v_ready, v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+                       q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                       BLOCK_N)),
             (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
-                       q_ready, k_ready, k_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+                       q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                       BLOCK_N)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
-                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
-                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, turn,
-                         turn_sums, o_base, stride_o_s, dv, Lse_rows, m0, sq, sk, off, left, right, n_blocks, n_free, lo,
-                         full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
+                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
+                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
+                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
             (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
-                       q_ready, v_ready, v_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+                       q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                       BLOCK_N)),
             (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
-                       q_ready, k_ready, k_empty, m0, n_blocks, n_free, lo, full_lo, full_hi, CONSUMERS, BLOCK_N)),
+                       q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                       BLOCK_N)),
         ], [4, 4, 1, 1], [160, 160, 24, 24])

@@ -87,25 +87,35 @@ def _wait_turn(c, k):
     return ("wait", "turn0", (k & 1) ^ 1) if c == 0 else ("wait", f"turn{c}", k & 1)
 
 
-def _forward_barriers(m, consumers, n_blocks):
-    """The barriers of the forward and its two loader partitions (K's ring; V's), shared by both schedules."""
+def _forward_barriers(m, consumers, tiles):
+    """The barriers of the forward and its two loader partitions, shared by every schedule: `tiles` holds the
+    key blocks of each of the program's tiles (TILES: one or two). One loader copies each tile's Q tiles,
+    once their consumers have given the buffers back (`q_free`), then V's ring; the other K's ring. The
+    ring runs on through the tiles."""
     m.barriers.update({f"{name}{i}": Barrier(1) for name in ("k_ready", "v_ready") for i in range(STAGES)})
     m.barriers.update({f"{name}{i}": Barrier(consumers) for name in ("k_empty", "v_empty") for i in range(STAGES)})
     m.barriers.update({f"turn{c}": Barrier(1) for c in range(consumers)})
+    m.barriers.update({f"{name}{c}": Barrier(1) for name in ("q_ready", "q_free") for c in range(consumers)})
 
     def loader(kv):
-        for t in range(n_blocks):
-            stage, free = t % STAGES, ((t // STAGES) & 1) ^ 1
-            yield ("wait", f"{kv}_empty{stage}", free)
-            yield ("write", f"{kv.upper()}{stage}", t)
-            yield ("arrive", f"{kv}_ready{stage}")
+        r = 0
+        for i, n_blocks in enumerate(tiles):
+            if kv == "v":
+                for c in range(consumers):
+                    yield from (("wait", f"q_free{c}", (i & 1) ^ 1), ("write", f"Q{c}", i), ("arrive", f"q_ready{c}"))
+            for t in range(r, r + n_blocks):
+                stage, free = t % STAGES, ((t // STAGES) & 1) ^ 1
+                yield ("wait", f"{kv}_empty{stage}", free)
+                yield ("write", f"{kv.upper()}{stage}", t)
+                yield ("arrive", f"{kv}_ready{stage}")
+            r += n_blocks
 
     m.add("k_loader", loader("k"))
     m.add("v_loader", loader("v"))
 
 
 def _forward(m, consumers, n_blocks, turns):
-    _forward_barriers(m, consumers, n_blocks)
+    _forward_barriers(m, consumers, [n_blocks])
 
     def softmax(c, t):
         if turns:
@@ -115,6 +125,7 @@ def _forward(m, consumers, n_blocks, turns):
             yield ("arrive", f"turn{(c + 1) % consumers}")
 
     def consumer(c):
+        yield from (("wait", f"q_ready{c}", 0), ("read", f"Q{c}", 0))
         if n_blocks == 0:
             return
         yield from (("wait", "k_ready0", 0), ("read", "K0", 0), ("arrive", "k_empty0"))
@@ -147,11 +158,14 @@ def test_the_forward_never_deadlocks_and_takes_its_softmaxes_in_turn(consumers, 
                 assert m.log == [(t, c) for t in range(n_blocks) for c in range(consumers)]
 
 
-def _pingpong_forward(m, consumers, n_blocks):
-    """The PINGPONG schedule (_pingpong_blocks): every product issued in the consumer's turn, S_0 in turn 0,
-    S_{t+1} and P_t V_t in turn t + 1, the last P V in turn n_blocks. A product reads its K or V buffer
-    from its issue to its wait, after which the buffer is released."""
-    _forward_barriers(m, consumers, n_blocks)
+def _pingpong_forward(m, consumers, tiles):
+    """The PINGPONG schedule (_pingpong_blocks) through the program's tiles (`tiles`: each one's key blocks):
+    every product issued in the consumer's turn, a tile's S_0 in its first turn, S_{t+1} and P_t V_t in the
+    next, its last P V in the one after; the ring's blocks and the turns run on from tile to tile, and a
+    tile without key blocks takes neither. A product reads its K or V buffer from its issue to its wait,
+    after which the buffer is released; the consumer reads its Q tile throughout the tile and gives it back
+    (`q_free`) after its O has gone out through it."""
+    _forward_barriers(m, consumers, tiles)
 
     def in_turn(c, k, products):
         yield _wait_turn(c, k)
@@ -164,33 +178,63 @@ def _pingpong_forward(m, consumers, n_blocks):
         yield from (("read", f"{kv.upper()}{t % STAGES}", t), ("arrive", f"{kv}_empty{t % STAGES}"))
 
     def consumer(c):
-        if n_blocks == 0:
-            return
-        yield from in_turn(c, 0, [("S", 0)])
-        yield from done("k", 0)
-        for t in range(n_blocks - 1):
-            yield from in_turn(c, t + 1, [("S", t + 1), ("PV", t)])
-            yield from done("k", t + 1)  # warpgroup_mma_wait(1): S_{t+1}, then its softmax
-            yield from done("v", t)  # warpgroup_mma_wait(0): P_t V_t
-        yield from in_turn(c, n_blocks, [("PV", n_blocks - 1)])
-        yield from done("v", n_blocks - 1)
+        r0 = k0 = 0
+        for i, n_blocks in enumerate(tiles):
+            yield from (("wait", f"q_ready{c}", i & 1), ("read", f"Q{c}", i))
+            if n_blocks:
+                yield from in_turn(c, k0, [("S", r0)])
+                yield from done("k", r0)
+                for t in range(n_blocks - 1):
+                    r = r0 + t
+                    yield from in_turn(c, k0 + t + 1, [("S", r + 1), ("PV", r)])
+                    yield from (("read", f"Q{c}", i), *done("k", r + 1))  # warpgroup_mma_wait(1): S_{t+1}, its softmax
+                    yield from done("v", r)  # warpgroup_mma_wait(0): P_t V_t
+                yield from in_turn(c, k0 + n_blocks, [("PV", r0 + n_blocks - 1)])
+                yield from done("v", r0 + n_blocks - 1)
+                r0, k0 = r0 + n_blocks, k0 + n_blocks + 1
+            yield from (("read", f"Q{c}", i), ("write", f"Q{c}", ("O", i)), ("arrive", f"q_free{c}"))  # O out through Q
 
     for c in range(consumers):
         m.add(f"consumer{c}", consumer(c))
+
+
+def _pingpong_products(consumers, tiles):
+    """The products in the order the turns give them: tile by tile, turn by turn, consumer by consumer."""
+    out, r0 = [], 0
+    for n_blocks in tiles:
+        if n_blocks:
+            turns = [[("S", r0)]] + [[("S", r0 + t + 1), ("PV", r0 + t)] for t in range(n_blocks - 1)]
+            turns += [[("PV", r0 + n_blocks - 1)]]
+            out += [(name, t, c) for products in turns for c in range(consumers) for name, t in products]
+        r0 += n_blocks
+    return out
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
 def test_the_pingpong_forward_never_deadlocks_and_issues_its_products_in_turn(consumers):
     rng = random.Random(SEED)
     for n_blocks in range(7):
-        turns = [[("S", 0)]] + [[("S", t + 1), ("PV", t)] for t in range(n_blocks - 1)] + [[("PV", n_blocks - 1)]]
-        expected = [(name, t, c) for products in turns for c in range(consumers) for name, t in products]
         for _ in range(300):
             m = Machine(rng)
-            _pingpong_forward(m, consumers, n_blocks)
+            _pingpong_forward(m, consumers, [n_blocks])
             while m.step():
                 pass
-            assert m.log == (expected if n_blocks else [])
+            assert m.log == _pingpong_products(consumers, [n_blocks])
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_two_tiles_a_program_run_on_through_the_ring_and_the_turns(consumers):
+    """TILES = 2 (kernels/v3/fmha_fwd.py): a heavy and a light tile under a causal mask, tiles without key
+    blocks (a window that leaves a tile's rows no key) and odd counts that end a tile mid-ring; the second
+    tile's Q never lands before the first tile's O has left its buffer (a read of Q would see it)."""
+    rng = random.Random(SEED)
+    for tiles in ([3, 1], [4, 4], [1, 0], [0, 2], [0, 0], [5, 2], [2, 3]):
+        for _ in range(300):
+            m = Machine(rng)
+            _pingpong_forward(m, consumers, tiles)
+            while m.step():
+                pass
+            assert m.log == _pingpong_products(consumers, tiles)
 
 
 # ------------------------------------------------------------------ wide backward (kernels/v3/fmha_bwd_wide.py)
