@@ -229,14 +229,17 @@ def _pingpong_step(t, r0, k0, acc, p, alpha, m_i, l_i, c: gl.constexpr, q, q_res
 
 @gluon.jit
 def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     turn, rows, sk, off, left, right, r0, k0, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
-                     s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
+                     turn, q_free, rows, sk, off, left, right, r0, k0, n_blocks, n_free, lo, full_lo, full_hi, scale_log2,
+                     s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
+                     OWN_O: gl.constexpr):
     """A consumer's key blocks in FlashAttention-3's schedule (PINGPONG): every product is issued in the
     consumer's turn (S_0 in turn 0, step t's two in turn t + 1, the last P V in turn n_blocks), and the
     turn goes round the consumers (the mbarriers `turn`), so the tensor cores take their products in
     alternation and one consumer's exponentials run beside the others' products, its own P V included.
     The tile's blocks are the ring's r0, r0 + 1, ... and its turns k0, k0 + 1, ... (what the program's tiles
-    before this one left). Returns (O, row max, row sum) after every key block."""
+    before this one left). With OWN_O (O leaves through a buffer of its own), Q is given back (`q_free`) once
+    the last S product is done, so that the next tile's Q lands under this tile's last P V and epilogue.
+    Returns (O, row max, row sum) after every key block."""
     if n_blocks > 0:
         _wait_turn(turn, k0, c)
         s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, r0, s_layout, BLOCK_N)
@@ -258,6 +261,8 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_s
                                                      v_smem, k_ready, v_ready, k_empty, v_empty, turn, rows, sk, off, left,
                                                      right, n_free, lo, full_lo, full_hi, scale_log2, s_layout, o_layout,
                                                      BLOCK_N, CONSUMERS, True)
+        if OWN_O:
+            mbarrier.arrive(q_free)  # every S product of the tile is done: Q is read no more
         last = r0 + n_blocks - 1
         _wait_turn(turn, k0 + n_blocks, c)
         acc = _issue_product(acc, p, alpha, last, v_smem, v_ready, o_layout)
@@ -268,12 +273,14 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_s
 
 
 @gluon.jit
-def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                   turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right, n_blocks, n_free, lo,
-                   full_lo, full_hi, scale_log2, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr,
-                   TURNS: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                   k_empty, v_empty, turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right,
+                   n_blocks, n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
+                   CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr):
     """Consumer c's rows of the tile at query row m0: its Q (copy phase q_phase), its key blocks (the ring's
-    from r0, the turns from k0: _pingpong_blocks), then O and the LSE out."""
+    from r0, the turns from k0: _pingpong_blocks), then O and the LSE out. Q goes back to the loader
+    (`q_free`) once read no more: after the last S product where O has a buffer of its own (OWN_O), else
+    once O has left through Q's memory."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -287,10 +294,14 @@ def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, BLOCK_DV], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(c), q_phase)
+    if OWN_O:
+        if n_blocks == 0:  # no S product reads Q
+            mbarrier.arrive(q_free.index(c))
     if PINGPONG:
         acc, m_i, l_i = _pingpong_blocks(acc, m_i, l_i, c, q, q_rest, k_smem, k_rest_smem, v_smem, k_ready, v_ready, k_empty,
-                                         v_empty, turn, rows, sk, off, left, right, r0, k0, n_blocks, n_free, lo, full_lo,
-                                         full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS)
+                                         v_empty, turn, q_free.index(c), rows, sk, off, left, right, r0, k0, n_blocks,
+                                         n_free, lo, full_lo, full_hi, scale_log2, s_layout, o_layout, BLOCK_N, CONSUMERS,
+                                         OWN_O)
     elif n_blocks > 0:  # (one tile a program: its blocks are the ring's first, its turns the first)
         s = _issue_scores(q, q_rest, k_smem, k_rest_smem, k_ready, 0, s_layout, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s,))
@@ -318,8 +329,11 @@ def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
-    # Q is no longer read: its tile takes O on its way out (in its first bytes where O is narrower)
-    if BLOCK_DV == q.shape[1]:
+    # O leaves through its own buffer, or (no room for one) through Q's tile, which is read no more (in its
+    # first bytes where O is narrower)
+    if OWN_O:
+        o_smem = o_buf.index(c)
+    elif BLOCK_DV == q.shape[1]:
         o_smem = q
     else:
         o_smem = q._reinterpret(dtype, [ROWS, BLOCK_DV], o_desc.layout)
@@ -329,6 +343,8 @@ def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     gl.store(Lse_rows + rows, lse, mask=rows < sq)
     tma.store_wait(0)
+    if not OWN_O:
+        mbarrier.arrive(q_free.index(c))
 
 @gluon.jit
 def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -340,12 +356,12 @@ def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.co
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
-              v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off, left, right,
-              scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr, CONSUMERS: gl.constexpr,
-              TURNS: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+              k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+              left, right, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
+              CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr):
     """Consumer c through the program's tiles: each takes the ring's blocks and the turns where the tile
-    before it left them, and its Q tile is given back to the loader (`q_free`) once O has left through it."""
+    before it left them, and gives its Q tile back to the loader (`q_free`) once it reads it no more."""
     dtype: gl.constexpr = v_smem.dtype
     # O's descriptor, made while Q's copy flies (each consumer its own: the loaders' time is Q's, K's and V's)
     o_desc = rows_descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
@@ -357,10 +373,10 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
         m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left, right,
                                                                           BLOCK_M, BLOCK_N)
         if active:
-            _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                           turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right, n_blocks,
-                           n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, TURNS, PINGPONG)
-            mbarrier.arrive(q_free.index(c))
+            _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                           k_empty, v_empty, turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right,
+                           n_blocks, n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, TURNS, PINGPONG,
+                           OWN_O)
             r0 += n_blocks
             k0 += gl.where(n_blocks > 0, n_blocks + 1, 0)
             q_phase ^= 1
@@ -448,6 +464,14 @@ def fmha_fwd(
         q_rest_smem = q_smem
         k_rest_smem = k_smem
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
+    # O's own buffer where shared memory has room (Q and K whole, up to 128 wide: 192 KiB in all at D=128), so
+    # that a consumer gives Q back before its last P V; at 192 and 256 O leaves through Q's memory
+    OWN_O: gl.constexpr = TILES == 2 and BLOCK_DQK <= 128
+    if OWN_O:
+        o_buf = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_DV],
+                                          gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
+    else:
+        o_buf = q_smem  # (not used)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -476,12 +500,14 @@ def fmha_fwd(
     # at 24 a thread (2 x 128 x 240 or 3 x 128 x 160, plus 128 x 24, within 65536).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
-                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
-                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
-                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
-                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         OWN_O)),
+            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         OWN_O)),
             (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
                        q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
                        BLOCK_N)),
@@ -491,15 +517,18 @@ def fmha_fwd(
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
-                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
-                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
-                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
-                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
-            (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_empty,
-                         v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
-                         left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG)),
+            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         OWN_O)),
+            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         OWN_O)),
+            (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                         OWN_O)),
             (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
                        q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
                        BLOCK_N)),

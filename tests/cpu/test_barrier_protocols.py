@@ -158,13 +158,14 @@ def test_the_forward_never_deadlocks_and_takes_its_softmaxes_in_turn(consumers, 
                 assert m.log == [(t, c) for t in range(n_blocks) for c in range(consumers)]
 
 
-def _pingpong_forward(m, consumers, tiles):
+def _pingpong_forward(m, consumers, tiles, own_o=False):
     """The PINGPONG schedule (_pingpong_blocks) through the program's tiles (`tiles`: each one's key blocks):
     every product issued in the consumer's turn, a tile's S_0 in its first turn, S_{t+1} and P_t V_t in the
     next, its last P V in the one after; the ring's blocks and the turns run on from tile to tile, and a
     tile without key blocks takes neither. A product reads its K or V buffer from its issue to its wait,
-    after which the buffer is released; the consumer reads its Q tile throughout the tile and gives it back
-    (`q_free`) after its O has gone out through it."""
+    after which the buffer is released; the consumer reads its Q tile with each S product and gives it back
+    (`q_free`) after its O has gone out through it, or, with `own_o` (OWN_O: O has a buffer of its own),
+    once its last S product is done."""
     _forward_barriers(m, consumers, tiles)
 
     def in_turn(c, k, products):
@@ -181,6 +182,8 @@ def _pingpong_forward(m, consumers, tiles):
         r0 = k0 = 0
         for i, n_blocks in enumerate(tiles):
             yield from (("wait", f"q_ready{c}", i & 1), ("read", f"Q{c}", i))
+            if own_o and not n_blocks:
+                yield ("arrive", f"q_free{c}")
             if n_blocks:
                 yield from in_turn(c, k0, [("S", r0)])
                 yield from done("k", r0)
@@ -189,10 +192,15 @@ def _pingpong_forward(m, consumers, tiles):
                     yield from in_turn(c, k0 + t + 1, [("S", r + 1), ("PV", r)])
                     yield from (("read", f"Q{c}", i), *done("k", r + 1))  # warpgroup_mma_wait(1): S_{t+1}, its softmax
                     yield from done("v", r)  # warpgroup_mma_wait(0): P_t V_t
+                if own_o:  # the last S product is done: Q is read no more
+                    yield ("arrive", f"q_free{c}")
                 yield from in_turn(c, k0 + n_blocks, [("PV", r0 + n_blocks - 1)])
                 yield from done("v", r0 + n_blocks - 1)
                 r0, k0 = r0 + n_blocks, k0 + n_blocks + 1
-            yield from (("read", f"Q{c}", i), ("write", f"Q{c}", ("O", i)), ("arrive", f"q_free{c}"))  # O out through Q
+            if own_o:
+                yield ("write", f"O{c}", i)
+            else:
+                yield from (("read", f"Q{c}", i), ("write", f"Q{c}", ("O", i)), ("arrive", f"q_free{c}"))  # O out through Q
 
     for c in range(consumers):
         m.add(f"consumer{c}", consumer(c))
@@ -222,8 +230,9 @@ def test_the_pingpong_forward_never_deadlocks_and_issues_its_products_in_turn(co
             assert m.log == _pingpong_products(consumers, [n_blocks])
 
 
+@pytest.mark.parametrize("own_o", [False, True], ids=["O through Q", "O of its own"])
 @pytest.mark.parametrize("consumers", [2, 3])
-def test_two_tiles_a_program_run_on_through_the_ring_and_the_turns(consumers):
+def test_two_tiles_a_program_run_on_through_the_ring_and_the_turns(consumers, own_o):
     """TILES = 2 (kernels/v3/fmha_fwd.py): a heavy and a light tile under a causal mask, tiles without key
     blocks (a window that leaves a tile's rows no key) and odd counts that end a tile mid-ring; the second
     tile's Q never lands before the first tile's O has left its buffer (a read of Q would see it)."""
@@ -231,7 +240,7 @@ def test_two_tiles_a_program_run_on_through_the_ring_and_the_turns(consumers):
     for tiles in ([3, 1], [4, 4], [1, 0], [0, 2], [0, 0], [5, 2], [2, 3]):
         for _ in range(300):
             m = Machine(rng)
-            _pingpong_forward(m, consumers, tiles)
+            _pingpong_forward(m, consumers, tiles, own_o)
             while m.step():
                 pass
             assert m.log == _pingpong_products(consumers, tiles)
