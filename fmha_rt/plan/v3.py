@@ -54,9 +54,13 @@ FWD_SCHEDULE = {(64, 64): PINGPONG, (128, 128): PINGPONG, (256, 256): PINGPONG, 
                 (192, 128): PINGPONG}
 # The build choices of each schedule: constexprs beyond the signature's
 SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True}}
-# Query blocks a forward program runs (the kernel's TILES): 2 pairs block M - 1 - p with block p of a (head,
-# batch entry), so that causal programs have equal work and one prologue serves two tiles (ping-pong only).
-FWD_TILES_PER_PROGRAM = {pair: 2 if schedule == PINGPONG else 1 for pair, schedule in FWD_SCHEDULE.items()}
+# Pairs of query blocks a forward program (the kernel's TILES = 2): block M - 1 - p with block p of a (head,
+# batch entry), so that causal programs have equal work and one prologue serves two tiles. The launch decides
+# (ceil(M / 2) programs pair, M do not): causal calls from these key lengths, where two query blocks a program
+# measured 1.02-1.07x one on an H100 (NOTES.md, v3.14); without a mask it measured 0.95-1.00x, and at 192/128
+# below 4096 keys and 256 below 2048, 0.94-0.98x. The other tiles are built with one block a program.
+FWD_PAIRED_CAUSAL_MIN_SEQLEN_K = {(128, 128): 0, (256, 256): 2048, (192, 128): 4096}
+FWD_TILES_PER_PROGRAM = {pair: 2 if pair in FWD_PAIRED_CAUSAL_MIN_SEQLEN_K else 1 for pair in FWD_SCHEDULE}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
@@ -243,10 +247,15 @@ def _descriptor_region(nbytes, problem) -> list:
     return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if has_work(problem) else []
 
 
+def fwd_paired(problem) -> bool:
+    """Whether a forward program runs two query blocks (FWD_PAIRED_CAUSAL_MIN_SEQLEN_K)."""
+    min_keys = FWD_PAIRED_CAUSAL_MIN_SEQLEN_K.get(fwd_pair(problem))
+    return problem.causal and min_keys is not None and problem.seqlen_k >= min_keys
+
+
 def _fwd_rows(problem) -> int:
     """The query rows a forward program runs: its tiles' rows."""
-    pair = fwd_pair(problem)
-    return FWD_TILES[pair].block_m * FWD_TILES_PER_PROGRAM[pair]
+    return FWD_TILES[fwd_pair(problem)].block_m * (2 if fwd_paired(problem) else 1)
 
 
 def _programs(problem) -> int:

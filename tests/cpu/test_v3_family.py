@@ -210,29 +210,44 @@ def test_the_other_schedules_set_their_constexprs(monkeypatch, schedule, constex
     assert v["traits"]["schedule"] == schedule
 
 
-def test_each_ping_pong_forward_program_runs_two_query_blocks(v3_on):
-    """TILES = 2 (kernels/v3/fmha_fwd.py): a program runs query blocks M - 1 - p and p of its (head, batch
-    entry), so the grid has half the query blocks, rounded up."""
+def test_causal_forward_programs_run_two_query_blocks_from_the_measured_key_lengths(v3_on):
+    """TILES = 2 (kernels/v3/fmha_fwd.py) in the tiles of FWD_PAIRED_CAUSAL_MIN_SEQLEN_K; the launch decides:
+    a causal call from the tile's key length gets half the query blocks' programs, rounded up, and the
+    kernel pairs block M - 1 - p with block p; any other call gets a program a block."""
     for v in (v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"):
         pair = (v["traits"]["head_dim_qk_tile"], v["traits"]["head_dim_v_tile"])
-        assert v["constexprs"]["TILES"] == v3.FWD_TILES_PER_PROGRAM[pair] == 2
-    for seqlen, programs in ((128, 1), (256, 1), (300, 2), (640, 3)):
-        p = problem(seqlen_q=seqlen, seqlen_k=seqlen)
+        assert v["constexprs"]["TILES"] == v3.FWD_TILES_PER_PROGRAM[pair]
+        assert v["constexprs"]["TILES"] == (2 if pair in v3.FWD_PAIRED_CAUSAL_MIN_SEQLEN_K else 1)
+    for seqlen, paired, single in ((128, 1, 1), (256, 1, 2), (300, 2, 3), (640, 3, 5)):
         rows, kv_rows = (seqlen * 8 * 128, 8 * 128, 128, 1), (seqlen * 2 * 128, 2 * 128, 128, 1)
         strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
-        (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
-        assert launch.grid == (programs, 8, 2)
+        for window, programs in (((-1, 0), paired), ((-1, -1), single), ((64, 0), single)):
+            p = problem(seqlen_q=seqlen, seqlen_k=seqlen, window_left=window[0], window_right=window[1])
+            assert v3.fwd_paired(p) == (window == (-1, 0))
+            (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
+            assert launch.grid == (programs, 8, 2)
+            descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
+            assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs * 8 * 2
+
+
+@pytest.mark.parametrize("dims, min_keys", [((256, 256), 2048), ((192, 128), 4096)])
+def test_the_wider_tiles_pair_causal_query_blocks_from_their_measured_key_lengths(v3_on, dims, min_keys):
+    for seqlen_k in (min_keys // 2, min_keys - 1, min_keys, 4 * min_keys):
+        p = problem(head_dim_qk=dims[0], head_dim_v=dims[1], seqlen_k=seqlen_k, window_right=0)
+        assert v3.fwd_paired(p) == (seqlen_k >= min_keys)
+        assert not v3.fwd_paired(problem(head_dim_qk=dims[0], head_dim_v=dims[1], seqlen_k=seqlen_k))
+    assert not v3.fwd_paired(problem(head_dim_qk=64, head_dim_v=64, seqlen_k=16384, window_right=0))
 
 
 def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_forward(v3_on):
-    p = problem(head_dim_qk=64, head_dim_v=64)  # 300 rows: two blocks of 192, one program a (head, batch entry)
+    p = problem(head_dim_qk=64, head_dim_v=64)  # 300 rows: two blocks of 192, a program each
     rows, kv_rows = (300 * 8 * 64, 8 * 64, 64, 1), (300 * 2 * 64, 2 * 64, 64, 1)
     strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * 300, 300, 1)}
     tensors = pointed_operands(strides, [v3.DESCRIPTOR_REGION])
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
-    assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (1, 8, 2)
+    assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (2, 8, 2)
     descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
-    assert descriptors.nbytes == v3.fwd_global_scratch((64, 64)) * 1 * 8 * 2
+    assert descriptors.nbytes == v3.fwd_global_scratch((64, 64)) * 2 * 8 * 2
 
 
 @pytest.mark.parametrize("dims, fwd_pair, pair", [
@@ -272,12 +287,12 @@ def latent_operands(seqlen, regions):
 
 
 def test_the_all_mode_plans_a_192_128_forward_in_the_192_128_tile(v3_on):
-    p = problem(head_dim_qk=192, head_dim_v=128)  # 300 rows: three blocks of 128, two programs a (head, batch entry)
+    p = problem(head_dim_qk=192, head_dim_v=128)  # 300 rows: three blocks of 128, a program each
     tensors = latent_operands(300, [v3.DESCRIPTOR_REGION])
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
-    assert launch.variant == "fmha_fwd_v3_bf16_d192v128" and launch.grid == (2, 8, 2)
+    assert launch.variant == "fmha_fwd_v3_bf16_d192v128" and launch.grid == (3, 8, 2)
     assert (launch.args["head_dim_qk_div8"], launch.args["head_dim_v_div8"]) == (24, 16)
-    assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.fwd_global_scratch((192, 128)) * 2 * 8 * 2
+    assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.fwd_global_scratch((192, 128)) * 3 * 8 * 2
 
 
 def test_the_measured_mode_plans_a_192_128_forward_in_the_192_128_tile_from_1024_keys(monkeypatch):
@@ -312,7 +327,7 @@ def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
     padding = pp.fwd_scratch(p)
     assert padding.regions and scratch.regions[:-1] == padding.regions
     descriptors = scratch.regions[-1]
-    programs = math.ceil(300 / 256) * 8 * 2  # two blocks of 128 rows a program
+    programs = math.ceil(300 / 128) * 8 * 2  # a block of 128 rows a program (no mask: not paired)
     assert descriptors.name == v3.DESCRIPTOR_REGION and not descriptors.zero_init
     assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0 and descriptors.offset >= padding.total_bytes
@@ -328,7 +343,7 @@ def test_plan_is_the_portable_launch_with_the_v3_kernel_and_the_descriptors(v3_o
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
     (portable,) = pp.plan_fwd(p, "sm_90", tensors)
     assert launch.variant == v3.fwd_key("bf16", (128, 128))
-    assert launch.grid == (2, 8, 2)  # three blocks of 128 rows a (head, batch entry), two a program
+    assert launch.grid == (2, 8, 2)  # three blocks of 128 rows a (head, batch entry), causal: two a program
     assert launch.args == {**portable.args, "global_scratch": tensors.regions[v3.DESCRIPTOR_REGION]}
     assert dispatch.plan_fwd(problem(seqlen_q=0, window_right=0), "sm_90", tensors) == []
 
