@@ -54,13 +54,12 @@ FWD_SCHEDULE = {(64, 64): PINGPONG, (128, 128): PINGPONG, (256, 256): PINGPONG, 
                 (192, 128): PINGPONG}
 # The build choices of each schedule: constexprs beyond the signature's
 SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PINGPONG": True}}
-# Pairs of query blocks a forward program (the kernel's TILES = 2): block M - 1 - p with block p of a (head,
-# batch entry), so that causal programs have equal work and one prologue serves two tiles. The launch decides
-# (ceil(M / 2) programs pair, M do not): causal calls from these key lengths, where two query blocks a program
-# measured 1.02-1.07x one on an H100 (NOTES.md, v3.14); without a mask it measured 0.95-1.00x, and at 192/128
-# below 4096 keys and 256 below 2048, 0.94-0.98x. The other tiles are built with one block a program.
-FWD_PAIRED_CAUSAL_MIN_SEQLEN_K = {(128, 128): 0, (256, 256): 2048, (192, 128): 4096}
-FWD_TILES_PER_PROGRAM = {pair: 2 if pair in FWD_PAIRED_CAUSAL_MIN_SEQLEN_K else 1 for pair in FWD_SCHEDULE}
+# Causal forwards whose programs run two query blocks each: block M - 1 - p with block p of a (head, batch
+# entry) (the kernel's TILES = 2, a variant of its own: fwd_key(..., paired=True)), so that every program has
+# the same work and one prologue serves two tiles. Key lengths [from, below): two blocks a program measured
+# 1.04-1.10x one on an H100 there, 0.95-0.98x at 16k keys (its loop spills more) and at 256 below 2048 keys,
+# and at 192/128 0.90-0.95x but at 4096 keys; without a mask 0.94-1.01x (NOTES.md, v3.14).
+FWD_PAIRED_CAUSAL_SEQLEN_K = {(128, 128): (0, 8192), (256, 256): (2048, 8192)}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
@@ -134,8 +133,9 @@ def fwd_pair(problem) -> tuple:
     return head_dim_tiles(problem)
 
 
-def fwd_key(dtype, pair):
-    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}"
+def fwd_key(dtype, pair, paired=False):
+    """The forward variants: one query block a program, or (paired) two."""
+    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + ("_paired" if paired else "")
 
 
 def dkdv_key(dtype, pair, strategy=DQ_ATOMIC):
@@ -183,11 +183,14 @@ def variants(arch: str) -> list[dict]:
             constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                           "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False}
             schedule = FWD_SCHEDULE[pair]
-            constexprs |= SCHEDULE_CONSTEXPRS[schedule] | {"TILES": FWD_TILES_PER_PROGRAM[pair]}
+            constexprs |= SCHEDULE_CONSTEXPRS[schedule]
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                           block_n=tile.block_n, deterministic=True, schedule=schedule, **{"pass": "fwd"})
-            out.append(_gluon(make_variant(fwd_key(dtype, pair), "fmha_fwd", dtype, tile, constexprs, traits,
-                                           module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
+            for paired in (False, True) if pair in FWD_PAIRED_CAUSAL_SEQLEN_K else (False,):
+                out.append(_gluon(make_variant(fwd_key(dtype, pair, paired), "fmha_fwd", dtype, tile,
+                                               constexprs | {"TILES": 2 if paired else 1},
+                                               dict(traits, tiles_per_program=2 if paired else 1),
+                                               module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
         for pair, tile in BWD_TILES.items():
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
@@ -248,9 +251,9 @@ def _descriptor_region(nbytes, problem) -> list:
 
 
 def fwd_paired(problem) -> bool:
-    """Whether a forward program runs two query blocks (FWD_PAIRED_CAUSAL_MIN_SEQLEN_K)."""
-    min_keys = FWD_PAIRED_CAUSAL_MIN_SEQLEN_K.get(fwd_pair(problem))
-    return problem.causal and min_keys is not None and problem.seqlen_k >= min_keys
+    """Whether a forward program runs two query blocks (FWD_PAIRED_CAUSAL_SEQLEN_K)."""
+    keys = FWD_PAIRED_CAUSAL_SEQLEN_K.get(fwd_pair(problem))
+    return problem.causal and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
 
 
 def _fwd_rows(problem) -> int:
@@ -312,6 +315,6 @@ def plan_fwd(problem, operands) -> list:
     DESCRIPTOR_REGION of fwd_scratch in their regions."""
     if not has_work(problem):
         return []
-    key = fwd_key(problem.dtype, fwd_pair(problem))
+    key = fwd_key(problem.dtype, fwd_pair(problem), fwd_paired(problem))
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
     return [forward_launch(key, problem, operands, _fwd_rows(problem), scratch)]

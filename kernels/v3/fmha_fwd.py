@@ -402,10 +402,9 @@ def fmha_fwd(
 ):
     """SOFTMAX_TURNS and PINGPONG (build choices of the tile, not arguments; at most one): the consumers take
     turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks). TILES (a
-    build choice too): 1, a program per query block; 2 (with PINGPONG), a program may run a pair of query
-    blocks of one (head, batch entry), block M - 1 - p with block p (M blocks in all), so that under a causal
-    mask every program has about the same work and one prologue serves two tiles. It does when the grid has
-    fewer programs than query blocks (ceil(M / 2)); with M programs each runs one block."""
+    build choice too): 1, a program per query block; 2 (with PINGPONG), a program per pair of query blocks
+    of one (head, batch entry), block M - 1 - p with block p (M blocks in all), so that under a causal mask
+    every program has about the same work and one prologue serves two tiles."""
     gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
     gl.static_assert(not (SOFTMAX_TURNS and PINGPONG), "one schedule of the consumers' turns")
@@ -417,11 +416,8 @@ def fmha_fwd(
     m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
     m_first = m_blocks - 1 - pid
     if TILES == 2:
-        # the launch says whether to pair: a grid of fewer programs than query blocks (the host pairs where it
-        # measured faster: under a causal mask); a grid of one program a block runs one tile each
-        paired = gl.num_programs(0) < m_blocks
-        m_second = gl.where(paired, pid, m_first)
-        n_tiles = gl.where(paired & (pid < m_first), 2, 1)
+        m_second = pid
+        n_tiles = gl.where(pid < m_first, 2, 1)
     else:
         m_second = m_first
         n_tiles = m_blocks * 0 + 1

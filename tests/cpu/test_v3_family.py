@@ -35,6 +35,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
         assert v3.variants(arch) == []
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
+    gluon.update({v3.fwd_key(d, p, paired=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRED_CAUSAL_SEQLEN_K})
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
@@ -210,14 +211,19 @@ def test_the_other_schedules_set_their_constexprs(monkeypatch, schedule, constex
     assert v["traits"]["schedule"] == schedule
 
 
-def test_causal_forward_programs_run_two_query_blocks_from_the_measured_key_lengths(v3_on):
-    """TILES = 2 (kernels/v3/fmha_fwd.py) in the tiles of FWD_PAIRED_CAUSAL_MIN_SEQLEN_K; the launch decides:
-    a causal call from the tile's key length gets half the query blocks' programs, rounded up, and the
-    kernel pairs block M - 1 - p with block p; any other call gets a program a block."""
-    for v in (v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"):
-        pair = (v["traits"]["head_dim_qk_tile"], v["traits"]["head_dim_v_tile"])
-        assert v["constexprs"]["TILES"] == v3.FWD_TILES_PER_PROGRAM[pair]
-        assert v["constexprs"]["TILES"] == (2 if pair in v3.FWD_PAIRED_CAUSAL_MIN_SEQLEN_K else 1)
+def test_causal_forward_programs_run_two_query_blocks_in_the_measured_key_lengths(v3_on):
+    """TILES = 2 (kernels/v3/fmha_fwd.py), the tile's paired variant: a program runs query blocks M - 1 - p
+    and p of its (head, batch entry), so the grid has half the query blocks, rounded up. Causal calls in the
+    key lengths of FWD_PAIRED_CAUSAL_SEQLEN_K take it; any other call a program a block."""
+    fwd = {v["key"]: v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"}
+    for dtype in pp.DTYPES:
+        for pair in v3.FWD_PAIRS:
+            assert fwd[v3.fwd_key(dtype, pair)]["constexprs"]["TILES"] == 1
+            paired = fwd.get(v3.fwd_key(dtype, pair, paired=True))
+            assert (paired is not None) == (pair in v3.FWD_PAIRED_CAUSAL_SEQLEN_K)
+            if paired:
+                assert paired["constexprs"]["TILES"] == 2 and paired["constexprs"]["PINGPONG"]
+                assert paired["global_scratch"] == v3.fwd_global_scratch(pair)
     for seqlen, paired, single in ((128, 1, 1), (256, 1, 2), (300, 2, 3), (640, 3, 5)):
         rows, kv_rows = (seqlen * 8 * 128, 8 * 128, 128, 1), (seqlen * 2 * 128, 2 * 128, 128, 1)
         strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
@@ -225,18 +231,19 @@ def test_causal_forward_programs_run_two_query_blocks_from_the_measured_key_leng
             p = problem(seqlen_q=seqlen, seqlen_k=seqlen, window_left=window[0], window_right=window[1])
             assert v3.fwd_paired(p) == (window == (-1, 0))
             (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
+            assert launch.variant == v3.fwd_key("bf16", (128, 128), paired=window == (-1, 0))
             assert launch.grid == (programs, 8, 2)
             descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
             assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs * 8 * 2
 
 
-@pytest.mark.parametrize("dims, min_keys", [((256, 256), 2048), ((192, 128), 4096)])
-def test_the_wider_tiles_pair_causal_query_blocks_from_their_measured_key_lengths(v3_on, dims, min_keys):
-    for seqlen_k in (min_keys // 2, min_keys - 1, min_keys, 4 * min_keys):
-        p = problem(head_dim_qk=dims[0], head_dim_v=dims[1], seqlen_k=seqlen_k, window_right=0)
-        assert v3.fwd_paired(p) == (seqlen_k >= min_keys)
+@pytest.mark.parametrize("dims", [(128, 128), (256, 256), (192, 128), (64, 64)])
+def test_each_tile_pairs_causal_query_blocks_in_its_measured_key_lengths_alone(v3_on, dims):
+    first, below = v3.FWD_PAIRED_CAUSAL_SEQLEN_K.get(dims, (None, None))
+    for seqlen_k in (1, 1024, 2047, 2048, 4096, 8191, 8192, 16384):
+        causal = problem(head_dim_qk=dims[0], head_dim_v=dims[1], seqlen_k=seqlen_k, window_right=0)
+        assert v3.fwd_paired(causal) == (first is not None and first <= seqlen_k < below)
         assert not v3.fwd_paired(problem(head_dim_qk=dims[0], head_dim_v=dims[1], seqlen_k=seqlen_k))
-    assert not v3.fwd_paired(problem(head_dim_qk=64, head_dim_v=64, seqlen_k=16384, window_right=0))
 
 
 def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_forward(v3_on):
@@ -342,7 +349,7 @@ def test_plan_is_the_portable_launch_with_the_v3_kernel_and_the_descriptors(v3_o
     tensors = pointed_operands(strides, [v3.DESCRIPTOR_REGION])
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
     (portable,) = pp.plan_fwd(p, "sm_90", tensors)
-    assert launch.variant == v3.fwd_key("bf16", (128, 128))
+    assert launch.variant == v3.fwd_key("bf16", (128, 128), paired=True)
     assert launch.grid == (2, 8, 2)  # three blocks of 128 rows a (head, batch entry), causal: two a program
     assert launch.args == {**portable.args, "global_scratch": tensors.regions[v3.DESCRIPTOR_REGION]}
     assert dispatch.plan_fwd(problem(seqlen_q=0, window_right=0), "sm_90", tensors) == []
@@ -382,7 +389,7 @@ def scratch_of(args, made):
 
 @pytest.mark.parametrize("make, shape, options, kernel", [
     (fwd, {}, {}, "fmha_fwd_v3_fp16_d64"),
-    (fwd, {"hq": 8, "hk": 2, "d": 128}, {"causal": True}, "fmha_fwd_v3_fp16_d128"),
+    (fwd, {"hq": 8, "hk": 2, "d": 128}, {"causal": True}, "fmha_fwd_v3_fp16_d128_paired"),
     (fwd, {"d": 56}, {"window": (16, 8), "causal_alignment": "bottom_right"}, "fmha_fwd_v3_fp16_d64"),
     (varlen_fwd, {"hq": 8, "hk": 2, "varlen": True}, {"causal": True}, "fmha_fwd_v3_fp16_d64"),
 ], ids=["MHA", "GQA causal D=128", "window bottom-right D=56", "varlen"])
