@@ -72,42 +72,66 @@ def _key_block(t, n_free, lo, full_lo, full_hi):
 
 
 @gluon.jit
+def _copy_q_tiles(q_desc, m0, q_ready, q_free, q_phase, q_smem, q_rest_smem, CONSUMERS: gl.constexpr, WAIT: gl.constexpr):
+    """Each consumer's Q tile of the tile at query row m0; WAIT: once the consumer has given its Q buffer
+    back (`q_free`, phase q_phase ^ 1: a fresh barrier's previous phase counts as complete)."""
+    for c in gl.static_range(CONSUMERS):
+        if WAIT:
+            mbarrier.wait(q_free.index(c), q_phase ^ 1)
+        _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
+
+
+@gluon.jit
+def _kv_ring(kv_desc, kv_smem, kv_rest_smem, kv_ready, kv_empty, r0, n_blocks, n_free, lo, full_lo, full_hi,
+             BLOCK_N: gl.constexpr):
+    """A tile's K or V blocks into the ring, whose slots r0, r0 + 1, ... they take."""
+    for t in range(n_blocks):
+        r = r0 + t
+        stage = r % STAGES
+        free_phase = ((r // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
+        n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
+        mbarrier.wait(kv_empty.index(stage), free_phase)
+        _copy_qk_tile(kv_desc, n0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
+
+
+@gluon.jit
 def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk, dqk, kv_dims, q_smem, q_rest_smem, kv_smem,
             kv_rest_smem, q_ready, q_free, kv_ready, kv_empty, m_first, m_second, n_tiles, off, left, right,
-            CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+            CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILES: gl.constexpr):
     """One of the two loader warps: KEYS, the ring of K tiles; otherwise Q's tiles, then the ring of V tiles.
     Each makes the descriptors it uses just before its first copy, so that Q's and K's, the first product's
     operands, are made at the same time: making one takes about a microsecond (its tensormap written to
     global memory, fenced, then fetched). A tile held in two parts (Q and K at 192) comes in boxes of its
-    rest's width. The program's tiles follow each other in the ring; a tile's Q copies wait until its
-    consumer has given the Q buffer back (`q_free`: O of the tile before left through it)."""
+    rest's width. With two tiles (TILES = 2) they follow each other in the ring; a tile's Q copies wait
+    until its consumer has given the Q buffer back (`q_free`)."""
     dtype: gl.constexpr = kv_smem.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
     Q_BOX: gl.constexpr = q_rest_smem.shape[2]
-    if not KEYS:
-        q_desc = rows_descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_smem.shape[2]], dtype)
     KV_BOX: gl.constexpr = kv_rest_smem.shape[2]
-    kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
-    r0 = n_tiles * 0
-    q_phase = n_tiles * 0
-    for i in range(n_tiles):
-        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left, right,
+    if not KEYS:
+        q_desc = rows_descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
+    if TILES == 1:  # the ring from its first slot: constants, so that the loop carries no offsets
+        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(0, m_first, m_first, sq, sk, off, left, right,
                                                                           BLOCK_M, BLOCK_N)
-        if active:
-            if not KEYS:
-                for c in gl.static_range(CONSUMERS):
-                    mbarrier.wait(q_free.index(c), q_phase ^ 1)  # a fresh barrier's previous phase counts as complete
-                    _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
-            for t in range(n_blocks):
-                r = r0 + t
-                stage = r % STAGES
-                free_phase = ((r // STAGES) & 1) ^ 1
-                n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
-                mbarrier.wait(kv_empty.index(stage), free_phase)
-                _copy_qk_tile(kv_desc, n0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
-            r0 += n_blocks
-            q_phase ^= 1
+        if not KEYS:
+            _copy_q_tiles(q_desc, m0, q_ready, q_free, 0, q_smem, q_rest_smem, CONSUMERS, False)
+        kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
+        _kv_ring(kv_desc, kv_smem, kv_rest_smem, kv_ready, kv_empty, 0, n_blocks, n_free, lo, full_lo, full_hi, BLOCK_N)
+    else:
+        kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
+        r0 = n_tiles * 0
+        q_phase = n_tiles * 0
+        for i in range(n_tiles):
+            m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left,
+                                                                              right, BLOCK_M, BLOCK_N)
+            if active:
+                if not KEYS:
+                    _copy_q_tiles(q_desc, m0, q_ready, q_free, q_phase, q_smem, q_rest_smem, CONSUMERS, True)
+                _kv_ring(kv_desc, kv_smem, kv_rest_smem, kv_ready, kv_empty, r0, n_blocks, n_free, lo, full_lo, full_hi,
+                         BLOCK_N)
+                r0 += n_blocks
+                q_phase ^= 1
 
 
 @gluon.jit
@@ -276,11 +300,12 @@ def _pingpong_blocks(acc, m_i, l_i, c: gl.constexpr, q, q_rest, k_smem, k_rest_s
 def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
                    k_empty, v_empty, turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right,
                    n_blocks, n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
-                   CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr):
+                   CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr,
+                   TILES: gl.constexpr):
     """Consumer c's rows of the tile at query row m0: its Q (copy phase q_phase), its key blocks (the ring's
     from r0, the turns from k0: _pingpong_blocks), then O and the LSE out. Q goes back to the loader
-    (`q_free`) once read no more: after the last S product where O has a buffer of its own (OWN_O), else
-    once O has left through Q's memory."""
+    (`q_free`, with two tiles a program) once read no more: after the last S product where O has a buffer of
+    its own (OWN_O), else once O has left through Q's memory."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -343,8 +368,9 @@ def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     gl.store(Lse_rows + rows, lse, mask=rows < sq)
     tma.store_wait(0)
-    if not OWN_O:
+    if TILES == 2 and not OWN_O:
         mbarrier.arrive(q_free.index(c))
+
 
 @gluon.jit
 def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -359,27 +385,35 @@ def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.co
 def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
               k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
               left, right, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
-              CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr):
+              CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr,
+              TILES: gl.constexpr):
     """Consumer c through the program's tiles: each takes the ring's blocks and the turns where the tile
     before it left them, and gives its Q tile back to the loader (`q_free`) once it reads it no more."""
     dtype: gl.constexpr = v_smem.dtype
     # O's descriptor, made while Q's copy flies (each consumer its own: the loaders' time is Q's, K's and V's)
     o_desc = rows_descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
                              gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
-    r0 = n_tiles * 0
-    k0 = n_tiles * 0
-    q_phase = n_tiles * 0
-    for i in range(n_tiles):
-        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left, right,
+    if TILES == 1:  # Q's first copy, the ring's and the turns' first: constants, so that the steps carry no offsets
+        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(0, m_first, m_first, sq, sk, off, left, right,
                                                                           BLOCK_M, BLOCK_N)
-        if active:
-            _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                           k_empty, v_empty, turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off, left, right,
-                           n_blocks, n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, TURNS, PINGPONG,
-                           OWN_O)
-            r0 += n_blocks
-            k0 += gl.where(n_blocks > 0, n_blocks + 1, 0)
-            q_phase ^= 1
+        _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready, k_empty,
+                       v_empty, turn, turn_sums, o_desc, Lse_rows, m0, 0, 0, 0, sq, sk, off, left, right, n_blocks, n_free, lo,
+                       full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, TURNS, PINGPONG, OWN_O, TILES)
+    else:
+        r0 = n_tiles * 0
+        k0 = n_tiles * 0
+        q_phase = n_tiles * 0
+        for i in range(n_tiles):
+            m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left,
+                                                                              right, BLOCK_M, BLOCK_N)
+            if active:
+                _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready,
+                               v_ready, k_empty, v_empty, turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off,
+                               left, right, n_blocks, n_free, lo, full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS,
+                               TURNS, PINGPONG, OWN_O, TILES)
+                r0 += n_blocks
+                k0 += gl.where(n_blocks > 0, n_blocks + 1, 0)
+                q_phase ^= 1
 
 
 @gluon.jit
@@ -480,7 +514,8 @@ def fmha_fwd(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(q_free.index(c), count=1)  # the consumer's O of a tile has left through its Q buffer
+        if TILES == 2:
+            mbarrier.init(q_free.index(c), count=1)  # the consumer has given its Q buffer back
     # The turns' barriers (SOFTMAX_TURNS, PINGPONG) and the row sums of SOFTMAX_TURNS; unused,
     # they take no memory
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -503,36 +538,36 @@ def fmha_fwd(
             (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
                          k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
                          sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O)),
+                         OWN_O, TILES)),
             (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
                          k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
                          sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O)),
+                         OWN_O, TILES)),
             (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
                        q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N)),
+                       BLOCK_N, TILES)),
             (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
                        q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N)),
+                       BLOCK_N, TILES)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
                          k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
                          sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O)),
+                         OWN_O, TILES)),
             (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
                          k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
                          sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O)),
+                         OWN_O, TILES)),
             (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
                          k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
                          sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O)),
+                         OWN_O, TILES)),
             (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
                        q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N)),
+                       BLOCK_N, TILES)),
             (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
                        q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N)),
+                       BLOCK_N, TILES)),
         ], [4, 4, 1, 1], [160, 160, 24, 24])
