@@ -64,9 +64,9 @@ def plan_scratch(function, traits) -> int:
 
 def test_a_forward_program_makes_q_k_v_and_one_o_descriptor_a_consumer():
     """The loaders make Q's, K's and V's descriptors, each consumer its own of O (kernels/v3/fmha_fwd.py):
-    128 bytes each, two consumers in the 128-row tiles, three in the 192-row one."""
+    128 bytes each, two consumers in every tile (128 rows)."""
     assert {pair: v3.fwd_global_scratch(pair) for pair in v3.FWD_PAIRS} == {
-        (64, 64): 768, (128, 128): 640, (256, 256): 640, (256, 128): 640, (192, 128): 640}
+        (64, 64): 640, (128, 128): 640, (256, 256): 640, (256, 128): 640, (192, 128): 640}
 
 
 def test_a_backward_program_makes_four_loader_and_three_consumer_descriptors_a_consumer():
@@ -182,9 +182,9 @@ def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served
     assert not v3.serves_bwd(p, "gfx942")
 
 
-def test_the_forward_tiles_take_192_rows_and_64_keys_at_head_dim_64_and_64_keys_at_256():
+def test_the_forward_tiles_take_128_rows_and_64_keys_at_256():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
-    for pair, tile in (((64, 64), (192, 64)), ((128, 128), (128, 128)), ((256, 256), (128, 64)), ((256, 128), (128, 64)),
+    for pair, tile in (((64, 64), (128, 128)), ((128, 128), (128, 128)), ((256, 256), (128, 64)), ((256, 128), (128, 64)),
                        ((192, 128), (128, 128))):
         constexprs = variants[v3.fwd_key("bf16", pair)]["constexprs"]
         assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == tile
@@ -246,15 +246,15 @@ def test_each_tile_pairs_causal_query_blocks_in_its_measured_key_lengths_alone(v
         assert not v3.fwd_paired(problem(head_dim_qk=dims[0], head_dim_v=dims[1], seqlen_k=seqlen_k))
 
 
-def test_the_192_row_tile_sets_the_grid_and_the_descriptors_of_a_head_dim_64_forward(v3_on):
-    p = problem(head_dim_qk=64, head_dim_v=64)  # 300 rows: two blocks of 192, a program each
+def test_the_head_dim_64_tile_sets_the_grid_and_the_descriptors_of_a_forward(v3_on):
+    p = problem(head_dim_qk=64, head_dim_v=64)  # 300 rows: three programs of 128 a (head, batch entry)
     rows, kv_rows = (300 * 8 * 64, 8 * 64, 64, 1), (300 * 2 * 64, 2 * 64, 64, 1)
     strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * 300, 300, 1)}
     tensors = pointed_operands(strides, [v3.DESCRIPTOR_REGION])
     (launch,) = dispatch.plan_fwd(p, "sm_90", tensors)
-    assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (2, 8, 2)
+    assert launch.variant == v3.fwd_key("bf16", (64, 64)) and launch.grid == (3, 8, 2)
     descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
-    assert descriptors.nbytes == v3.fwd_global_scratch((64, 64)) * 2 * 8 * 2
+    assert descriptors.nbytes == v3.fwd_global_scratch((64, 64)) * 3 * 8 * 2
 
 
 @pytest.mark.parametrize("dims, fwd_pair, pair", [
