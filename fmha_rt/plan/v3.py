@@ -30,15 +30,16 @@ from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd
 FAMILY = "v3"
 ARCHS = ("sm_90",)
 KERNEL_MODULES = {"fwd": "kernels.v3.fmha_fwd", "bwd": "kernels.v3.fmha_bwd"}
-# 64 query rows a consumer warpgroup, 128 a program (two consumers); the default partition's 4 warps (the rest come from the kernel's warp_specialize: the other
-# consumers and two loader warps). Keys come 128 a block, 64 at D=256: there Q's two tiles and a 2-deep ring
-# of K and V fill 192 KiB of the 227 KiB a program may have, and each consumer's 64 x 256 fp32
-# accumulator takes 128 of its 240 registers; the (256, 128) pair (queries and keys of 193..256, values of
-# 65..128) takes the same tile, O in the first half of Q's tiles. At D=64 the 128 tile (candidate v3.15: its
-# 128 keys a block give a step 3.3 instructions a key against 4.3 in FlashAttention-3's 192 x 64 tile of three
-# consumers, which was slower than the portable forward at every length). The (192, 128) pair (LATENT_PAIR) takes 128 keys a block again: Q's 48 KiB and a 2-deep ring of
-# 128 x 192 K and 128 x 128 V tiles fill 208 KiB, and a consumer holds the 128 tile's accumulators (64 x 128
-# for S and for O); the kernel holds its Q and K tiles in two parts, 128 and 64 columns wide.
+# 64 query rows a consumer warpgroup, 128 a program (two consumers); the default partition's 4 warps (the
+# rest come from the kernel's warp_specialize: the other consumer and two loader warps). Keys come 128 a
+# block, 64 at D=256: there Q's two tiles and a 2-deep ring of K and V fill 192 KiB of the 227 KiB a program
+# may have, and each consumer's 64 x 256 fp32 accumulator takes 128 of its 240 registers; the (256, 128) pair
+# (queries and keys of 193..256, values of 65..128) takes the same tile, O in the first half of Q's tiles.
+# At D=64 the 128 tile (candidate v3.15): its 128 keys a block give a step 3.3 instructions a key against
+# 4.3 in FlashAttention-3's 192 x 64 tile of three consumers, which was slower than the portable forward at
+# every length. The (192, 128) pair (LATENT_PAIR) takes 128 keys a block again: Q's 48 KiB and a 2-deep ring
+# of 128 x 192 K and 128 x 128 V tiles fill 208 KiB, and a consumer holds the 128 tile's accumulators (64 x
+# 128 for S and for O); the kernel holds its Q and K tiles in two parts, 128 and 64 columns wide.
 FWD_TILES = {(64, 64): Tile(128, 128, 4, 1), (128, 128): Tile(128, 128, 4, 1), (256, 256): Tile(128, 64, 4, 1),
              (256, 128): Tile(128, 64, 4, 1), (192, 128): Tile(128, 128, 4, 1)}
 FWD_PAIRS = tuple(FWD_TILES)
