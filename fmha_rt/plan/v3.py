@@ -95,12 +95,14 @@ MODE = _read_mode()
 # its descriptors made in the partitions (v3.11) it was 1.20x the portable forward at 1024 keys on an H100 and
 # level with it causal (471 against 393, 302 against 300 TFLOP/s; NOTES.md, v3.11). The 256 tile was 1.29-1.34x
 # the portable forward on an H100 from 1024 keys (NOTES.md, the H100 round of v3.3-v3.6) and runs from 1024
-# keys; the 64 tile was slower everywhere (0.65-0.93x at 1k and 2k keys after v3.11).
+# keys. At D=64 FlashAttention-3's 192 x 64 tile was slower everywhere (0.65-0.93x at 1k and 2k keys after
+# v3.11); the 128 tile there (v3.15) was 0.76-0.99x the portable forward up to 4096 keys and 1.03x / 1.06x
+# (causal) at 16384 (NOTES.md, v3.15): from 16384 keys.
 # Heads of 129..192 for queries and keys and up to 128 for values run the (192, 128) tile from 1024 keys: on
 # an H100 it was 1.33-1.66x the portable forward at 1k and 2k keys, and 1.08-1.23x the (256, 128) tile that
 # served them padded (NOTES.md, v3.10). That (256, 128) tile, wider query/key heads' now, was 1.23-1.38x the
 # portable forward at 1k and 2k keys (padded 192/128 heads, the same work): from 1024 keys too.
-MEASURED_FWD_MIN_SEQLEN_K = {(128, 128): 1024, (256, 256): 1024, (192, 128): 1024, (256, 128): 1024}
+MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 16384, (128, 128): 1024, (256, 256): 1024, (192, 128): 1024, (256, 128): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
 # reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
 # 1.19-1.28x the portable backward at D=128 from 4096 keys, but 0.88x for GQA 4k causal (causal GQA programs
