@@ -4,11 +4,10 @@ and asynchronous warpgroup MMAs (wgmma), the structure of FlashAttention-3's for
 It takes the portable forward's arguments (fmha_rt/plan/portable.py, SIGNATURES["fmha_fwd"]), so one
 plan serves both families, and serves the calls without score terms or dropout: BIAS_KIND 0, DROPOUT
 False (the unused arguments are never read). One program per (BLOCK_M query rows, query head, batch
-entry), in partitions:
-- BLOCK_M / 64 consumers (the default partition and workers, 4 warps each: one warpgroup), 64 query
-  rows each: two at head dims 128 and 256, three at 64 (FlashAttention-3's 192-row tile: with 64 x 64
-  accumulators one consumer's products are short, and a third keeps the tensor cores fed while the
-  others run their exponentials); a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before
+entry), or per two query blocks of one (head, batch entry) (TILES = 2), in partitions:
+- two consumers (the default partition and a worker, 4 warps each: one warpgroup), 64 query rows each
+  (FlashAttention-3's 192-row tile of three at D=64 was slower than the 128 tile: NOTES.md, v3.15);
+  a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before
   the softmax of key block j, so the two overlap, then O += P_j V_j with P_j from registers (the build
   choices SOFTMAX_TURNS and PINGPONG order the consumers: fmha_rt/plan/v3.py, FWD_SCHEDULE);
 - two loaders (1 warp each, 24 registers, in one warpgroup): TMA copies of the consumers' Q tiles then
@@ -443,7 +442,7 @@ def fmha_fwd(
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
     gl.static_assert(not (SOFTMAX_TURNS and PINGPONG), "one schedule of the consumers' turns")
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
-    gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "two or three consumer warpgroups")
+    gl.static_assert(CONSUMERS == 2, "two consumer warpgroups")
     gl.static_assert(TILES == 1 or (TILES == 2 and PINGPONG), "two tiles a program take the ping-pong")
     # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
     pid = gl.program_id(0)
@@ -530,44 +529,21 @@ def fmha_fwd(
         mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     # A consumer thread's registers (setmaxnreg): what the register file leaves beside the loaders' warpgroup
-    # at 24 a thread (2 x 128 x 240 or 3 x 128 x 160, plus 128 x 24, within 65536).
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O, TILES)),
-            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O, TILES)),
-            (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
-                       q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N, TILES)),
-            (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
-                       q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N, TILES)),
-        ], [4, 1, 1], [240, 24, 24])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O, TILES)),
-            (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O, TILES)),
-            (_consumer, (2, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                         k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                         sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
-                         OWN_O, TILES)),
-            (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
-                       q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N, TILES)),
-            (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
-                       q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
-                       BLOCK_N, TILES)),
-        ], [4, 4, 1, 1], [160, 160, 24, 24])
+    # at 24 a thread (2 x 128 x 240 plus 128 x 24, within 65536).
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                     k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                     sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                     OWN_O, TILES)),
+        (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
+                     k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
+                     sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                     OWN_O, TILES)),
+        (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
+                   q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                   BLOCK_N, TILES)),
+        (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
+                   q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                   BLOCK_N, TILES)),
+    ], [4, 1, 1], [240, 24, 24])
