@@ -96,23 +96,24 @@ MODE = _read_mode()
 # level with it causal (471 against 393, 302 against 300 TFLOP/s; NOTES.md, v3.11). The 256 tile was 1.29-1.34x
 # the portable forward on an H100 from 1024 keys (NOTES.md, the H100 round of v3.3-v3.6) and runs from 1024
 # keys. At D=64 FlashAttention-3's 192 x 64 tile was slower everywhere (0.65-0.93x at 1k and 2k keys after
-# v3.11); the 128 tile there (v3.15) was 0.76-0.99x the portable forward up to 4096 keys and 1.03x / 1.06x
-# (causal) at 16384 (NOTES.md, v3.15): from 16384 keys.
+# v3.11); the 128 tile there (v3.15) was 0.76-0.99x the portable forward up to 4096 keys, 1.01x / 1.03x
+# (causal) at 8192 and 1.03x / 1.05x at 16384 (NOTES.md, v3.15): from 8192 keys.
 # Heads of 129..192 for queries and keys and up to 128 for values run the (192, 128) tile from 1024 keys: on
 # an H100 it was 1.33-1.66x the portable forward at 1k and 2k keys, and 1.08-1.23x the (256, 128) tile that
 # served them padded (NOTES.md, v3.10). That (256, 128) tile, wider query/key heads' now, was 1.23-1.38x the
 # portable forward at 1k and 2k keys (padded 192/128 heads, the same work): from 1024 keys too.
-MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 16384, (128, 128): 1024, (256, 256): 1024, (192, 128): 1024, (256, 128): 1024}
+MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 8192, (128, 128): 1024, (256, 256): 1024, (192, 128): 1024, (256, 128): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
-# reductions in whatever order programs finish). On the H200 (bench/results/h200_v14/bwd_v3_2_tma/) it was
-# 1.19-1.28x the portable backward at D=128 from 4096 keys, but 0.88x for GQA 4k causal (causal GQA programs
-# are long and start late) and slower at 1k causal; in the 64 tile it was ahead only at 16k keys. Causal GQA
-# takes it from 16384 keys, the longest measured, as nothing between 4k and 16k was measured. The wide
-# program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256 from 1024 keys; at
-# 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal: so D=256 from 1024 keys
-# and 192/128 from 4096.
-MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 4096, (64, 64): 16384, (256, 256): 1024, (256, 128): 4096}
-MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
+# reductions in whatever order programs finish). On an H100 after v3.13 and v3.16 (NOTES.md, "The H100 round
+# of v3.14-v3.16"): at D=128 1.17-1.27x the portable backward at 1k and 2k keys (1.02x at 1k causal), level at
+# 4k; causal GQA (16/2) 0.92x at 1k, 1.03x at 2k, 1.11x at 4k; the 64 tile 0.85-1.0x up to 4k, 1.03-1.09x at
+# 8k and 16k. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256
+# from 1024 keys; at 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal:
+# so D=256 from 1024 keys and 192/128 from 4096. Causal GQA calls of the other tiles (unmeasured) take it
+# from 16384 keys, where the H200 had it ahead.
+MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 8192, (256, 256): 1024, (256, 128): 4096}
+MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
+UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
 # batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
 # of their own: NOTES.md, v3.4), at every length. Nowhere yet: on an H100 it was 0.52-0.95x the portable
@@ -238,7 +239,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
         return True
     min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
     if min_keys is not None and problem.causal and problem.kv_group_size > 1:
-        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K)
+        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K.get(pair, UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K))
     return min_keys is not None and problem.seqlen_k >= min_keys
 
 

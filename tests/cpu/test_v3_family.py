@@ -148,14 +148,16 @@ def test_serves_its_calls_on_sm_90_in_the_all_mode(case, v3_on, monkeypatch):
     (dict(seqlen_q=300, seqlen_k=2048, window_right=0, bottom_right=True), True),
     (dict(seqlen_q=1024, seqlen_k=1023), False),
     (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=64, head_dim_v=64), False),
-    (dict(seqlen_q=4096, seqlen_k=16384, head_dim_qk=64, head_dim_v=64), True),
+    (dict(seqlen_q=4096, seqlen_k=8191, head_dim_qk=64, head_dim_v=64), False),
+    (dict(seqlen_q=4096, seqlen_k=8192, head_dim_qk=64, head_dim_v=64), True),
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
     (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=192, head_dim_v=128), True),
     (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=192, head_dim_v=128), False),
     (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=256, head_dim_v=128), True),
     (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=256, head_dim_v=256), True),
     (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=256, head_dim_v=256), False),
-], ids=["D=128 1k", "D=128 2k keys, short queries", "D=128 one key short", "D=64 4k", "D=64 16k", "dropout", "192/128 1k",
+], ids=["D=128 1k", "D=128 2k keys, short queries", "D=128 one key short", "D=64 4k", "D=64 one key short of 8k", "D=64 8k",
+        "dropout", "192/128 1k",
         "192/128 one key short", "256/128 1k", "D=256 1k", "D=256 one key short"])
 def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
@@ -164,18 +166,20 @@ def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served,
 
 
 @pytest.mark.parametrize("changes, served", [
-    (dict(seqlen_q=4096, seqlen_k=4096), True),
-    (dict(seqlen_q=4096, seqlen_k=4096, window_right=0), True),
-    (dict(seqlen_q=4096, seqlen_k=4095), False),
+    (dict(seqlen_q=1024, seqlen_k=1024), True),
+    (dict(seqlen_q=1024, seqlen_k=1024, window_right=0), True),
+    (dict(seqlen_q=1024, seqlen_k=1023), False),
     (dict(seqlen_q=4096, seqlen_k=4096, deterministic=True), False),
-    (dict(seqlen_q=4096, seqlen_k=4096, heads_k=2), True),
-    (dict(seqlen_q=4096, seqlen_k=4096, heads_k=2, window_right=0), False),
-    (dict(seqlen_q=16384, seqlen_k=16384, heads_k=2, window_right=0), True),
-    (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=64, head_dim_v=64), False),
-    (dict(seqlen_q=16384, seqlen_k=16384, head_dim_qk=64, head_dim_v=64), True),
+    (dict(seqlen_q=1024, seqlen_k=1024, heads_k=2), True),
+    (dict(seqlen_q=2047, seqlen_k=2047, heads_k=2, window_right=0), False),
+    (dict(seqlen_q=2048, seqlen_k=2048, heads_k=2, window_right=0), True),
+    (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=256, head_dim_v=256, heads_k=2, window_right=0), False),
+    (dict(seqlen_q=16384, seqlen_k=16384, head_dim_qk=256, head_dim_v=256, heads_k=2, window_right=0), True),
+    (dict(seqlen_q=4096, seqlen_k=8191, head_dim_qk=64, head_dim_v=64), False),
+    (dict(seqlen_q=4096, seqlen_k=8192, head_dim_qk=64, head_dim_v=64), True),
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
-], ids=["D=128 4k", "D=128 4k causal", "D=128 one key short", "deterministic", "GQA 4k", "GQA 4k causal",
-        "GQA 16k causal", "D=64 4k", "D=64 16k", "dropout"])
+], ids=["D=128 1k", "D=128 1k causal", "D=128 one key short", "deterministic", "GQA 1k", "GQA causal one key short of 2k",
+        "GQA 2k causal", "D=256 GQA 4k causal", "D=256 GQA 16k causal", "D=64 one key short of 8k", "D=64 8k", "dropout"])
 def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{"heads_k": 8, **changes})
