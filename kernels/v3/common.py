@@ -103,10 +103,9 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     r0 = n_tiles * 0
     kv_phase = n_tiles * 0
     for i in range(n_tiles):
-        n0 = gl.where(i == 0, n_first, n_second) * BLOCK_N
+        n0, off, left, right, lo, full_lo, full_hi, blocks, n_steps = program_key_block(
+            i, n_first, n_second, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         if n0 < sk:
-            off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
-                n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             mbarrier.wait(kv_free, kv_phase ^ 1)  # a fresh barrier's last phase is done
             mbarrier.expect(kv_ready, kv_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kv_desc, [n0, 0], kv_ready, kv_smem)
@@ -159,3 +158,15 @@ def key_block_steps(n0, sq, sk, kv_group_size, window_left, window_right, bottom
     lo, full_lo, full_hi, hi = query_blocks(n0, sq, off, left, right, BLOCK_N, BLOCK_M)
     blocks = hi - lo
     return off, left, right, lo, full_lo, full_hi, blocks, blocks * kv_group_size
+
+
+@gluon.jit
+def program_key_block(i, n_first, n_second, sq, sk, kv_group_size, window_left, window_right, bottom_right,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The i-th key block of a program that runs blocks n_first then n_second (TILES = 2): its first key n0,
+    then key_block_steps' (off, left, right, lo, full_lo, full_hi, blocks, n_steps). The block holds keys of
+    the sequence where n0 < sk."""
+    n0 = gl.where(i == 0, n_first, n_second) * BLOCK_N
+    off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(n0, sq, sk, kv_group_size, window_left,
+                                                                             window_right, bottom_right, BLOCK_M, BLOCK_N)
+    return n0, off, left, right, lo, full_lo, full_hi, blocks, n_steps

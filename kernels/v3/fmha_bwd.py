@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, rows_descriptor, sequence_extent,
-                               tma_add_shared_to_global, visible)
+                               key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, rows_descriptor,
+                               sequence_extent, tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
@@ -155,10 +155,9 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
     r0 = n_tiles * 0
     kv_phase = n_tiles * 0
     for i in range(n_tiles):
-        n0 = gl.where(i == 0, n_first, n_second) * BLOCK_N
+        n0, off, left, right, lo, full_lo, full_hi, blocks, n_steps = program_key_block(
+            i, n_first, n_second, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         if n0 < sk:
-            off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
-                n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
             dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
             mbarrier.wait(kv_ready, kv_phase)
