@@ -276,6 +276,12 @@ def _bwd_programs(problem, tiles=1) -> int:
     return -(-problem.seqlen_k // block_n) * problem.heads_k * problem.batch
 
 
+def _bwd_tiles(problem) -> int:
+    """Key blocks a dK/dV program runs: the ORDERED form one a ticket, the atomic one BWD_TILES_PER_PROGRAM.
+    The workspace's descriptor count and the launch's grid both come from it."""
+    return 1 if problem.deterministic else BWD_TILES_PER_PROGRAM[head_dim_tiles(problem)]
+
+
 def bwd_workspace(problem) -> Workspace:
     """The workspace of a backward the v3 family serves: the portable atomic or ordered strategy's
     regions (Delta, Lse2, the zeroed fp32 dQ accumulator; for ORDERED the zeroed order region at this
@@ -285,8 +291,8 @@ def bwd_workspace(problem) -> Workspace:
     order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     pair = head_dim_tiles(problem)
-    tiles = 1 if strategy == DQ_ORDERED else BWD_TILES_PER_PROGRAM[pair]
-    descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, tiles), problem)
+    descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),
+                                     problem)
     return backward_workspace(problem, strategy, order + descriptors)
 
 
@@ -308,7 +314,7 @@ def plan_bwd(problem, operands) -> list:
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
-        keys = BWD_TILES[pair].block_n * BWD_TILES_PER_PROGRAM[pair]  # a program's keys
+        keys = BWD_TILES[pair].block_n * _bwd_tiles(problem)  # a program's keys
         main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
