@@ -95,7 +95,7 @@ def _kv_ring(kv_desc, kv_smem, kv_rest_smem, kv_ready, kv_empty, r0, n_blocks, n
 
 @gluon.jit
 def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk, dqk, kv_dims, q_smem, q_rest_smem, kv_smem,
-            kv_rest_smem, q_ready, q_free, kv_ready, kv_empty, m_first, m_second, n_tiles, off, left, right,
+            kv_rest_smem, q_ready, q_free, kv_ready, kv_empty, first_tile, m_first, m_second, n_tiles, off, left, right,
             CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TILES: gl.constexpr):
     """One of the two loader warps: KEYS, the ring of K tiles; otherwise Q's tiles, then the ring of V tiles.
     Each makes the descriptors it uses just before its first copy, so that Q's and K's, the first product's
@@ -111,8 +111,7 @@ def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk
     if not KEYS:
         q_desc = rows_descriptor(q_rows, stride_q_s, sq, dqk, [ROWS, Q_BOX], q_layout)
     if TILES == 1:  # the ring from its first slot: constants, so that the loop carries no offsets
-        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(0, m_first, m_first, sq, sk, off, left, right,
-                                                                          BLOCK_M, BLOCK_N)
+        m0, active, lo, full_lo, full_hi, n_blocks, n_free = first_tile
         if not KEYS:
             _copy_q_tiles(q_desc, m0, q_ready, q_free, 0, q_smem, q_rest_smem, CONSUMERS, False)
         kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, [BLOCK_N, KV_BOX], kv_layout)
@@ -382,7 +381,8 @@ def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.co
 
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-              k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq, sk, off,
+              k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, first_tile, m_first, m_second, n_tiles, sq,
+              sk, off,
               left, right, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
               CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr,
               TILES: gl.constexpr):
@@ -393,8 +393,7 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
     o_desc = rows_descriptor(o_base, stride_o_s, sq, dv, [ROWS, BLOCK_DV],
                              gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
     if TILES == 1:  # Q's first copy, the ring's and the turns' first: constants, so that the steps carry no offsets
-        m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(0, m_first, m_first, sq, sk, off, left, right,
-                                                                          BLOCK_M, BLOCK_N)
+        m0, active, lo, full_lo, full_hi, n_blocks, n_free = first_tile
         _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready, k_empty,
                        v_empty, turn, turn_sums, o_desc, Lse_rows, m0, 0, 0, 0, sq, sk, off, left, right, n_blocks, n_free, lo,
                        full_lo, full_hi, scale_log2, BLOCK_N, BLOCK_DV, CONSUMERS, TURNS, PINGPONG, OWN_O, TILES)
@@ -462,6 +461,10 @@ def fmha_fwd(
         return
     off = gl.where(bottom_right != 0, sk - sq, 0)
     left, right = window_sides(window_left, window_right, sq, sk)
+    # A one-tile program's rows and key blocks, found once here, before the partitions start: each partition
+    # finding them itself delayed the first copies (0.95-0.97x at the shortest lengths: NOTES.md, v3.17). Two
+    # tiles a program find theirs in the partitions' loops.
+    first_tile = _program_tile(0, m_first, m_first, sq, sk, off, left, right, BLOCK_M, BLOCK_N)
 
     b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
@@ -533,17 +536,17 @@ def fmha_fwd(
     # at 24 a thread (2 x 128 x 240 plus 128 x 24, within 65536).
     gl.warp_specialize([
         (_consumer, (0, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                     k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                     sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                     k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, first_tile, m_first, m_second,
+                     n_tiles, sq, sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
                      OWN_O, TILES)),
         (_consumer, (1, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
-                     k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, m_first, m_second, n_tiles, sq,
-                     sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
+                     k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, first_tile, m_first, m_second,
+                     n_tiles, sq, sk, off, left, right, scale_log2, BLOCK_M, BLOCK_N, BLOCK_DV, CONSUMERS, SOFTMAX_TURNS, PINGPONG,
                      OWN_O, TILES)),
         (_loader, (False, q_rows, v_rows, stride_q_s, stride_v_s, sq, sk, dqk, dv, q_smem, q_rest_smem, v_smem, v_smem,
-                   q_ready, q_free, v_ready, v_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                   q_ready, q_free, v_ready, v_empty, first_tile, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
                    BLOCK_N, TILES)),
         (_loader, (True, q_rows, k_rows, stride_q_s, stride_k_s, sq, sk, dqk, dqk, q_smem, q_rest_smem, k_smem, k_rest_smem,
-                   q_ready, q_free, k_ready, k_empty, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
+                   q_ready, q_free, k_ready, k_empty, first_tile, m_first, m_second, n_tiles, off, left, right, CONSUMERS, BLOCK_M,
                    BLOCK_N, TILES)),
     ], [4, 1, 1], [240, 24, 24])
