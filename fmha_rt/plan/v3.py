@@ -116,9 +116,13 @@ MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
 UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
 # batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
-# of their own: NOTES.md, v3.4), at every length. Nowhere yet: on an H100 it was 0.52-0.95x the portable
-# deterministic backward at 1k and 4k keys (but 1.13x GQA 4k without a mask) and 0.81-1.19x at 16k;
-# tests/gpu switch it on for themselves.
+# of their own: NOTES.md, v3.4). On an H100 (NOTES.md, "The H100 round of v3.17") it was 0.57-0.99x the
+# portable deterministic backward at 1k and 4k keys, but 1.07x / 1.11x (causal) at D=128 16k, 1.10x at
+# D=256 16k without a mask and 1.12-1.14x GQA 16/2 without a mask from 4k (8k: 0.96-1.04x MHA, 0.92-0.96x
+# D=256); causal GQA never ahead. By (tile pair, GQA, causal): from these key lengths.
+MEASURED_ORDERED_MIN_SEQLEN_K = {((128, 128), False, False): 16384, ((128, 128), False, True): 16384,
+                                 ((128, 128), True, False): 4096, ((256, 256), False, False): 16384}
+# Archs where deterministic calls take the ORDERED form at every length (tests/gpu switch it on for themselves).
 ORDERED_FOR_DETERMINISTIC = frozenset()
 
 
@@ -226,7 +230,8 @@ def serves_fwd(problem, arch) -> bool:
 def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
     """Whether the v3 backward runs `problem` on `arch` in the current MODE: non-deterministic calls by
     the ATOMIC strategy, deterministic ones by the ORDERED strategy where ORDERED_FOR_DETERMINISTIC
-    holds the arch; a request for another dQ strategy keeps the portable family."""
+    holds the arch or from the measured lengths (ordered_min_seqlen_k); a request for another dQ strategy
+    keeps the portable family."""
     pair = head_dim_tiles(problem)
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, strategy)
@@ -234,13 +239,22 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
             or problem_features(problem) != (BIAS_NONE, False)):
         return False
     if problem.deterministic:
-        return arch in ORDERED_FOR_DETERMINISTIC
+        return arch in ORDERED_FOR_DETERMINISTIC or problem.seqlen_k >= ordered_min_seqlen_k(problem, pair)
     if MODE == "all":
         return True
     min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
     if min_keys is not None and problem.causal and problem.kv_group_size > 1:
         min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K.get(pair, UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K))
     return min_keys is not None and problem.seqlen_k >= min_keys
+
+
+def ordered_min_seqlen_k(problem, pair) -> float:
+    """The key length from which a deterministic call of the tile pair takes the ORDERED form by default
+    (MEASURED_ORDERED_MIN_SEQLEN_K): measured on dense calls without a mask or causal; never elsewhere."""
+    unmasked = problem.window_left < 0 and problem.window_right < 0
+    if problem.varlen or not (unmasked or problem.causal):
+        return float("inf")
+    return MEASURED_ORDERED_MIN_SEQLEN_K.get((pair, problem.kv_group_size > 1, problem.causal), float("inf"))
 
 
 def fwd_scratch(problem) -> Scratch:

@@ -612,8 +612,8 @@ def ordered_on(monkeypatch):
 
 @pytest.mark.parametrize("case", BWD_SERVED)
 def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, ordered_on, monkeypatch):
-    """At every length in the measured mode (no measurement limits it yet), by request of ORDERED or of
-    nothing; a request for another strategy, another arch or the 'off' mode keeps the portable family."""
+    """At every length, by request of ORDERED or of nothing; a request for another strategy, another arch
+    or the 'off' mode keeps the portable family."""
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**BWD_SERVED[case], deterministic=True)
     assert v3.serves_bwd(p, "sm_90") and v3.serves_bwd(p, "sm_90", pp.DQ_ORDERED)
@@ -627,7 +627,44 @@ def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, order
     assert not v3.serves_bwd(p, "sm_90")
     monkeypatch.setattr(v3, "MODE", "all")
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset())
-    assert not v3.serves_bwd(p, "sm_90")  # off by default, whatever the mode
+    assert not v3.serves_bwd(p, "sm_90")  # off by default at these lengths, whatever the mode
+
+
+# (tile pair's head dims, heads_k of 8 query heads, causal): the measured length and the one below it
+ORDERED_DEFAULTS = {"D=128 MHA": (128, 8, False, 16384, 8192), "D=128 MHA causal": (128, 8, True, 16384, 8192),
+                    "D=128 GQA": (128, 2, False, 4096, 2048), "D=256": (256, 8, False, 16384, 8192)}
+
+
+@pytest.mark.parametrize("case", ORDERED_DEFAULTS)
+@pytest.mark.parametrize("mode", ["measured", "all"])
+def test_deterministic_calls_take_the_ordered_form_from_the_measured_lengths(case, mode, monkeypatch):
+    """Switched off everywhere (ORDERED_FOR_DETERMINISTIC empty), a deterministic call still takes the ORDERED
+    form from MEASURED_ORDERED_MIN_SEQLEN_K's length, dense and without a window other than causal; below
+    it, varlen, with a sliding window or in the 'off' mode, the portable family's deterministic backward."""
+    head_dim, heads_k, causal, keys, below = ORDERED_DEFAULTS[case]
+    monkeypatch.setattr(v3, "MODE", mode)
+    shape = dict(batch=1, heads_q=8, heads_k=heads_k, head_dim_qk=head_dim, head_dim_v=head_dim, deterministic=True,
+                 window_right=0 if causal else -1)
+    p = problem(**shape, seqlen_q=keys, seqlen_k=keys)
+    assert v3.serves_bwd(p, "sm_90") and dispatch.bwd_workspace(p, "sm_90").dq_strategy == pp.DQ_ORDERED
+    assert not v3.serves_bwd(problem(**shape, seqlen_q=below, seqlen_k=below), "sm_90")
+    assert not v3.serves_bwd(p, "gfx942")
+    assert not v3.serves_bwd(problem(**{**shape, "window_left": 256, "window_right": 0}, seqlen_q=keys, seqlen_k=keys),
+                             "sm_90")
+    assert not v3.serves_bwd(problem(**shape, seqlen_q=keys, seqlen_k=keys, varlen=True, total_q=keys, total_k=keys),
+                             "sm_90")
+    monkeypatch.setattr(v3, "MODE", "off")
+    assert not v3.serves_bwd(p, "sm_90")
+
+
+@pytest.mark.parametrize("changes", [dict(heads_k=2, window_right=0), dict(head_dim_qk=64, head_dim_v=64),
+                                     dict(head_dim_qk=256, head_dim_v=256, window_right=0)],
+                         ids=["GQA causal", "D=64", "D=256 causal"])
+def test_deterministic_calls_where_the_ordered_form_never_led_keep_the_portable_family(changes, monkeypatch):
+    monkeypatch.setattr(v3, "MODE", "measured")
+    p = problem(**{**dict(batch=1, heads_q=8, heads_k=8, seqlen_q=16384, seqlen_k=16384, deterministic=True), **changes})
+    assert not v3.serves_bwd(p, "sm_90")
+    assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
 
 
 @pytest.mark.parametrize("changes", [dict(bias_shape="1HSS", bias_grad=True), dict(dropout_p=0.1)],
