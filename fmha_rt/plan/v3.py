@@ -116,10 +116,11 @@ MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
 UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
 # batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
-# of their own: NOTES.md, v3.4). On an H100 (NOTES.md, "The H100 round of v3.17") it was 0.57-0.99x the
-# portable deterministic backward at 1k and 4k keys, but 1.07x / 1.11x (causal) at D=128 16k, 1.10x at
-# D=256 16k without a mask and 1.12-1.14x GQA 16/2 without a mask from 4k (8k: 0.96-1.04x MHA, 0.92-0.96x
-# D=256); causal GQA never ahead. By (tile pair, GQA, causal): from these key lengths.
+# of their own: NOTES.md, v3.4). On an H100 (NOTES.md, "The ORDERED backward as the default of long
+# deterministic calls") it was 0.57-0.99x the portable deterministic backward at 1k and 4k keys, but 1.12-1.14x
+# GQA 16/2 without a mask from 4k, 1.07x / 1.11x (causal) at D=128 16k (8k: 0.99x / 1.04x) and 1.10x at D=256
+# 16k without a mask (8k: 0.92x); causal GQA and D=64 never ahead. By (tile pair, GQA, causal): from these
+# key lengths, on dense calls without a mask or causal.
 MEASURED_ORDERED_MIN_SEQLEN_K = {((128, 128), False, False): 16384, ((128, 128), False, True): 16384,
                                  ((128, 128), True, False): 4096, ((256, 256), False, False): 16384}
 # Archs where deterministic calls take the ORDERED form at every length (tests/gpu switch it on for themselves).
