@@ -64,11 +64,16 @@ FWD_PAIRED_CAUSAL_SEQLEN_K = {(128, 128): (0, 8192), (256, 256): (2048, 8192)}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
-# consumer could not hold whole dK and dV rows. Each has its ATOMIC and its ORDERED (deterministic) form.
+# consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile (LATENT_PAIR), Q and K
+# held as 128 + 64 columns, consumer 1 taking dK's and dQ's first 128 and consumer 0 the rest (0.81x the
+# tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED (deterministic) form.
 BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
-             (256, 128): Tile(64, 64, 4, 1)}
+             (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
-BWD_WIDE_PAIRS = ((256, 256), (256, 128))
+BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
+# Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one. Built, not yet run
+# on a GPU (NOTES.md, "v3.18"): off until measured; tests/gpu switch it on for themselves.
+LATENT_BWD_TILE = False
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -133,13 +138,28 @@ def refresh_mode() -> None:
     MODE = _read_mode()
 
 
-def fwd_pair(problem) -> tuple:
-    """The forward's (query/key, value) tile of `problem`: LATENT_PAIR where it holds both head dims and the
-    query/key dim is wider than 128, abi.head_dim_tiles' choice elsewhere."""
+def _latent_or_tiles(problem, latent: bool) -> tuple:
+    """LATENT_PAIR where `latent`, it holds both head dims and the query/key dim is wider than 128;
+    abi.head_dim_tiles' choice elsewhere."""
     dqk, dv = LATENT_PAIR
-    if LATENT_PAIR in FWD_TILES and 128 < problem.head_dim_qk <= dqk and problem.head_dim_v <= dv:
+    if latent and 128 < problem.head_dim_qk <= dqk and problem.head_dim_v <= dv:
         return LATENT_PAIR
     return head_dim_tiles(problem)
+
+
+def fwd_pair(problem) -> tuple:
+    """The forward's (query/key, value) tile of `problem`."""
+    return _latent_or_tiles(problem, LATENT_PAIR in FWD_TILES)
+
+
+def bwd_pair(problem) -> tuple:
+    """The backward's (query/key, value) tile of `problem` (LATENT_BWD_TILE)."""
+    return _latent_or_tiles(problem, LATENT_BWD_TILE)
+
+
+def dq_tile(pair) -> int:
+    """The dQ conversion's head-dim tile for the backward tile `pair`: a power of two (256 for 192)."""
+    return 1 << (pair[0] - 1).bit_length()
 
 
 def fwd_key(dtype, pair, paired=False):
@@ -215,7 +235,7 @@ def variants(arch: str) -> list[dict]:
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
-        out += [dq_convert_variant(dq_convert_key(dtype, d), dtype, d) for d in sorted({p[0] for p in BWD_PAIRS})]
+        out += [dq_convert_variant(dq_convert_key(dtype, d), dtype, d) for d in sorted({dq_tile(p) for p in BWD_PAIRS})]
     return out
 
 
@@ -233,7 +253,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
     the ATOMIC strategy, deterministic ones by the ORDERED strategy where ORDERED_FOR_DETERMINISTIC
     holds the arch or from the measured lengths (ordered_min_seqlen_k); a request for another dQ strategy
     keeps the portable family."""
-    pair = head_dim_tiles(problem)
+    pair = bwd_pair(problem)
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, strategy)
             or problem.dtype not in DTYPES or pair not in BWD_PAIRS
@@ -243,9 +263,10 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
         return arch in ORDERED_FOR_DETERMINISTIC or problem.seqlen_k >= ordered_min_seqlen_k(problem, pair)
     if MODE == "all":
         return True
-    min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
+    measured = head_dim_tiles(problem)  # the lengths were measured in these tiles (LATENT_PAIR's stand in for (256, 128)'s)
+    min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(measured)
     if min_keys is not None and problem.causal and problem.kv_group_size > 1:
-        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K.get(pair, UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K))
+        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K.get(measured, UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K))
     return min_keys is not None and problem.seqlen_k >= min_keys
 
 
@@ -287,14 +308,14 @@ def _programs(problem) -> int:
 
 def _bwd_programs(problem, tiles=1) -> int:
     """The dK/dV programs: one per `tiles` key blocks of a (key head, batch entry)."""
-    block_n = BWD_TILES[head_dim_tiles(problem)].block_n * tiles
+    block_n = BWD_TILES[bwd_pair(problem)].block_n * tiles
     return -(-problem.seqlen_k // block_n) * problem.heads_k * problem.batch
 
 
 def _bwd_tiles(problem) -> int:
     """Key blocks a dK/dV program runs: the ORDERED form one a ticket, the atomic one BWD_TILES_PER_PROGRAM.
     The workspace's descriptor count and the launch's grid both come from it."""
-    return 1 if problem.deterministic else BWD_TILES_PER_PROGRAM[head_dim_tiles(problem)]
+    return 1 if problem.deterministic else BWD_TILES_PER_PROGRAM[bwd_pair(problem)]
 
 
 def bwd_workspace(problem) -> Workspace:
@@ -305,7 +326,7 @@ def bwd_workspace(problem) -> Workspace:
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
-    pair = head_dim_tiles(problem)
+    pair = bwd_pair(problem)
     descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),
                                      problem)
     return backward_workspace(problem, strategy, order + descriptors)
@@ -317,7 +338,7 @@ def plan_bwd(problem, operands) -> list:
     kernels; operands as backward.py describes them, with the regions of bwd_workspace."""
     if not has_work(problem):
         return []
-    pair = head_dim_tiles(problem)
+    pair = bwd_pair(problem)
     workspace = bwd_workspace(problem)
     args = backward.BackwardArgs(problem, operands, workspace)
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
@@ -332,7 +353,7 @@ def plan_bwd(problem, operands) -> list:
         keys = BWD_TILES[pair].block_n * _bwd_tiles(problem)  # a program's keys
         main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
-            backward.dq_convert(args, dq_convert_key(problem.dtype, pair[0]))]
+            backward.dq_convert(args, dq_convert_key(problem.dtype, dq_tile(pair)))]
 
 
 def plan_fwd(problem, operands) -> list:

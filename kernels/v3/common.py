@@ -72,6 +72,40 @@ def fence_async_global(token):
     return gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [token], gl.int32, False, 1)
 
 
+@gluon.constexpr_function
+def whole_width(block_d):
+    """The columns of a Q or K tile held in one shared-memory tile: the largest power of two within the
+    tile's head dim (128 of 192, whose last 64, the "rest", are held apart: shared-memory tiles and TMA
+    boxes are powers of two wide)."""
+    return 1 << (block_d.bit_length() - 1)
+
+
+@gluon.jit
+def copy_in_parts(desc, row, head, ready, dst, rest):
+    """TMA copy of the tile at `row` (and query head `head`, for a [rows, 1, dims] tile of a heads_descriptor)
+    into `dst`, announced to `ready`. Where the tile is held in two parts (`rest` narrower than `dst`), in
+    boxes of the rest's width: `dst`'s columns, then the rest's."""
+    DIM: gl.constexpr = len(dst.shape) - 1
+    if rest.shape[DIM] < dst.shape[DIM]:
+        BOX: gl.constexpr = rest.shape[DIM]
+        mbarrier.expect(ready, (dst.shape[DIM] // BOX + 1) * desc.block_type.nbytes)
+        for i in gl.static_range(dst.shape[DIM] // BOX):
+            if DIM == 1:
+                tma.async_copy_global_to_shared(desc, [row, i * BOX], ready, dst.slice(i * BOX, BOX, dim=1))
+            else:
+                tma.async_copy_global_to_shared(desc, [row, head, i * BOX], ready, dst.slice(i * BOX, BOX, dim=2))
+        if DIM == 1:
+            tma.async_copy_global_to_shared(desc, [row, dst.shape[1]], ready, rest)
+        else:
+            tma.async_copy_global_to_shared(desc, [row, head, dst.shape[2]], ready, rest)
+    else:
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        if DIM == 1:
+            tma.async_copy_global_to_shared(desc, [row, 0], ready, dst)
+        else:
+            tma.async_copy_global_to_shared(desc, [row, head, 0], ready, dst)
+
+
 key_block_rank = gluon.jit(dq_order.key_block_rank.fn)
 order_counters = gluon.jit(dq_order.order_counters.fn)
 
@@ -79,10 +113,10 @@ STAGES = gl.constexpr(2)  # the backward's Q/dO ring depth
 
 
 @gluon.jit
-def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo_s, stride_qo_h, qo_dims, kv_smem, qo_smem,
-                               kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size, window_left,
-                               window_right, bottom_right, n_first, n_second, n_tiles, h0, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr):
+def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo_s, stride_qo_h, qo_dims, kv_smem,
+                               kv_rest_smem, qo_smem, qo_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """One of the backward's two loader warps (fmha_bwd.py's and fmha_bwd_wide.py's): one copies K and Q, the
     other V and dO. Each makes its two descriptors, each before its first copy: its key tile's (the
     program's rows of the key head), and its query tiles', by (row, query head, dim) so that one serves
@@ -93,10 +127,12 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     A program runs the key blocks n_first and, if n_tiles is 2, n_second (pairs of the atomic form's 64 and
     128 tiles: TILES): each key tile once the consumers have given its buffer back (`kv_free`: dK and dV of
     the block before left through it), then the tile's query tiles through the ring of STAGES buffers, which
-    runs on from block to block."""
-    kv_box: gl.constexpr = kv_smem.shape
+    runs on from block to block. Tiles held in two parts (K and Q of the 192 tile: `kv_rest_smem` and
+    `qo_rest_smem` narrower than the others; elsewhere the same memory) come in boxes of the rest's width
+    (copy_in_parts)."""
+    kv_box: gl.constexpr = kv_rest_smem.shape
     kv_layout: gl.constexpr = kv_smem.layout
-    qo_box: gl.constexpr = qo_smem.shape[3]
+    qo_box: gl.constexpr = qo_rest_smem.shape[3]
     qo_layout: gl.constexpr = qo_smem.layout
     kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, kv_box, kv_layout)
     qo_desc = heads_descriptor(qo_rows, stride_qo_s, stride_qo_h, sq, num_heads_q, qo_dims, BLOCK_M, qo_box, qo_layout)
@@ -107,16 +143,14 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
             i, n_first, n_second, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         if n0 < sk:
             mbarrier.wait(kv_free, kv_phase ^ 1)  # a fresh barrier's last phase is done
-            mbarrier.expect(kv_ready, kv_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kv_desc, [n0, 0], kv_ready, kv_smem)
+            copy_in_parts(kv_desc, n0, 0, kv_ready, kv_smem, kv_rest_smem)
             for t in range(n_steps):
                 r = r0 + t
                 stage = r % STAGES
                 mbarrier.wait(q_empty.index(stage), ((r // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(stage), qo_desc.block_type.nbytes)
                 g = t // blocks
                 m0 = (lo + t - g * blocks) * BLOCK_M
-                tma.async_copy_global_to_shared(qo_desc, [m0, h0 + g, 0], q_ready.index(stage), qo_smem.index(stage))
+                copy_in_parts(qo_desc, m0, h0 + g, q_ready.index(stage), qo_smem.index(stage), qo_rest_smem.index(stage))
             r0 += n_steps
             kv_phase ^= 1
 

@@ -322,8 +322,8 @@ def _dkdv_program(
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr, TILES: gl.constexpr,
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
-    block paired with it; DqOrder the order region of the ORDERED form, None otherwise. The 256 tiles run
-    fmha_bwd_wide.py's program instead."""
+    block paired with it; DqOrder the order region of the ORDERED form, None otherwise. The tiles wider than
+    128 run fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
     gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_DQK <= 128),
@@ -413,14 +413,14 @@ def _dkdv_program(
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True)),
-                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
-                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
-                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
-                                              BLOCK_M, BLOCK_N)),
-                (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
-                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
-                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
-                                              BLOCK_M, BLOCK_N)),
+                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
+                                              q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
+                (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
+                                              do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
                 (_dq_writer, (dq_smem, dq_full, dq_empty, dq_rows, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
                               counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, off, left, BLOCK_M,
                               BLOCK_N, BLOCK_DQK)),
@@ -437,12 +437,12 @@ def _dkdv_program(
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False)),
-                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, q_smem,
-                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
-                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
-                                              BLOCK_M, BLOCK_N)),
-                (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, do_smem,
-                                              kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q, kv_group_size,
-                                              window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
-                                              BLOCK_M, BLOCK_N)),
+                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
+                                              q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
+                (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
+                                              do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
             ], [4, 1, 1], [240, 24, 24])

@@ -34,33 +34,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.v3.common import key_blocks, masked_block, rows_descriptor, sequence_extent, visible, window_sides
+from kernels.v3.common import (copy_in_parts, key_blocks, masked_block, rows_descriptor, sequence_extent, visible,
+                               whole_width, window_sides)
 
 STAGES = gl.constexpr(2)  # K/V ring depth: 2 x (K + V) fill 128 KiB beside Q's 32 KiB (D=128), 64 KiB (D=256)
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows of one consumer: one warpgroup's wgmma M
-
-
-@gluon.constexpr_function
-def _whole_width(block_dqk):
-    """The columns of a Q or K tile held in one shared-memory tile: the largest power of two within BLOCK_DQK
-    (128 of 192, whose last 64 are held apart)."""
-    return 1 << (block_dqk.bit_length() - 1)
-
-
-@gluon.jit
-def _copy_qk_tile(desc, row, ready, dst, rest):
-    """TMA copy of the Q or K tile at `row` into `dst`, announced to `ready`. Where the tile is held in two
-    parts (`rest` narrower than `dst`), in boxes of the rest's width: `dst`'s columns, then the rest's."""
-    if rest.shape[1] < dst.shape[1]:
-        BOX: gl.constexpr = rest.shape[1]
-        mbarrier.expect(ready, (dst.shape[1] // BOX + 1) * desc.block_type.nbytes)
-        for i in gl.static_range(dst.shape[1] // BOX):
-            tma.async_copy_global_to_shared(desc, [row, i * BOX], ready, dst.slice(i * BOX, BOX, dim=1))
-        tma.async_copy_global_to_shared(desc, [row, dst.shape[1]], ready, rest)
-    else:
-        mbarrier.expect(ready, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, 0], ready, dst)
 
 
 @gluon.jit
@@ -77,7 +56,7 @@ def _copy_q_tiles(q_desc, m0, q_ready, q_free, q_phase, q_smem, q_rest_smem, CON
     for c in gl.static_range(CONSUMERS):
         if WAIT:
             mbarrier.wait(q_free.index(c), q_phase ^ 1)
-        _copy_qk_tile(q_desc, m0 + c * ROWS, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
+        copy_in_parts(q_desc, m0 + c * ROWS, 0, q_ready.index(c), q_smem.index(c), q_rest_smem.index(c))
 
 
 @gluon.jit
@@ -90,7 +69,7 @@ def _kv_ring(kv_desc, kv_smem, kv_rest_smem, kv_ready, kv_empty, r0, n_blocks, n
         free_phase = ((r // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
         n0 = _key_block(t, n_free, lo, full_lo, full_hi) * BLOCK_N
         mbarrier.wait(kv_empty.index(stage), free_phase)
-        _copy_qk_tile(kv_desc, n0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
+        copy_in_parts(kv_desc, n0, 0, kv_ready.index(stage), kv_smem.index(stage), kv_rest_smem.index(stage))
 
 
 @gluon.jit
@@ -476,7 +455,7 @@ def fmha_fwd(
     dtype: gl.constexpr = Q.dtype.element_ty
     # Q's and K's tiles held whole, QK_WHOLE wide, or in two parts, QK_WHOLE and BLOCK_DQK - QK_WHOLE wide; their
     # TMA boxes the width of the narrower part (64 columns at 192: 128 bytes, the 128-wide part's swizzle)
-    QK_WHOLE: gl.constexpr = _whole_width(BLOCK_DQK)
+    QK_WHOLE: gl.constexpr = whole_width(BLOCK_DQK)
     QK_BOX: gl.constexpr = BLOCK_DQK - QK_WHOLE if QK_WHOLE < BLOCK_DQK else BLOCK_DQK
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, QK_WHOLE], dtype)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, QK_WHOLE], dtype)

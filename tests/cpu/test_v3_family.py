@@ -276,12 +276,15 @@ def test_the_forward_takes_the_192_128_tile_where_it_holds_the_heads_and_the_res
     assert abi.head_dim_tiles(p) == pair
 
 
-def test_the_192_128_tile_is_the_forwards_alone():
-    """The portable kernels need power-of-two tiles: no portable variant and no v3 backward takes 192."""
-    assert v3.LATENT_PAIR not in abi.HEAD_DIM_PAIRS and v3.LATENT_PAIR not in v3.BWD_TILES
+def test_the_192_128_tile_is_the_v3_familys_alone():
+    """The portable kernels need power-of-two tiles: no portable variant takes 192. The v3 family has it for
+    the forward and for the wide backward program (dK/dV, both strategies); the pre-pass and the dQ
+    conversion run their 128 and 256 tiles."""
+    assert v3.LATENT_PAIR not in abi.HEAD_DIM_PAIRS and v3.LATENT_PAIR in v3.BWD_WIDE_PAIRS
     assert all(v["traits"].get("head_dim_qk_tile") != 192 for v in pp.variants("sm_90"))
-    backward = [v for v in v3.variants("sm_90") if v["traits"]["pass"] != "fwd"]
-    assert all(v["traits"].get("head_dim_qk_tile") != 192 for v in backward)
+    latent = {v["function"] for v in v3.variants("sm_90") if v["traits"].get("head_dim_qk_tile") == 192}
+    assert latent == {"fmha_fwd", "fmha_bwd_dkdv", "fmha_bwd_dkdv_ordered"}
+    assert {v3.dq_tile(pair) for pair in v3.BWD_PAIRS} == {64, 128, 256}
 
 
 def test_without_the_192_128_tile_the_forward_pads_to_256(monkeypatch):
@@ -510,6 +513,40 @@ def test_the_wide_backward_plan_has_a_program_per_64_keys(v3_on):
                                                        v3.dkdv_key("bf16", (256, 128)),
                                                        v3.dq_convert_key("bf16", 256)]
     assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
+
+
+@pytest.mark.parametrize("dims, latent", [((192, 128), True), ((136, 64), True), ((192, 136), False), ((200, 128), False),
+                                          ((128, 128), False)])
+def test_the_backward_takes_the_192_128_tile_where_switched_on_and_it_holds_the_heads(dims, latent, monkeypatch):
+    p = problem(head_dim_qk=dims[0], head_dim_v=dims[1])
+    assert v3.bwd_pair(p) == abi.head_dim_tiles(p)  # off by default: not yet run on a GPU
+    monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
+    assert v3.bwd_pair(p) == (v3.LATENT_PAIR if latent else abi.head_dim_tiles(p))
+
+
+def test_the_latent_backward_plan_runs_the_192_tile_at_the_256_tiles_lengths(v3_on, monkeypatch):
+    """With LATENT_BWD_TILE, 192/128 heads take the (192, 128) dK/dV kernels (a program per 64 keys, like
+    the (256, 128) tile they replace, at the lengths measured for it) and the 256 tile's dQ conversion."""
+    monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
+    p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", v3.LATENT_PAIR) * 5 * 2 * 2
+    rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
+    out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
+    strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
+               "dq": rows, "dk": kv_rows, "dv": v_rows}
+    tensors = pointed_operands(strides, [r.name for r in workspace.regions])
+    launches = dispatch.plan_bwd(p, "sm_90", tensors)
+    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128), v3.dkdv_key("bf16", v3.LATENT_PAIR),
+                                                       v3.dq_convert_key("bf16", 256)]
+    assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
+    monkeypatch.setattr(v3, "MODE", "measured")
+    long = problem(head_dim_qk=192, head_dim_v=128, seqlen_q=4096, seqlen_k=4096)
+    assert v3.serves_bwd(long, "sm_90") and not v3.serves_bwd(problem(head_dim_qk=192, head_dim_v=128), "sm_90")
+    deterministic = problem(head_dim_qk=192, head_dim_v=128, deterministic=True)
+    assert v3.serves_bwd(deterministic, "sm_90", pp.DQ_ORDERED) is False  # ORDERED: never measured there
+    monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
+    assert dispatch.bwd_workspace(deterministic, "sm_90").dq_strategy == pp.DQ_ORDERED
 
 
 def test_an_atomic_backward_program_runs_two_key_blocks_but_in_the_wide_tiles():

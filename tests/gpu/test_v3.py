@@ -88,6 +88,46 @@ def test_forward_and_backward_match_reference(dtype_name, case):
         assert_close(n, got, want)
 
 
+LATENT_CASES = [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: heads the (192, 128) backward tile holds, dims below it zero-filled
+    ("d192_128", 2, 512, 700, 4, 4, 192, 128, {}),
+    ("d192_128_causal_gqa", 2, 333, 333, 4, 2, 192, 128, {"causal": True}),
+    ("d160_96_window_br", 1, 200, 450, 2, 1, 160, 96, {"window": (50, 10), "causal_alignment": "bottom_right"}),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", LATENT_CASES, ids=[c[0] for c in LATENT_CASES])
+def test_the_192_128_backward_tile_matches_reference(case, dtype_name, deterministic, monkeypatch):
+    """The wide backward program's (192, 128) tile (v3.LATENT_BWD_TILE, off by default until measured),
+    both strategies; the ORDERED one's repeats bitwise equal to its first run."""
+    monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
+    monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if deterministic else frozenset())
+    fmha_rt.clear_plan_cache()
+    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
+    dtype = DTYPES[dtype_name]
+    gen = generator(seed_of(name))
+    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    out, lse = forward(q, k, v, **opts)
+    dout = rand(out.shape, dtype, gen)
+
+    def call(outputs, stream):
+        dq, dk, dv = outputs
+        fmha_rt.mha_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, deterministic=deterministic, stream=stream, **opts)
+        strategy = v3.DQ_ORDERED if deterministic else v3.DQ_ATOMIC
+        assert v3.dkdv_key(dtype_name, v3.LATENT_PAIR, strategy) in fmha_rt.last_launch_info()["kernels"]
+
+    specs = [(t.shape, t.dtype) for t in (q, k, v)]
+    first = reference_run(call, specs)
+    ref = dict(mask_kwargs(opts, Sq, Sk), softmax_scale=opts.get("softmax_scale"))
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in zip(("dq", "dk", "dv"), first, (rdq, rdk, rdv)):
+        assert_close(f"{name} {n}", got, want)
+    if deterministic:
+        assert_bitwise(f"{name} ordered", repeat(call, specs, torch.cuda.Stream(), 3), first)
+
+
 def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
     # bottom-right causal with Sq > Sk: the first Sq - Sk query rows see no key
     gen = generator(5)
