@@ -90,7 +90,8 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
     """Consumer c: its share of dK's and dV's columns and of dQ's additions (the module docstring). Where Q
     and K are held in two parts (the 192 tile: `k_rest_smem` narrower than `k_smem`), consumer 1 takes the
     columns of the whole part (128) and consumer 0, which also makes S over every column, those of the rest
-    (64): 384 and 448 units of product work a step, where halves of 96 columns fit no power-of-two tile."""
+    (64): 28 and 24 products of 64 x 64 x 16 a step (NOTES.md, v3.18), where halves of 96 columns would fit
+    no power-of-two tile."""
     QK_WHOLE: gl.constexpr = k_smem.shape[1]
     QK_REST: gl.constexpr = k_rest_smem.shape[1]
     SPLIT: gl.constexpr = QK_REST < QK_WHOLE
