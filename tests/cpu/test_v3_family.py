@@ -497,20 +497,23 @@ def test_the_backward_leaves_the_rest_to_the_portable_family(case, v3_on):
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
 
 
-def test_the_wide_backward_plan_has_a_program_per_64_keys(v3_on):
-    """The 256 tiles: the atomic strategy's launches, the dK/dV kernel of fmha_bwd_wide.py by blocks of 64
-    keys, and descriptors for each of its programs."""
+@pytest.mark.parametrize("latent", [False, True], ids=["256_128_tile", "192_128_tile"])
+def test_the_wide_backward_plan_has_a_program_per_64_keys(latent, v3_on, monkeypatch):
+    """192/128 heads in the wide tiles: the atomic strategy's launches, the dK/dV kernel of fmha_bwd_wide.py
+    by blocks of 64 keys (the (256, 128) tile, or with LATENT_BWD_TILE the (192, 128) one), descriptors for
+    each of its programs, and the 256 tile's dQ conversion."""
+    monkeypatch.setattr(v3, "LATENT_BWD_TILE", latent)
+    pair = v3.LATENT_PAIR if latent else (256, 128)
     p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
     workspace = dispatch.bwd_workspace(p, "sm_90")
-    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * 5 * 2 * 2
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", pair) * 5 * 2 * 2
     rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
     out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
     strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
                "dq": rows, "dk": kv_rows, "dv": v_rows}
     tensors = pointed_operands(strides, [r.name for r in workspace.regions])
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
-    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128),
-                                                       v3.dkdv_key("bf16", (256, 128)),
+    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128), v3.dkdv_key("bf16", pair),
                                                        v3.dq_convert_key("bf16", 256)]
     assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
 
@@ -524,27 +527,15 @@ def test_the_backward_takes_the_192_128_tile_where_switched_on_and_it_holds_the_
     assert v3.bwd_pair(p) == (v3.LATENT_PAIR if latent else abi.head_dim_tiles(p))
 
 
-def test_the_latent_backward_plan_runs_the_192_tile_at_the_256_tiles_lengths(v3_on, monkeypatch):
-    """With LATENT_BWD_TILE, 192/128 heads take the (192, 128) dK/dV kernels (a program per 64 keys, like
-    the (256, 128) tile they replace, at the lengths measured for it) and the 256 tile's dQ conversion."""
+def test_the_192_128_backward_tile_serves_the_256_128_tiles_lengths(monkeypatch):
+    """Switched on, it runs where the (256, 128) tile it replaces was measured ahead; deterministic calls
+    take its ORDERED form only where switched on for every length (never measured there)."""
     monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
-    p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
-    workspace = dispatch.bwd_workspace(p, "sm_90")
-    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", v3.LATENT_PAIR) * 5 * 2 * 2
-    rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
-    out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
-    strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
-               "dq": rows, "dk": kv_rows, "dv": v_rows}
-    tensors = pointed_operands(strides, [r.name for r in workspace.regions])
-    launches = dispatch.plan_bwd(p, "sm_90", tensors)
-    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128), v3.dkdv_key("bf16", v3.LATENT_PAIR),
-                                                       v3.dq_convert_key("bf16", 256)]
-    assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
     monkeypatch.setattr(v3, "MODE", "measured")
     long = problem(head_dim_qk=192, head_dim_v=128, seqlen_q=4096, seqlen_k=4096)
     assert v3.serves_bwd(long, "sm_90") and not v3.serves_bwd(problem(head_dim_qk=192, head_dim_v=128), "sm_90")
-    deterministic = problem(head_dim_qk=192, head_dim_v=128, deterministic=True)
-    assert v3.serves_bwd(deterministic, "sm_90", pp.DQ_ORDERED) is False  # ORDERED: never measured there
+    deterministic = problem(head_dim_qk=192, head_dim_v=128, seqlen_q=16384, seqlen_k=16384, deterministic=True)
+    assert not v3.serves_bwd(deterministic, "sm_90")
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
     assert dispatch.bwd_workspace(deterministic, "sm_90").dq_strategy == pp.DQ_ORDERED
 
