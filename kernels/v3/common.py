@@ -81,6 +81,15 @@ def whole_width(block_d):
 
 
 @gluon.jit
+def _at(row, head, col, DIM: gl.constexpr):
+    """A TMA coordinate: (row, col) of a rows_descriptor's tile (DIM 1), (row, head, col) of a heads_descriptor's."""
+    if DIM == 1:
+        return row, col
+    else:
+        return row, head, col
+
+
+@gluon.jit
 def copy_in_parts(desc, row, head, ready, dst, rest):
     """TMA copy of the tile at `row` (and query head `head`, for a [rows, 1, dims] tile of a heads_descriptor)
     into `dst`, announced to `ready`. Where the tile is held in two parts (`rest` narrower than `dst`), in
@@ -90,20 +99,11 @@ def copy_in_parts(desc, row, head, ready, dst, rest):
         BOX: gl.constexpr = rest.shape[DIM]
         mbarrier.expect(ready, (dst.shape[DIM] // BOX + 1) * desc.block_type.nbytes)
         for i in gl.static_range(dst.shape[DIM] // BOX):
-            if DIM == 1:
-                tma.async_copy_global_to_shared(desc, [row, i * BOX], ready, dst.slice(i * BOX, BOX, dim=1))
-            else:
-                tma.async_copy_global_to_shared(desc, [row, head, i * BOX], ready, dst.slice(i * BOX, BOX, dim=2))
-        if DIM == 1:
-            tma.async_copy_global_to_shared(desc, [row, dst.shape[1]], ready, rest)
-        else:
-            tma.async_copy_global_to_shared(desc, [row, head, dst.shape[2]], ready, rest)
+            tma.async_copy_global_to_shared(desc, _at(row, head, i * BOX, DIM), ready, dst.slice(i * BOX, BOX, dim=DIM))
+        tma.async_copy_global_to_shared(desc, _at(row, head, dst.shape[DIM], DIM), ready, rest)
     else:
         mbarrier.expect(ready, desc.block_type.nbytes)
-        if DIM == 1:
-            tma.async_copy_global_to_shared(desc, [row, 0], ready, dst)
-        else:
-            tma.async_copy_global_to_shared(desc, [row, head, 0], ready, dst)
+        tma.async_copy_global_to_shared(desc, _at(row, head, 0, DIM), ready, dst)
 
 
 key_block_rank = gluon.jit(dq_order.key_block_rank.fn)

@@ -361,8 +361,7 @@ def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.co
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready, v_ready,
               k_empty, v_empty, turn, turn_sums, o_base, stride_o_s, dv, Lse_rows, first_tile, m_first, m_second, n_tiles, sq,
-              sk, off,
-              left, right, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
+              sk, off, left, right, scale_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DV: gl.constexpr,
               CONSUMERS: gl.constexpr, TURNS: gl.constexpr, PINGPONG: gl.constexpr, OWN_O: gl.constexpr,
               TILES: gl.constexpr):
     """Consumer c through the program's tiles: each takes the ring's blocks and the turns where the tile
@@ -440,9 +439,9 @@ def fmha_fwd(
         return
     off = gl.where(bottom_right != 0, sk - sq, 0)
     left, right = window_sides(window_left, window_right, sq, sk)
-    # A one-tile program's rows and key blocks, found once here, before the partitions start: each partition
-    # finding them itself delayed the first copies (0.95-0.97x at the shortest lengths: NOTES.md, v3.17). Two
-    # tiles a program find theirs in the partitions' loops.
+    # A one-tile program's rows and key blocks, found once here, before the partitions start, rather than by each
+    # partition (1.01x over the forward's points, within the noise at the two v3.14 had lost: NOTES.md, v3.17).
+    # Two tiles a program find theirs in the partitions' loops.
     first_tile = _program_tile(0, m_first, m_first, sq, sk, off, left, right, BLOCK_M, BLOCK_N)
 
     b64 = b.to(gl.int64)
