@@ -71,9 +71,9 @@ BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (25
              (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
-# Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one. Built, not yet run
-# on a GPU (NOTES.md, "v3.18"): off until measured; tests/gpu switch it on for themselves.
-LATENT_BWD_TILE = False
+# Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
+# 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
+LATENT_BWD_TILE = True
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -114,20 +114,28 @@ MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 8192, (128, 128): 1024, (256, 256): 1024,
 # 4k; causal GQA (16/2) 0.92x at 1k, 1.03x at 2k, 1.11x at 4k; the 64 tile 0.85-1.0x up to 4k, 1.03-1.09x at
 # 8k and 16k. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256
 # from 1024 keys; at 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal:
-# so D=256 from 1024 keys and 192/128 from 4096. Causal GQA calls of the other tiles (unmeasured) take it
+# so D=256 from 1024 keys and the (256, 128) tile from 4096. The (192, 128) tile (v3.18) was 1.33x / 1.21x
+# (causal) the portable backward at 1024 keys: from 1024. Causal GQA calls of the other tiles (unmeasured) take it
 # from 16384 keys, where the H200 had it ahead.
-MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 8192, (256, 256): 1024, (256, 128): 4096}
+MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 8192, (256, 256): 1024, (256, 128): 4096, (192, 128): 1024}
 MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
 UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
 # batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
 # of their own: NOTES.md, v3.4). On an H100 (NOTES.md, "The ORDERED backward as the default of long
-# deterministic calls") it was 0.57-0.99x the portable deterministic backward at 1k and 4k keys, but 1.12-1.14x
-# GQA 16/2 without a mask from 4k, 1.07x / 1.11x (causal) at D=128 16k (8k: 0.99x / 1.04x) and 1.10x at D=256
-# 16k without a mask (8k: 0.92x); causal GQA and D=64 never ahead. By (tile pair, GQA, causal): from these
-# key lengths, on dense calls without a mask or causal.
-MEASURED_ORDERED_MIN_SEQLEN_K = {((128, 128), False, False): 16384, ((128, 128), False, True): 16384,
-                                 ((128, 128), True, False): 4096, ((256, 256), False, False): 16384}
+# deterministic calls") it was 1.07x / 1.11x (causal) the portable deterministic backward at D=128 16k, 1.12-1.14x
+# GQA 16/2 without a mask from 4k and 1.10x at D=256 16k without a mask. With v3.19's tickets and walk (NOTES.md,
+# v3.19): D=128 without a mask 1.05x at 4k, causal GQA 1.09x at 4k and 1.03x at 16k; still behind at 1k (0.89x,
+# causal 0.76x), D=128 causal level at 4k, D=64 and 192/128 behind or level. By (tile pair, GQA, causal): from
+# these key lengths, on dense calls without a mask or causal.
+MEASURED_ORDERED_MIN_SEQLEN_K = {((128, 128), False, False): 4096, ((128, 128), False, True): 16384,
+                                 ((128, 128), True, False): 4096, ((128, 128), True, True): 4096,
+                                 ((256, 256), False, False): 16384}
+# The ORDERED form's tickets go by chunks of this many keys of each (key head, batch entry) (dq_order.ticket_item;
+# 4 key blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks), so that the programs running at once
+# share their heads' Q, dO and dQ tiles in L2. Against key block slowest on an H100 (NOTES.md, v3.19): 512 keys were
+# 1.0-1.5x at 1k-4k keys; 1024 keys (8 blocks of 128) gave up to 0.86x of that at 1k, 256 keys (4 of 64) 0.87x at 4k.
+ORDERED_CHUNK_KEYS = 512
 # Archs where deterministic calls take the ORDERED form at every length (tests/gpu switch it on for themselves).
 ORDERED_FOR_DETERMINISTIC = frozenset()
 
@@ -225,8 +233,10 @@ def variants(arch: str) -> list[dict]:
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
-                if strategy == DQ_ATOMIC:  # the ordered function always adds dQ (its tickets go key block slowest)
+                if strategy == DQ_ATOMIC:  # the ordered function always adds dQ
                     constexprs |= {"DQ_ATOMIC": True, "TILES": BWD_TILES_PER_PROGRAM[pair]}
+                else:
+                    constexprs |= {"KEY_BLOCK_CHUNK": ORDERED_CHUNK_KEYS // tile.block_n}
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
@@ -263,10 +273,9 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
         return arch in ORDERED_FOR_DETERMINISTIC or problem.seqlen_k >= ordered_min_seqlen_k(problem, pair)
     if MODE == "all":
         return True
-    measured = head_dim_tiles(problem)  # the lengths were measured in these tiles (LATENT_PAIR's stand in for (256, 128)'s)
-    min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(measured)
+    min_keys = MEASURED_BWD_MIN_SEQLEN_K.get(pair)
     if min_keys is not None and problem.causal and problem.kv_group_size > 1:
-        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K.get(measured, UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K))
+        min_keys = max(min_keys, MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K.get(pair, UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K))
     return min_keys is not None and problem.seqlen_k >= min_keys
 
 

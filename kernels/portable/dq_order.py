@@ -42,6 +42,23 @@ def order_counters(DqOrder, bh, seqlen_q, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def ticket_item(item, key_blocks, slots, CHUNK: tl.constexpr):
+    """The (key block, slot) of ticket `item` where tickets go by chunks of CHUNK key blocks (the v3 ORDERED
+    form's order): chunk slowest, then the slot (key head and batch entry), then the chunk's key blocks
+    (the last chunk may hold fewer). CHUNK = 1 is key block slowest, as next_item's users number them. A
+    smaller key block of the same slot still has a smaller ticket, so the progress argument above holds,
+    and the programs running at once hold about CHUNK key blocks of each slot they work on: they read the
+    same Q and dO rows and add into the same dQ tiles while those are in L2, where key block slowest has
+    every program on another head and the backward waits on memory."""
+    per_chunk = CHUNK * slots
+    chunk = item // per_chunk
+    first = chunk * CHUNK
+    width = tl.minimum(key_blocks - first, CHUNK)
+    rest = item - chunk * per_chunk
+    return first + rest % width, rest // width
+
+
+@triton.jit
 def next_item(DqOrder):
     """The next work item's number (the ticket at DqOrder[0], one atomic a program per item)."""
     return tl.atomic_add(DqOrder, 1, sem="relaxed")

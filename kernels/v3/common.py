@@ -108,15 +108,33 @@ def copy_in_parts(desc, row, head, ready, dst, rest):
 
 key_block_rank = gluon.jit(dq_order.key_block_rank.fn)
 order_counters = gluon.jit(dq_order.order_counters.fn)
+ticket_item = gluon.jit(dq_order.ticket_item.fn)
 
 STAGES = gl.constexpr(2)  # the backward's Q/dO ring depth
+
+
+@gluon.jit
+def query_step(t, lo, blocks, kv_group_size, DESCENDING: gl.constexpr):
+    """Step t of a backward program's walk over (query head of the group, query block of [lo, lo + blocks)):
+    heads outermost and blocks ascending (the atomic form), or DESCENDING (the ORDERED form) blocks outermost
+    from the last, every head of the group at each block. Under a causal mask a head's key blocks see the
+    same last query blocks and different first ones, so walking down from the last, the programs that add
+    into a dQ tile in key-block order reach it at the same step and each adds right after the one before it;
+    walking up, key block n would reach the tiles that key block 0 reaches n steps later first, and wait."""
+    if DESCENDING:
+        g = t % kv_group_size
+        block = lo + blocks - 1 - t // kv_group_size
+    else:
+        g = t // blocks
+        block = lo + t - g * blocks
+    return g, block
 
 
 @gluon.jit
 def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo_s, stride_qo_h, qo_dims, kv_smem,
                                kv_rest_smem, qo_smem, qo_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                kv_group_size, window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
-                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DESCENDING: gl.constexpr):
     """One of the backward's two loader warps (fmha_bwd.py's and fmha_bwd_wide.py's): one copies K and Q, the
     other V and dO. Each makes its two descriptors, each before its first copy: its key tile's (the
     program's rows of the key head), and its query tiles', by (row, query head, dim) so that one serves
@@ -127,9 +145,9 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     A program runs the key blocks n_first and, if n_tiles is 2, n_second (pairs of the atomic form's 64 and
     128 tiles: TILES): each key tile once the consumers have given its buffer back (`kv_free`: dK and dV of
     the block before left through it), then the tile's query tiles through the ring of STAGES buffers, which
-    runs on from block to block. Tiles held in two parts (K and Q of the 192 tile: `kv_rest_smem` and
-    `qo_rest_smem` narrower than the others; elsewhere the same memory) come in boxes of the rest's width
-    (copy_in_parts)."""
+    runs on from block to block, in query_step's order (DESCENDING: the ORDERED form's). Tiles held in two
+    parts (K and Q of the 192 tile: `kv_rest_smem` and `qo_rest_smem` narrower than the others; elsewhere the
+    same memory) come in boxes of the rest's width (copy_in_parts)."""
     kv_box: gl.constexpr = kv_rest_smem.shape
     kv_layout: gl.constexpr = kv_smem.layout
     qo_box: gl.constexpr = qo_rest_smem.shape[3]
@@ -148,9 +166,9 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
                 r = r0 + t
                 stage = r % STAGES
                 mbarrier.wait(q_empty.index(stage), ((r // STAGES) & 1) ^ 1)
-                g = t // blocks
-                m0 = (lo + t - g * blocks) * BLOCK_M
-                copy_in_parts(qo_desc, m0, h0 + g, q_ready.index(stage), qo_smem.index(stage), qo_rest_smem.index(stage))
+                g, block = query_step(t, lo, blocks, kv_group_size, DESCENDING)
+                copy_in_parts(qo_desc, block * BLOCK_M, h0 + g, q_ready.index(stage), qo_smem.index(stage),
+                              qo_rest_smem.index(stage))
             r0 += n_steps
             kv_phase ^= 1
 

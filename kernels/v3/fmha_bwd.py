@@ -18,8 +18,11 @@ group. Three partitions:
   reduction;
 - two loaders (1 warp each, one warpgroup): K, and V, of the program once, then Q, and dO, of each (query
   head, query block) through a ring of STAGES buffers that both consumers release.
-The ORDERED form (fmha_bwd_dkdv_ordered, deterministic) differs in two places. A program takes its (key
-block, key head, batch entry) from a ticket, key block slowest, and its dQ tiles are added in key-block
+The ORDERED form (fmha_bwd_dkdv_ordered, deterministic) differs in three places. A program takes its (key
+block, key head, batch entry) from a ticket, by chunks of KEY_BLOCK_CHUNK key blocks of a (key head, batch
+entry) (dq_order.ticket_item), so that the programs running at once share Q, dO and dQ tiles in L2; it walks
+its query blocks down from the last one, every head of the group at each (common.query_step), so that the
+key blocks of a head reach each dQ tile at the same step; and its dQ tiles are added in key-block
 order (kernels/portable/dq_order.py: the protocol, and why every program finishes): the consumers leave
 their dQ halves in shared memory, and another partition, the dQ writer (1 warp), waits for the tile's
 counter to reach this key block's rank, adds both halves by bulk TMA reductions, frees the buffers once
@@ -40,14 +43,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, rows_descriptor,
-                               sequence_extent, tma_add_shared_to_global, visible)
+                               key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
+                               rows_descriptor, sequence_extent, ticket_item, tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
 def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
           ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
-          lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2,
+          lo, blocks, full_lo, full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr):
     """Step t: one query block of one query head of the group against this consumer's keys, the program's
     step r0 + t in the Q/dO ring and the dS buffers (r0: the steps of its key blocks before this one). dK and
@@ -60,8 +63,7 @@ def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem
     r = r0 + t
     stage = r % STAGES
     buf = r % 2
-    g = t // blocks
-    block = lo + t - g * blocks
+    g, block = query_step(t, lo, blocks, kv_group_size, ORDERED)
     m0 = block * BLOCK_M
     g64 = g.to(gl.int64)
     Lse2_rows = Lse2_head0 + g64 * stride_delta_h
@@ -164,8 +166,8 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
             for t in tl.range(n_steps, disable_licm=True):
                 dk, dv = _step(t, r0, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
                                ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-                               n0, lo, blocks, full_lo, full_hi, sq, sk, off, left, right, scale_log2, BLOCK_M, HALF_N,
-                               BLOCK_DQK, ORDERED)
+                               n0, lo, blocks, full_lo, full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
+                               BLOCK_M, HALF_N, BLOCK_DQK, ORDERED)
             if n_steps > 0:
                 # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
                 last = r0 + n_steps - 1
@@ -194,8 +196,8 @@ def _release(counter, token):
 
 @gluon.jit
 def _dq_writer(dq_smem, dq_full, dq_empty, dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, Counters,
-               counters_per_head, h0, n0, lo, blocks, n_steps, off, left, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_DQK: gl.constexpr):
+               counters_per_head, h0, n0, lo, blocks, n_steps, kv_group_size, off, left, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr):
     """The ORDERED form's dQ writer: step t's tile, once both consumers have left their halves and the
     tile's counter equals this key block's rank, goes to the accumulator by two bulk TMA reductions. The
     counter is released one step later, after the next tile's reductions are issued, once these are
@@ -207,8 +209,7 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_rows, stride_dq_s, stride_dq_h, sq
     token = n0
     previous = Counters
     for t in range(n_steps):
-        g = t // blocks
-        block = lo + t - g * blocks
+        g, block = query_step(t, lo, blocks, kv_group_size, True)
         m0 = block * BLOCK_M
         counter = Counters + g * counters_per_head + block
         rank = key_block_rank(n0, m0, off, left, BLOCK_N)
@@ -289,18 +290,19 @@ def fmha_bwd_dkdv_ordered(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr, batch,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, KEY_BLOCK_CHUNK: gl.constexpr,
 ):
     """The deterministic form: one program per work item (key block, key head, batch entry), which it
-    takes by ticket, key block slowest (dq_order.py: longest first under a causal mask, and the order that
-    lets every program finish); its dQ tiles go into the accumulator in key-block order."""
+    takes by ticket in chunks of KEY_BLOCK_CHUNK key blocks (dq_order.ticket_item: within a (key head, batch
+    entry) the longest first under a causal mask, and an order that lets every program finish); its dQ tiles
+    go into the accumulator in key-block order."""
     gl.static_assert(GROUP_LOOP, "the v3 backward loops over the group's heads")
     heads_k = num_heads_q // kv_group_size
     slots = heads_k * batch
     item = gl.atomic_add(DqOrder, 1, sem="relaxed")
-    slot = item % slots
+    n_block, slot = ticket_item(item, gl.cdiv(seqlen_k, BLOCK_N), slots, KEY_BLOCK_CHUNK)
     _dkdv_program(
-        item // slots, slot % heads_k, slot // heads_k, DqOrder,
+        n_block, slot % heads_k, slot // heads_k, DqOrder,
         Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
         stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
@@ -416,14 +418,14 @@ def _dkdv_program(
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
                                               q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
+                                              n_tiles, h0, BLOCK_M, BLOCK_N, True)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
+                                              n_tiles, h0, BLOCK_M, BLOCK_N, True)),
                 (_dq_writer, (dq_smem, dq_full, dq_empty, dq_rows, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
-                              counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, off, left, BLOCK_M,
-                              BLOCK_N, BLOCK_DQK)),
+                              counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, kv_group_size, off,
+                              left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
             ], [4, 1, 1, 1], [240, 24, 24, 24])
         else:
             gl.warp_specialize([
@@ -440,9 +442,9 @@ def _dkdv_program(
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
                                               q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
+                                              n_tiles, h0, BLOCK_M, BLOCK_N, False)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N)),
+                                              n_tiles, h0, BLOCK_M, BLOCK_N, False)),
             ], [4, 1, 1], [240, 24, 24])

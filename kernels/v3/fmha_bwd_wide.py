@@ -37,8 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, rows_descriptor, sequence_extent,
-                               tma_add_shared_to_global, visible, whole_width)
+                               key_block_steps, load_keys_and_query_blocks, order_counters, query_step, rows_descriptor,
+                               sequence_extent, tma_add_shared_to_global, visible, whole_width)
 
 DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
 
@@ -84,8 +84,8 @@ def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
 def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
               q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
               stride_dq_s, stride_dq_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, counters,
-              counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left, right, scale_log2,
-              softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
+              counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, kv_group_size, off, left, right,
+              scale_log2, softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
               BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
     """Consumer c: its share of dK's and dV's columns and of dQ's additions (the module docstring). Where Q
     and K are held in two parts (the 192 tile: `k_rest_smem` narrower than `k_smem`), consumer 1 takes the
@@ -129,8 +129,7 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
     mbarrier.wait(kv_ready, 0)
     for t in tl.range(n_steps, disable_licm=True):
         stage = t % STAGES
-        g = t // blocks
-        block = lo + t - g * blocks
+        g, block = query_step(t, lo, blocks, kv_group_size, ORDERED)
         m0 = block * BLOCK_M
         mbarrier.wait(q_ready.index(stage), (t // STAGES) & 1)
         # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
@@ -302,19 +301,19 @@ def wide_program(
         (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
                      q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h,
                      dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
-                     dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left,
-                     right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
+                     dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk,
+                     kv_group_size, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
                      q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h,
                      dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
-                     dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, off, left,
-                     right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
+                     dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk,
+                     kv_group_size, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_rest_smem,
                                       q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
-                                      BLOCK_M, BLOCK_N)),
+                                      BLOCK_M, BLOCK_N, ORDERED)),
         (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                       do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
-                                      BLOCK_M, BLOCK_N)),
+                                      BLOCK_M, BLOCK_N, ORDERED)),
     ], [4, 1, 1], [240, 24, 24])

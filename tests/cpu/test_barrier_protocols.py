@@ -416,12 +416,14 @@ def _ordered_program(m, p, tiles):
         m.add(f"p{p}.{name}", partition)
 
 
-def _run_ordered(rng, causal, program):
-    """Programs start in ticket order (key block slowest), at most `resident` at once, a new one when one
-    ends; returns the programs, in order, that added into each dQ tile."""
+def _run_ordered(rng, causal, program, descending):
+    """Programs start in ticket order (a head's key blocks in increasing order), at most `resident` at once, a
+    new one when one ends, each walking its query blocks up or (descending, as the v3 ORDERED form does:
+    common.query_step) down; returns the programs, in order, that added into each dQ tile."""
     key_blocks, query_blocks, resident = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6)
     m = Machine(rng)
-    visits = {kb: [q for q in range(query_blocks) if not causal or q >= kb] for kb in range(key_blocks)}
+    visits = {kb: sorted((q for q in range(query_blocks) if not causal or q >= kb), reverse=descending)
+              for kb in range(key_blocks)}
     started = 0
     while True:
         while started < key_blocks and len({name.split(".")[0] for name in m.current}) < resident:
@@ -433,25 +435,27 @@ def _run_ordered(rng, causal, program):
     return m.log
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["walking up", "walking down"])
 @pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
-def test_the_ordered_backward_adds_in_key_block_order_with_any_number_of_programs_resident(causal):
+def test_the_ordered_backward_adds_in_key_block_order_with_any_number_of_programs_resident(causal, descending):
     """The smallest unfinished ticket never waits for a later one, so every run finishes, and each tile's
-    additions come in key-block order."""
+    additions come in key-block order, whichever way the programs walk their query blocks."""
     rng = random.Random(SEED)
     for _ in range(400):
         by_tile = {}
-        for tile, p in _run_ordered(rng, causal, _ordered_program):
+        for tile, p in _run_ordered(rng, causal, _ordered_program, descending):
             by_tile.setdefault(tile, []).append(p)
         assert all(programs == sorted(programs) for programs in by_tile.values()), by_tile
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["walking up", "walking down"])
 @pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
-def test_the_wide_ordered_backward_adds_in_key_block_order(causal):
+def test_the_wide_ordered_backward_adds_in_key_block_order(causal, descending):
     """The wide kernel's ORDERED form: both consumers add their quarters of a tile after its counter reached
     the key block's rank; consumer 0 counts the key block in once both consumers' additions are complete."""
     rng = random.Random(SEED)
     for _ in range(400):
-        log = _run_ordered(rng, causal, lambda m, p, tiles: _wide_backward(m, len(tiles), f"p{p}", tiles))
+        log = _run_ordered(rng, causal, lambda m, p, tiles: _wide_backward(m, len(tiles), f"p{p}", tiles), descending)
         by_tile = {}
         for tile, p, _consumer in log:
             by_tile.setdefault(tile, []).append(int(p[1:]))

@@ -46,13 +46,35 @@ def _rank_cases():
     return cases
 
 
-def _visiting_ranks(cases):
-    """{case: [(key block, query block, rank)]} from ordered_rank_worker.py under the interpreter."""
+def _worker(cases) -> list:
+    """ordered_rank_worker.py's answer (a JSON object) to each case, under the interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests/cpu")]))
     run = subprocess.run([sys.executable, str(REPO / "tests/cpu/ordered_rank_worker.py")], env=env, text=True,
                          input="".join(json.dumps(c) + "\n" for c in cases), capture_output=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    return {case: json.loads(line)["ranks"] for case, line in zip(cases, run.stdout.splitlines())}
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def _visiting_ranks(cases):
+    """{case: [(key block, query block, rank)]} from ordered_rank_worker.py under the interpreter."""
+    return {case: answer["ranks"] for case, answer in zip(cases, _worker(cases))}
+
+
+def test_chunked_tickets_hand_out_every_item_once_a_slots_key_blocks_in_order():
+    """dq_order.ticket_item: every (key block, slot) has one ticket; within a slot a smaller key block has a
+    smaller ticket (what lets every program finish); CHUNK = 1 numbers key block slowest, and with CHUNK = c the
+    first c * slots tickets are the first c key blocks of every slot."""
+    cases = [(kb, slots, chunk) for kb in (1, 3, 8, 13) for slots in (1, 2, 5) for chunk in (1, 4, 8)]
+    for (key_blocks, slots, chunk), answer in zip(cases, _worker([{"tickets": c} for c in cases])):
+        items = [tuple(item) for item in answer["items"]]
+        assert sorted(items) == [(n, s) for n in range(key_blocks) for s in range(slots)], (key_blocks, slots, chunk)
+        for s in range(slots):
+            tickets = [i for i, (_, slot) in enumerate(items) if slot == s]
+            assert [items[i][0] for i in tickets] == list(range(key_blocks)), (key_blocks, slots, chunk, s)
+        if chunk == 1:
+            assert items == [(i // slots, i % slots) for i in range(key_blocks * slots)]
+        first = min(chunk, key_blocks) * slots
+        assert {n for n, _ in items[:first]} == set(range(min(chunk, key_blocks)))
 
 
 def _visitors(ranks):

@@ -169,7 +169,7 @@ def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served,
     (dict(seqlen_q=1024, seqlen_k=1024), True),
     (dict(seqlen_q=1024, seqlen_k=1024, window_right=0), True),
     (dict(seqlen_q=1024, seqlen_k=1023), False),
-    (dict(seqlen_q=4096, seqlen_k=4096, deterministic=True), False),
+    (dict(seqlen_q=2048, seqlen_k=2048, deterministic=True), False),
     (dict(seqlen_q=1024, seqlen_k=1024, heads_k=2), True),
     (dict(seqlen_q=2047, seqlen_k=2047, heads_k=2, window_right=0), False),
     (dict(seqlen_q=2048, seqlen_k=2048, heads_k=2, window_right=0), True),
@@ -178,8 +178,13 @@ def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served,
     (dict(seqlen_q=4096, seqlen_k=8191, head_dim_qk=64, head_dim_v=64), False),
     (dict(seqlen_q=4096, seqlen_k=8192, head_dim_qk=64, head_dim_v=64), True),
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
-], ids=["D=128 1k", "D=128 1k causal", "D=128 one key short", "deterministic", "GQA 1k", "GQA causal one key short of 2k",
-        "GQA 2k causal", "D=256 GQA 4k causal", "D=256 GQA 16k causal", "D=64 one key short of 8k", "D=64 8k", "dropout"])
+    (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=192, head_dim_v=128), True),
+    (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=192, head_dim_v=128), False),
+    (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=256, head_dim_v=128), False),
+    (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=256, head_dim_v=128), True),
+], ids=["D=128 1k", "D=128 1k causal", "D=128 one key short", "deterministic 2k", "GQA 1k", "GQA causal one key short of 2k",
+        "GQA 2k causal", "D=256 GQA 4k causal", "D=256 GQA 16k causal", "D=64 one key short of 8k", "D=64 8k", "dropout",
+        "192/128 1k", "192/128 one key short", "256/128 below 4k", "256/128 4k"])
 def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{"heads_k": 8, **changes})
@@ -522,18 +527,18 @@ def test_the_wide_backward_plan_has_a_program_per_64_keys(latent, v3_on, monkeyp
                                           ((128, 128), False)])
 def test_the_backward_takes_the_192_128_tile_where_switched_on_and_it_holds_the_heads(dims, latent, monkeypatch):
     p = problem(head_dim_qk=dims[0], head_dim_v=dims[1])
-    assert v3.bwd_pair(p) == abi.head_dim_tiles(p)  # off by default: not yet run on a GPU
-    monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
-    assert v3.bwd_pair(p) == (v3.LATENT_PAIR if latent else abi.head_dim_tiles(p))
+    assert v3.bwd_pair(p) == (v3.LATENT_PAIR if latent else abi.head_dim_tiles(p))  # on by default
+    monkeypatch.setattr(v3, "LATENT_BWD_TILE", False)
+    assert v3.bwd_pair(p) == abi.head_dim_tiles(p)
 
 
-def test_the_192_128_backward_tile_serves_the_256_128_tiles_lengths(monkeypatch):
-    """Switched on, it runs where the (256, 128) tile it replaces was measured ahead; deterministic calls
-    take its ORDERED form only where switched on for every length (never measured there)."""
-    monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
+def test_the_192_128_backward_tile_serves_its_measured_lengths(monkeypatch):
+    """It runs from its own measured length (1024 keys), where the padded (256, 128) tile ran from 4096;
+    deterministic calls take its ORDERED form only where switched on for every length (level with the
+    portable deterministic backward at 16k, behind it below)."""
     monkeypatch.setattr(v3, "MODE", "measured")
-    long = problem(head_dim_qk=192, head_dim_v=128, seqlen_q=4096, seqlen_k=4096)
-    assert v3.serves_bwd(long, "sm_90") and not v3.serves_bwd(problem(head_dim_qk=192, head_dim_v=128), "sm_90")
+    short = problem(head_dim_qk=192, head_dim_v=128, seqlen_q=1024, seqlen_k=1024)
+    assert v3.serves_bwd(short, "sm_90") and not v3.serves_bwd(problem(head_dim_qk=192, head_dim_v=128), "sm_90")
     deterministic = problem(head_dim_qk=192, head_dim_v=128, seqlen_q=16384, seqlen_k=16384, deterministic=True)
     assert not v3.serves_bwd(deterministic, "sm_90")
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset({"sm_90"}))
@@ -659,8 +664,9 @@ def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, order
 
 
 # (tile pair's head dims, heads_k of 8 query heads, causal): the measured length and the one below it
-ORDERED_DEFAULTS = {"D=128 MHA": (128, 8, False, 16384, 8192), "D=128 MHA causal": (128, 8, True, 16384, 8192),
-                    "D=128 GQA": (128, 2, False, 4096, 2048), "D=256": (256, 8, False, 16384, 8192)}
+ORDERED_DEFAULTS = {"D=128 MHA": (128, 8, False, 4096, 2048), "D=128 MHA causal": (128, 8, True, 16384, 8192),
+                    "D=128 GQA": (128, 2, False, 4096, 2048), "D=128 GQA causal": (128, 2, True, 4096, 2048),
+                    "D=256": (256, 8, False, 16384, 8192)}
 
 
 @pytest.mark.parametrize("case", ORDERED_DEFAULTS)
@@ -685,9 +691,9 @@ def test_deterministic_calls_take_the_ordered_form_from_the_measured_lengths(cas
     assert not v3.serves_bwd(p, "sm_90")
 
 
-@pytest.mark.parametrize("changes", [dict(heads_k=2, window_right=0), dict(head_dim_qk=64, head_dim_v=64),
-                                     dict(head_dim_qk=256, head_dim_v=256, window_right=0)],
-                         ids=["GQA causal", "D=64", "D=256 causal"])
+@pytest.mark.parametrize("changes", [dict(head_dim_qk=64, head_dim_v=64), dict(head_dim_qk=256, head_dim_v=256, window_right=0),
+                                     dict(head_dim_qk=192, head_dim_v=128)],
+                         ids=["D=64", "D=256 causal", "192/128"])
 def test_deterministic_calls_where_the_ordered_form_never_led_keep_the_portable_family(changes, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{**dict(batch=1, heads_q=8, heads_k=8, seqlen_q=16384, seqlen_k=16384, deterministic=True), **changes})

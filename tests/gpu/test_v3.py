@@ -100,9 +100,9 @@ LATENT_CASES = [
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", LATENT_CASES, ids=[c[0] for c in LATENT_CASES])
 def test_the_192_128_backward_tile_matches_reference(case, dtype_name, deterministic, monkeypatch):
-    """The wide backward program's (192, 128) tile (v3.LATENT_BWD_TILE, off by default until measured),
-    both strategies; the ORDERED one's repeats bitwise equal to its first run."""
-    monkeypatch.setattr(v3, "LATENT_BWD_TILE", True)
+    """The wide backward program's (192, 128) tile (v3.LATENT_BWD_TILE), both strategies; the ORDERED one's
+    repeats bitwise equal to its first run."""
+    assert v3.LATENT_BWD_TILE  # the default
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if deterministic else frozenset())
     fmha_rt.clear_plan_cache()
     name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
