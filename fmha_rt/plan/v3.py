@@ -74,6 +74,10 @@ BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
 # Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
+# Whether the atomic dK/dV programs of the 64 and 128 tiles walk their steps as the ORDERED form does (the
+# kernel's WALK_DOWN: query blocks down from the last, the group's heads inner) rather than heads outermost.
+# A candidate for causal GQA (NOTES.md, v3.20: built, not yet run on a GPU); off, the objects are those measured.
+ATOMIC_WALK_DOWN = False
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -235,6 +239,8 @@ def variants(arch: str) -> list[dict]:
                               "GROUP_LOOP": True, "DP_FIRST": False}
                 if strategy == DQ_ATOMIC:  # the ordered function always adds dQ
                     constexprs |= {"DQ_ATOMIC": True, "TILES": BWD_TILES_PER_PROGRAM[pair]}
+                    if ATOMIC_WALK_DOWN and pair not in BWD_WIDE_PAIRS:
+                        constexprs |= {"WALK_DOWN": True}
                 else:
                     constexprs |= {"KEY_BLOCK_CHUNK": ORDERED_CHUNK_KEYS // tile.block_n}
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,

@@ -56,6 +56,22 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
         assert variants[key]["module"] == "kernels.portable.fmha_bwd" and "language" not in variants[key]
 
 
+@pytest.mark.parametrize("walk_down", [False, True], ids=["heads outermost", "walking down"])
+def test_the_backward_build_choices_of_each_form(walk_down, monkeypatch):
+    """The ORDERED form's tickets go by chunks of ORDERED_CHUNK_KEYS keys (4 blocks of 128, 8 of the wide
+    program's 64); the atomic form of the 64 and 128 tiles walks down only where ATOMIC_WALK_DOWN says so."""
+    monkeypatch.setattr(v3, "ATOMIC_WALK_DOWN", walk_down)
+    variants = {v["key"]: v for v in v3.variants("sm_90")}
+    for dtype in pp.DTYPES:
+        for pair, tile in v3.BWD_TILES.items():
+            ordered = variants[v3.dkdv_key(dtype, pair, pp.DQ_ORDERED)]["constexprs"]
+            assert ordered["KEY_BLOCK_CHUNK"] * tile.block_n == v3.ORDERED_CHUNK_KEYS == 512
+            assert "WALK_DOWN" not in ordered  # the ORDERED form always walks down
+            atomic = variants[v3.dkdv_key(dtype, pair)]["constexprs"]
+            assert "KEY_BLOCK_CHUNK" not in atomic
+            assert atomic.get("WALK_DOWN", False) is (walk_down and pair not in v3.BWD_WIDE_PAIRS)
+
+
 def plan_scratch(function, traits) -> int:
     """The global scratch a v3 variant of `function` declares, from its traits' tile."""
     pair = (traits["head_dim_qk_tile"], traits["head_dim_v_tile"])
