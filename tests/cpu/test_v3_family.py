@@ -36,6 +36,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
     gluon.update({v3.fwd_key(d, p, paired=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRED_CAUSAL_SEQLEN_K})
+    gluon.update({v3.fwd_key(d, p, run=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_RUN_TILES})
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
@@ -261,6 +262,32 @@ def test_causal_forward_programs_run_two_query_blocks_in_the_measured_key_length
             assert launch.grid == (programs, 8, 2)
             descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
             assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs * 8 * 2
+
+
+def test_forward_programs_without_a_mask_run_consecutive_query_blocks_where_switched_on(v3_on, monkeypatch):
+    """TILES > 2, the tile's run variant: a program runs FWD_RUN_TILES consecutive query blocks, so the grid
+    has that many times fewer programs, rounded up; only calls without a mask in FWD_RUN_SEQLEN_K's key
+    lengths take it (none by default: not yet measured)."""
+    fwd = {v["key"]: v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"}
+    for dtype in pp.DTYPES:
+        for pair, tiles in v3.FWD_RUN_TILES.items():
+            run = fwd[v3.fwd_key(dtype, pair, run=True)]
+            assert run["constexprs"]["TILES"] == tiles > 2 and run["constexprs"]["PINGPONG"]
+            assert run["traits"]["tiles_per_program"] == tiles
+    assert v3.FWD_RUN_SEQLEN_K == {} and not v3.fwd_run(problem(seqlen_q=4096, seqlen_k=4096))
+    monkeypatch.setattr(v3, "FWD_RUN_SEQLEN_K", {(128, 128): (1024, 4096)})
+    for seqlen, runs in ((1024, 2), (1100, 3), (4096, None)):
+        rows, kv_rows = (seqlen * 8 * 128, 8 * 128, 128, 1), (seqlen * 2 * 128, 2 * 128, 128, 1)
+        strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
+        for window in ((-1, -1), (-1, 0), (64, 64)):
+            p = problem(seqlen_q=seqlen, seqlen_k=seqlen, window_left=window[0], window_right=window[1])
+            run = runs is not None and window == (-1, -1)
+            assert v3.fwd_run(p) == run
+            (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
+            assert launch.variant == v3.fwd_key("bf16", (128, 128), paired=window == (-1, 0) and seqlen < 8192, run=run)
+            programs = runs if run else -(-seqlen // (256 if launch.variant.endswith("_paired") else 128))
+            assert launch.grid == (programs, 8, 2)
+            assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.fwd_global_scratch((128, 128)) * programs * 16
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (256, 256), (192, 128), (64, 64)])
