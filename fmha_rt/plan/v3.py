@@ -61,13 +61,6 @@ SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PIN
 # 1.04-1.10x one on an H100 there, 0.95-0.98x at 16k keys (its loop spills more) and at 256 below 2048 keys,
 # and at 192/128 0.90-0.95x but at 4096 keys; without a mask 0.94-1.01x (NOTES.md, v3.14).
 FWD_PAIRED_CAUSAL_SEQLEN_K = {(128, 128): (0, 8192), (256, 256): (2048, 8192)}
-# Calls without a mask whose programs run a run of FWD_RUN_TILES consecutive query blocks (the kernel's TILES > 2,
-# a variant of its own: fwd_key(..., run=True)), so that one prologue (descriptors, the first copies) serves them
-# all and each tile's Q lands under the tile before it: at 1k keys a 128 tile's program spends about 5 us
-# outside its 8 steps of about 1.7 us (NOTES.md, v3.21). Built, not yet run on a GPU: FWD_RUN_SEQLEN_K, the key
-# lengths [from, below) that take it, stays empty until measured.
-FWD_RUN_TILES = {(128, 128): 4}
-FWD_RUN_SEQLEN_K = {}
 # The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
@@ -81,10 +74,6 @@ BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
 # Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
-# Whether the atomic dK/dV programs of the 64 and 128 tiles walk their steps as the ORDERED form does (the
-# kernel's WALK_DOWN: query blocks down from the last, the group's heads inner) rather than heads outermost.
-# A candidate for causal GQA (NOTES.md, v3.20: built, not yet run on a GPU); off, the objects are those measured.
-ATOMIC_WALK_DOWN = False
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -181,10 +170,9 @@ def dq_tile(pair) -> int:
     return 1 << (pair[0] - 1).bit_length()
 
 
-def fwd_key(dtype, pair, paired=False, run=False):
-    """The forward variants: one query block a program, (paired) two, or (run) FWD_RUN_TILES[pair]."""
-    suffix = "_paired" if paired else f"_run{FWD_RUN_TILES[pair]}" if run else ""
-    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + suffix
+def fwd_key(dtype, pair, paired=False):
+    """The forward variants: one query block a program, or (paired) two."""
+    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + ("_paired" if paired else "")
 
 
 def dkdv_key(dtype, pair, strategy=DQ_ATOMIC):
@@ -235,14 +223,10 @@ def variants(arch: str) -> list[dict]:
             constexprs |= SCHEDULE_CONSTEXPRS[schedule]
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                           block_n=tile.block_n, deterministic=True, schedule=schedule, **{"pass": "fwd"})
-            forms = [(False, False, 1)]  # (paired, run, tiles)
-            if pair in FWD_PAIRED_CAUSAL_SEQLEN_K:
-                forms.append((True, False, 2))
-            if pair in FWD_RUN_TILES:
-                forms.append((False, True, FWD_RUN_TILES[pair]))
-            for paired, run, tiles in forms:
-                out.append(_gluon(make_variant(fwd_key(dtype, pair, paired, run), "fmha_fwd", dtype, tile,
-                                               constexprs | {"TILES": tiles}, dict(traits, tiles_per_program=tiles),
+            for paired in (False, True) if pair in FWD_PAIRED_CAUSAL_SEQLEN_K else (False,):
+                out.append(_gluon(make_variant(fwd_key(dtype, pair, paired), "fmha_fwd", dtype, tile,
+                                               constexprs | {"TILES": 2 if paired else 1},
+                                               dict(traits, tiles_per_program=2 if paired else 1),
                                                module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
         for pair, tile in BWD_TILES.items():
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
@@ -251,8 +235,6 @@ def variants(arch: str) -> list[dict]:
                               "GROUP_LOOP": True, "DP_FIRST": False}
                 if strategy == DQ_ATOMIC:  # the ordered function always adds dQ
                     constexprs |= {"DQ_ATOMIC": True, "TILES": BWD_TILES_PER_PROGRAM[pair]}
-                    if ATOMIC_WALK_DOWN and pair not in BWD_WIDE_PAIRS:
-                        constexprs |= {"WALK_DOWN": True}
                 else:
                     constexprs |= {"KEY_BLOCK_CHUNK": ORDERED_CHUNK_KEYS // tile.block_n}
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
@@ -323,21 +305,9 @@ def fwd_paired(problem) -> bool:
     return problem.causal and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
 
 
-def fwd_run(problem) -> bool:
-    """Whether a forward program runs a run of FWD_RUN_TILES query blocks (FWD_RUN_SEQLEN_K: calls without a mask)."""
-    keys = FWD_RUN_SEQLEN_K.get(fwd_pair(problem))
-    unmasked = problem.window_left < 0 and problem.window_right < 0
-    return unmasked and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
-
-
-def _fwd_tiles(problem) -> int:
-    """The query blocks a forward program runs."""
-    return 2 if fwd_paired(problem) else FWD_RUN_TILES[fwd_pair(problem)] if fwd_run(problem) else 1
-
-
 def _fwd_rows(problem) -> int:
     """The query rows a forward program runs: its tiles' rows."""
-    return FWD_TILES[fwd_pair(problem)].block_m * _fwd_tiles(problem)
+    return FWD_TILES[fwd_pair(problem)].block_m * (2 if fwd_paired(problem) else 1)
 
 
 def _programs(problem) -> int:
@@ -400,6 +370,6 @@ def plan_fwd(problem, operands) -> list:
     DESCRIPTOR_REGION of fwd_scratch in their regions."""
     if not has_work(problem):
         return []
-    key = fwd_key(problem.dtype, fwd_pair(problem), fwd_paired(problem), fwd_run(problem))
+    key = fwd_key(problem.dtype, fwd_pair(problem), fwd_paired(problem))
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
     return [forward_launch(key, problem, operands, _fwd_rows(problem), scratch)]

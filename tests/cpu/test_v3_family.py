@@ -36,7 +36,6 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
     gluon.update({v3.fwd_key(d, p, paired=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRED_CAUSAL_SEQLEN_K})
-    gluon.update({v3.fwd_key(d, p, run=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_RUN_TILES})
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
@@ -57,20 +56,15 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
         assert variants[key]["module"] == "kernels.portable.fmha_bwd" and "language" not in variants[key]
 
 
-@pytest.mark.parametrize("walk_down", [False, True], ids=["heads outermost", "walking down"])
-def test_the_backward_build_choices_of_each_form(walk_down, monkeypatch):
-    """The ORDERED form's tickets go by chunks of ORDERED_CHUNK_KEYS keys (4 blocks of 128, 8 of the wide
-    program's 64); the atomic form of the 64 and 128 tiles walks down only where ATOMIC_WALK_DOWN says so."""
-    monkeypatch.setattr(v3, "ATOMIC_WALK_DOWN", walk_down)
+def test_the_ordered_form_takes_its_tickets_by_chunks_of_512_keys():
+    """ORDERED_CHUNK_KEYS keys a chunk: 4 blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks;
+    the atomic form takes no tickets."""
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     for dtype in pp.DTYPES:
         for pair, tile in v3.BWD_TILES.items():
             ordered = variants[v3.dkdv_key(dtype, pair, pp.DQ_ORDERED)]["constexprs"]
             assert ordered["KEY_BLOCK_CHUNK"] * tile.block_n == v3.ORDERED_CHUNK_KEYS == 512
-            assert "WALK_DOWN" not in ordered  # the ORDERED form always walks down
-            atomic = variants[v3.dkdv_key(dtype, pair)]["constexprs"]
-            assert "KEY_BLOCK_CHUNK" not in atomic
-            assert atomic.get("WALK_DOWN", False) is (walk_down and pair not in v3.BWD_WIDE_PAIRS)
+            assert "KEY_BLOCK_CHUNK" not in variants[v3.dkdv_key(dtype, pair)]["constexprs"]
 
 
 def plan_scratch(function, traits) -> int:
@@ -262,32 +256,6 @@ def test_causal_forward_programs_run_two_query_blocks_in_the_measured_key_length
             assert launch.grid == (programs, 8, 2)
             descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
             assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs * 8 * 2
-
-
-def test_forward_programs_without_a_mask_run_consecutive_query_blocks_where_switched_on(v3_on, monkeypatch):
-    """TILES > 2, the tile's run variant: a program runs FWD_RUN_TILES consecutive query blocks, so the grid
-    has that many times fewer programs, rounded up; only calls without a mask in FWD_RUN_SEQLEN_K's key
-    lengths take it (none by default: not yet measured)."""
-    fwd = {v["key"]: v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"}
-    for dtype in pp.DTYPES:
-        for pair, tiles in v3.FWD_RUN_TILES.items():
-            run = fwd[v3.fwd_key(dtype, pair, run=True)]
-            assert run["constexprs"]["TILES"] == tiles > 2 and run["constexprs"]["PINGPONG"]
-            assert run["traits"]["tiles_per_program"] == tiles
-    assert v3.FWD_RUN_SEQLEN_K == {} and not v3.fwd_run(problem(seqlen_q=4096, seqlen_k=4096))
-    monkeypatch.setattr(v3, "FWD_RUN_SEQLEN_K", {(128, 128): (1024, 4096)})
-    for seqlen, runs in ((1024, 2), (1100, 3), (4096, None)):
-        rows, kv_rows = (seqlen * 8 * 128, 8 * 128, 128, 1), (seqlen * 2 * 128, 2 * 128, 128, 1)
-        strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
-        for window in ((-1, -1), (-1, 0), (64, 64)):
-            p = problem(seqlen_q=seqlen, seqlen_k=seqlen, window_left=window[0], window_right=window[1])
-            run = runs is not None and window == (-1, -1)
-            assert v3.fwd_run(p) == run
-            (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
-            assert launch.variant == v3.fwd_key("bf16", (128, 128), paired=window == (-1, 0) and seqlen < 8192, run=run)
-            programs = runs if run else -(-seqlen // (256 if launch.variant.endswith("_paired") else 128))
-            assert launch.grid == (programs, 8, 2)
-            assert dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes == v3.fwd_global_scratch((128, 128)) * programs * 16
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (256, 256), (192, 128), (64, 64)])
