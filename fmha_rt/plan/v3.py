@@ -134,7 +134,7 @@ MEASURED_ORDERED_MIN_SEQLEN_K = {((128, 128), False, False): 4096, ((128, 128), 
 # The ORDERED form's tickets go by chunks of this many keys of each (key head, batch entry) (dq_order.ticket_item;
 # 4 key blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks), so that the programs running at once
 # share their heads' Q, dO and dQ tiles in L2. Against key block slowest on an H100 (NOTES.md, v3.19): 512 keys were
-# 1.0-1.5x at 1k-4k keys; 1024 keys (8 blocks of 128) gave up to 0.86x of that at 1k, 256 keys (4 of 64) 0.87x at 4k.
+# 1.0-1.5x at 1k-4k keys; 1024 keys (8 blocks of 128) gave 0.84-0.92x of that at 1k, 256 keys (4 of 64) 0.87-0.89x at 4k.
 ORDERED_CHUNK_KEYS = 512
 # Archs where deterministic calls take the ORDERED form at every length (tests/gpu switch it on for themselves).
 ORDERED_FOR_DETERMINISTIC = frozenset()
