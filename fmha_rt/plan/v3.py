@@ -61,13 +61,18 @@ SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PIN
 # 1.04-1.10x one on an H100 there, 0.95-0.98x at 16k keys (its loop spills more) and at 256 below 2048 keys,
 # and at 192/128 0.90-0.95x but at 4096 keys; without a mask 0.94-1.01x (NOTES.md, v3.14).
 FWD_PAIRED_CAUSAL_SEQLEN_K = {(128, 128): (0, 8192), (256, 256): (2048, 8192)}
-# The backward's dK/dV tiles, 64 query rows a step: 128 keys a program (two consumer warpgroups of 64 keys,
+# Query rows a step of the backward's 64 tile: 128, FlashAttention-3's shape at head dim 64, so that a step's
+# fixed costs (the waits, the statistics' loads, dQ's bulk addition) serve twice the work, the step's products
+# being small at D=64. A consumer holds S and dP as 128 x 64 (64 registers each) beside dK and dV (32 each);
+# shared memory 225 KiB. On an H100 1.04-1.08x the 64-row tile at 1k-16k keys (NOTES.md, v3.22).
+BWD_D64_ROWS = 128
+# The backward's dK/dV tiles, 64 query rows a step (the 64 tile BWD_D64_ROWS): 128 keys a program (two consumer warpgroups of 64 keys,
 # kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
 # the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
 # consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile (LATENT_PAIR), Q and K
 # held as 128 + 64 columns, consumer 1 taking dK's and dQ's first 128 and consumer 0 the rest (0.81x the
 # tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED (deterministic) form.
-BWD_TILES = {(64, 64): Tile(64, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
+BWD_TILES = {(64, 64): Tile(BWD_D64_ROWS, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
              (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
@@ -78,8 +83,6 @@ LATENT_BWD_TILE = True
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
 BWD_TILES_PER_PROGRAM = {pair: 1 if pair in BWD_WIDE_PAIRS else 2 for pair in BWD_TILES}
-BWD_BLOCK_M = 64
-assert all(tile.block_m == BWD_BLOCK_M for tile in BWD_TILES.values())
 # 128-byte TMA descriptors a program, each made by the partition that uses it: in the forward Q's, K's and
 # V's (the loaders') and one of O for each consumer (fwd_global_scratch); in the backward K's, V's, Q's and
 # dO's (the loaders') and dK's, dV's and the dQ accumulator's for each of the two consumers, but for the
@@ -330,10 +333,10 @@ def _bwd_tiles(problem) -> int:
 def bwd_workspace(problem) -> Workspace:
     """The workspace of a backward the v3 family serves: the portable atomic or ordered strategy's
     regions (Delta, Lse2, the zeroed fp32 dQ accumulator; for ORDERED the zeroed order region at this
-    family's 64-row query blocks), one region for the dK/dV programs' descriptors, then the padding
+    tile's query blocks), one region for the dK/dV programs' descriptors, then the padding
     buffers."""
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
-    order = [dq_order_region(problem, BWD_BLOCK_M)] if strategy == DQ_ORDERED else []
+    order = [dq_order_region(problem, BWD_TILES[bwd_pair(problem)].block_m)] if strategy == DQ_ORDERED else []
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     pair = bwd_pair(problem)
     descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),

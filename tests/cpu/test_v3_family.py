@@ -720,19 +720,23 @@ def test_the_ordered_form_leaves_what_the_family_does_not_serve(changes, ordered
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
 
 
-def test_the_ordered_workspace_has_counters_for_the_families_query_blocks(ordered_on):
+@pytest.mark.parametrize("head_dim,pair,rows", [(100, (128, 128), 64), (64, (64, 64), v3.BWD_D64_ROWS)],
+                         ids=["128-tile", "64-tile"])
+def test_the_ordered_workspace_has_counters_for_the_tiles_query_blocks(head_dim, pair, rows, ordered_on):
     """Delta, Lse2, one zeroed fp32 dQ, then the zeroed int32 order region: a ticket and one counter per
-    (batch entry, query head, 64-row query block), then the descriptors and the padding."""
-    p = problem(heads_k=2, head_dim_qk=100, head_dim_v=100, deterministic=True)
+    (batch entry, query head, query block of the tile's rows), then the descriptors and the padding."""
+    assert v3.BWD_TILES[pair].block_m == rows
+    p = problem(heads_k=2, head_dim_qk=head_dim, head_dim_v=head_dim, deterministic=True)
     workspace = dispatch.bwd_workspace(p, "sm_90")
     assert workspace.dq_strategy == pp.DQ_ORDERED and workspace.dq_splits == 1
     names = [r.name for r in workspace.regions]
-    assert names[:5] == ["delta", "lse2", "dq_acc", "dq_order", v3.DESCRIPTOR_REGION] and names[5:]
+    assert names[:5] == ["delta", "lse2", "dq_acc", "dq_order", v3.DESCRIPTOR_REGION]
+    assert bool(names[5:]) == (head_dim != pair[0])  # padding buffers for heads narrower than their tile
     order = workspace.region("dq_order")
     assert order.zero_init and order.dtype == "i32"
-    assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / v3.BWD_BLOCK_M))
+    assert order.nbytes == 4 * (1 + 2 * 8 * math.ceil(300 / rows))
     descriptors = workspace.region(v3.DESCRIPTOR_REGION)
-    assert descriptors.nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv_ordered", (128, 128)) * math.ceil(300 / 128) * 2 * 2
+    assert descriptors.nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv_ordered", pair) * math.ceil(300 / 128) * 2 * 2
 
 
 def test_the_ordered_plan_is_the_portable_ordered_launch_with_a_program_per_item(ordered_on):
