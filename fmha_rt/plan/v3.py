@@ -61,6 +61,12 @@ SCHEDULE_CONSTEXPRS = {FREE: {}, TURNS: {"SOFTMAX_TURNS": True}, PINGPONG: {"PIN
 # 1.04-1.10x one on an H100 there, 0.95-0.98x at 16k keys (its loop spills more) and at 256 below 2048 keys,
 # and at 192/128 0.90-0.95x but at 4096 keys; without a mask 0.94-1.01x (NOTES.md, v3.14).
 FWD_PAIRED_CAUSAL_SEQLEN_K = {(128, 128): (0, 8192), (256, 256): (2048, 8192)}
+# GQA calls without a mask whose programs run a run of FWD_RUN_TILES consecutive query blocks (the kernel's
+# TILES > 2, a variant of its own: fwd_key(..., run=True)), so that one prologue (descriptors, the first copies)
+# serves them all and each tile's Q lands under the tile before it. Key lengths [from, below) by (tile pair, GQA):
+# on an H100 GQA 16/2 at D=128 took 1.04x, 1.05x and 1.03x at 1k, 2k and 4k keys, MHA 1.00x (NOTES.md, v3.21).
+FWD_RUN_TILES = {(128, 128): 4}
+FWD_RUN_SEQLEN_K = {((128, 128), True): (0, 8192)}
 # Query rows a step of the backward's 64 tile: 128, FlashAttention-3's shape at head dim 64, so that a step's
 # fixed costs (the waits, the statistics' loads, dQ's bulk addition) serve twice the work, the step's products
 # being small at D=64. A consumer holds S and dP as 128 x 64 (64 registers each) beside dK and dV (32 each);
@@ -173,9 +179,10 @@ def dq_tile(pair) -> int:
     return 1 << (pair[0] - 1).bit_length()
 
 
-def fwd_key(dtype, pair, paired=False):
-    """The forward variants: one query block a program, or (paired) two."""
-    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + ("_paired" if paired else "")
+def fwd_key(dtype, pair, paired=False, run=False):
+    """The forward variants: one query block a program, (paired) two, or (run) FWD_RUN_TILES[pair]."""
+    suffix = "_paired" if paired else f"_run{FWD_RUN_TILES[pair]}" if run else ""
+    return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + suffix
 
 
 def dkdv_key(dtype, pair, strategy=DQ_ATOMIC):
@@ -226,10 +233,14 @@ def variants(arch: str) -> list[dict]:
             constexprs |= SCHEDULE_CONSTEXPRS[schedule]
             traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                           block_n=tile.block_n, deterministic=True, schedule=schedule, **{"pass": "fwd"})
-            for paired in (False, True) if pair in FWD_PAIRED_CAUSAL_SEQLEN_K else (False,):
-                out.append(_gluon(make_variant(fwd_key(dtype, pair, paired), "fmha_fwd", dtype, tile,
-                                               constexprs | {"TILES": 2 if paired else 1},
-                                               dict(traits, tiles_per_program=2 if paired else 1),
+            forms = [(False, False, 1)]  # (paired, run, tiles)
+            if pair in FWD_PAIRED_CAUSAL_SEQLEN_K:
+                forms.append((True, False, 2))
+            if pair in FWD_RUN_TILES:
+                forms.append((False, True, FWD_RUN_TILES[pair]))
+            for paired, run, tiles in forms:
+                out.append(_gluon(make_variant(fwd_key(dtype, pair, paired, run), "fmha_fwd", dtype, tile,
+                                               constexprs | {"TILES": tiles}, dict(traits, tiles_per_program=tiles),
                                                module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
         for pair, tile in BWD_TILES.items():
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
@@ -308,9 +319,21 @@ def fwd_paired(problem) -> bool:
     return problem.causal and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
 
 
+def fwd_run(problem) -> bool:
+    """Whether a forward program runs a run of FWD_RUN_TILES query blocks (FWD_RUN_SEQLEN_K: calls without a mask)."""
+    keys = FWD_RUN_SEQLEN_K.get((fwd_pair(problem), problem.kv_group_size > 1))
+    unmasked = problem.window_left < 0 and problem.window_right < 0
+    return unmasked and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
+
+
+def _fwd_tiles(problem) -> int:
+    """The query blocks a forward program runs."""
+    return 2 if fwd_paired(problem) else FWD_RUN_TILES[fwd_pair(problem)] if fwd_run(problem) else 1
+
+
 def _fwd_rows(problem) -> int:
     """The query rows a forward program runs: its tiles' rows."""
-    return FWD_TILES[fwd_pair(problem)].block_m * (2 if fwd_paired(problem) else 1)
+    return FWD_TILES[fwd_pair(problem)].block_m * _fwd_tiles(problem)
 
 
 def _programs(problem) -> int:
@@ -373,6 +396,6 @@ def plan_fwd(problem, operands) -> list:
     DESCRIPTOR_REGION of fwd_scratch in their regions."""
     if not has_work(problem):
         return []
-    key = fwd_key(problem.dtype, fwd_pair(problem), fwd_paired(problem))
+    key = fwd_key(problem.dtype, fwd_pair(problem), fwd_paired(problem), fwd_run(problem))
     scratch = {"global_scratch": operands.region(DESCRIPTOR_REGION)}
     return [forward_launch(key, problem, operands, _fwd_rows(problem), scratch)]

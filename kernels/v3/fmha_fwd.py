@@ -4,7 +4,8 @@ and asynchronous warpgroup MMAs (wgmma), the structure of FlashAttention-3's for
 It takes the portable forward's arguments (fmha_rt/plan/portable.py, SIGNATURES["fmha_fwd"]), so one
 plan serves both families, and serves the calls without score terms or dropout: BIAS_KIND 0, DROPOUT
 False (the unused arguments are never read). One program per (BLOCK_M query rows, query head, batch
-entry), or per two query blocks of one (head, batch entry) (TILES = 2), in partitions:
+entry), or per two query blocks of one (head, batch entry) (TILES = 2), or per run of TILES > 2 of them,
+in partitions:
 - two consumers (the default partition and a worker, 4 warps each: one warpgroup), 64 query rows each
   (FlashAttention-3's 192-row tile of three at D=64 was slower than the 128 tile: NOTES.md, v3.15);
   a consumer issues S_{j+1} = Q K_{j+1}^T on the tensor core before
@@ -80,7 +81,7 @@ def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk
     Each makes the descriptors it uses just before its first copy, so that Q's and K's, the first product's
     operands, are made at the same time: making one takes about a microsecond (its tensormap written to
     global memory, fenced, then fetched). A tile held in two parts (Q and K at 192) comes in boxes of its
-    rest's width. With two tiles (TILES = 2) they follow each other in the ring; a tile's Q copies wait
+    rest's width. With several tiles (TILES > 1) they follow each other in the ring; a tile's Q copies wait
     until its consumer has given the Q buffer back (`q_free`)."""
     dtype: gl.constexpr = kv_smem.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]], dtype)
@@ -101,7 +102,7 @@ def _loader(KEYS: gl.constexpr, q_rows, kv_rows, stride_q_s, stride_kv_s, sq, sk
         q_phase = n_tiles * 0
         for i in range(n_tiles):
             m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left,
-                                                                              right, BLOCK_M, BLOCK_N)
+                                                                              right, BLOCK_M, BLOCK_N, TILES)
             if active:
                 if not KEYS:
                     _copy_q_tiles(q_desc, m0, q_ready, q_free, q_phase, q_smem, q_rest_smem, CONSUMERS, True)
@@ -345,15 +346,20 @@ def _consumer_tile(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     gl.store(Lse_rows + rows, lse, mask=rows < sq)
     tma.store_wait(0)
-    if TILES == 2 and not OWN_O:
+    if TILES > 1 and not OWN_O:
         mbarrier.arrive(q_free.index(c))
 
 
 @gluon.jit
-def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The program's i-th tile (0: m_first's query rows, 1: m_second's): its first row m0, whether the
-    sequence has rows there, and its key blocks (lo, full_lo, full_hi, n_blocks, n_free)."""
-    m0 = gl.where(i == 0, m_first, m_second) * BLOCK_M
+def _program_tile(i, m_first, m_second, sq, sk, off, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  TILES: gl.constexpr):
+    """The program's i-th tile (TILES = 2: 0 m_first's query rows, 1 m_second's; TILES > 2: query block
+    m_first + i): its first row m0, whether the sequence has rows there, and its key blocks (lo, full_lo,
+    full_hi, n_blocks, n_free)."""
+    if TILES > 2:
+        m0 = (m_first + i) * BLOCK_M
+    else:
+        m0 = gl.where(i == 0, m_first, m_second) * BLOCK_M
     lo, full_lo, full_hi, hi = key_blocks(m0, sk, off, left, right, BLOCK_M, BLOCK_N)
     return m0, m0 < sq, lo, full_lo, full_hi, hi - lo, full_hi - full_lo
 
@@ -381,7 +387,7 @@ def _consumer(c: gl.constexpr, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem,
         q_phase = n_tiles * 0
         for i in range(n_tiles):
             m0, active, lo, full_lo, full_hi, n_blocks, n_free = _program_tile(i, m_first, m_second, sq, sk, off, left,
-                                                                              right, BLOCK_M, BLOCK_N)
+                                                                              right, BLOCK_M, BLOCK_N, TILES)
             if active:
                 _consumer_tile(c, q_smem, q_rest_smem, k_smem, k_rest_smem, v_smem, o_buf, q_ready, q_free, k_ready,
                                v_ready, k_empty, v_empty, turn, turn_sums, o_desc, Lse_rows, m0, q_phase, r0, k0, sq, sk, off,
@@ -414,13 +420,15 @@ def fmha_fwd(
     turns at their softmax (_softmax_in_turn), or at issuing their products (_pingpong_blocks). TILES (a
     build choice too): 1, a program per query block; 2 (with PINGPONG), a program per pair of query blocks
     of one (head, batch entry), block M - 1 - p with block p (M blocks in all), so that under a causal mask
-    every program has about the same work and one prologue serves two tiles."""
+    every program has about the same work and one prologue serves two tiles; TILES > 2 (with PINGPONG), a
+    program per run of TILES consecutive query blocks (for calls without a mask, whose tiles are alike), so
+    that one prologue serves them all and each tile's Q lands under the tile before it (v3.21: GQA calls without a mask)."""
     gl.static_assert(BIAS_KIND == 0, "the v3 forward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 forward has no dropout")
     gl.static_assert(not (SOFTMAX_TURNS and PINGPONG), "one schedule of the consumers' turns")
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(CONSUMERS == 2, "two consumer warpgroups")
-    gl.static_assert(TILES == 1 or (TILES == 2 and PINGPONG), "two tiles a program take the ping-pong")
+    gl.static_assert(TILES == 1 or PINGPONG, "several tiles a program take the ping-pong")
     # Heaviest query blocks (last, under causal masking) start first: a shorter tail.
     pid = gl.program_id(0)
     m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
@@ -428,6 +436,10 @@ def fmha_fwd(
     if TILES == 2:
         m_second = pid
         n_tiles = gl.where(pid < m_first, 2, 1)
+    elif TILES > 2:  # a run of TILES blocks from the first, the last program's cut at the sequence's end
+        m_first = pid * TILES
+        m_second = m_first
+        n_tiles = gl.minimum(m_blocks - m_first, TILES)
     else:
         m_second = m_first
         n_tiles = m_blocks * 0 + 1
@@ -442,7 +454,7 @@ def fmha_fwd(
     # A one-tile program's rows and key blocks, found once here, before the partitions start, rather than by each
     # partition (1.01x over the forward's points, within the noise at the two v3.14 had lost: NOTES.md, v3.17).
     # Two tiles a program find theirs in the partitions' loops.
-    first_tile = _program_tile(0, m_first, m_first, sq, sk, off, left, right, BLOCK_M, BLOCK_N)
+    first_tile = _program_tile(0, m_first, m_first, sq, sk, off, left, right, BLOCK_M, BLOCK_N, 1)
 
     b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
@@ -480,7 +492,7 @@ def fmha_fwd(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_DV], v_layout)
     # O's own buffer where shared memory has room (Q and K whole, up to 128 wide: 192 KiB in all at D=128), so
     # that a consumer gives Q back before its last P V; at 192 and 256 O leaves through Q's memory
-    OWN_O: gl.constexpr = TILES == 2 and BLOCK_DQK <= 128
+    OWN_O: gl.constexpr = TILES > 1 and BLOCK_DQK <= 128
     if OWN_O:
         o_buf = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_DV],
                                           gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_DV], dtype))
@@ -494,7 +506,7 @@ def fmha_fwd(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
-        if TILES == 2:
+        if TILES > 1:
             mbarrier.init(q_free.index(c), count=1)  # the consumer has given its Q buffer back
     # The turns' barriers (SOFTMAX_TURNS, PINGPONG) and the row sums of SOFTMAX_TURNS; unused,
     # they take no memory

@@ -232,12 +232,14 @@ def test_the_pingpong_forward_never_deadlocks_and_issues_its_products_in_turn(co
 
 @pytest.mark.parametrize("own_o", [False, True], ids=["O through Q", "O of its own"])
 @pytest.mark.parametrize("consumers", [2, 3])
-def test_two_tiles_a_program_run_on_through_the_ring_and_the_turns(consumers, own_o):
+def test_several_tiles_a_program_run_on_through_the_ring_and_the_turns(consumers, own_o):
     """TILES = 2 (kernels/v3/fmha_fwd.py): a heavy and a light tile under a causal mask, tiles without key
-    blocks (a window that leaves a tile's rows no key) and odd counts that end a tile mid-ring; the second
-    tile's Q never lands before the first tile's O has left its buffer (a read of Q would see it)."""
+    blocks (a window that leaves a tile's rows no key) and odd counts that end a tile mid-ring; TILES = 4 (runs
+    of query blocks without a mask: alike tiles, a run cut short at the sequence's end); a tile's Q never lands
+    before the tile before it has let its buffer go (a read of Q, or of O where O leaves through Q, would see it)."""
     rng = random.Random(SEED)
-    for tiles in ([3, 1], [4, 4], [1, 0], [0, 2], [0, 0], [5, 2], [2, 3]):
+    for tiles in ([3, 1], [4, 4], [1, 0], [0, 2], [0, 0], [5, 2], [2, 3], [3, 3, 3, 3], [2, 2, 2], [1, 1, 1, 1],
+                  [4, 4, 4, 1]):
         for _ in range(300):
             m = Machine(rng)
             _pingpong_forward(m, consumers, tiles, own_o)

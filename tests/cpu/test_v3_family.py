@@ -36,6 +36,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     gluon = {v3.fwd_key(d, p): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRS}
     gluon.update({v3.fwd_key(d, p, paired=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRED_CAUSAL_SEQLEN_K})
+    gluon.update({v3.fwd_key(d, p, run=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_RUN_TILES})
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
@@ -235,7 +236,7 @@ def test_the_other_schedules_set_their_constexprs(monkeypatch, schedule, constex
 def test_causal_forward_programs_run_two_query_blocks_in_the_measured_key_lengths(v3_on):
     """TILES = 2 (kernels/v3/fmha_fwd.py), the tile's paired variant: a program runs query blocks M - 1 - p
     and p of its (head, batch entry), so the grid has half the query blocks, rounded up. Causal calls in the
-    key lengths of FWD_PAIRED_CAUSAL_SEQLEN_K take it; any other call a program a block."""
+    key lengths of FWD_PAIRED_CAUSAL_SEQLEN_K take it; any other MHA call a program a block."""
     fwd = {v["key"]: v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"}
     for dtype in pp.DTYPES:
         for pair in v3.FWD_PAIRS:
@@ -246,16 +247,45 @@ def test_causal_forward_programs_run_two_query_blocks_in_the_measured_key_length
                 assert paired["constexprs"]["TILES"] == 2 and paired["constexprs"]["PINGPONG"]
                 assert paired["global_scratch"] == v3.fwd_global_scratch(pair)
     for seqlen, paired, single in ((128, 1, 1), (256, 1, 2), (300, 2, 3), (640, 3, 5)):
-        rows, kv_rows = (seqlen * 8 * 128, 8 * 128, 128, 1), (seqlen * 2 * 128, 2 * 128, 128, 1)
-        strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
+        rows = (seqlen * 8 * 128, 8 * 128, 128, 1)
+        strides = {"q": rows, "k": rows, "v": rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
         for window, programs in (((-1, 0), paired), ((-1, -1), single), ((64, 0), single)):
-            p = problem(seqlen_q=seqlen, seqlen_k=seqlen, window_left=window[0], window_right=window[1])
+            p = problem(seqlen_q=seqlen, seqlen_k=seqlen, heads_k=8, window_left=window[0], window_right=window[1])
             assert v3.fwd_paired(p) == (window == (-1, 0))
             (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
             assert launch.variant == v3.fwd_key("bf16", (128, 128), paired=window == (-1, 0))
             assert launch.grid == (programs, 8, 2)
             descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1]
             assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs * 8 * 2
+
+
+def test_gqa_forward_programs_without_a_mask_run_consecutive_query_blocks_below_8192_keys(v3_on):
+    """TILES > 2, the tile's run variant: a program runs FWD_RUN_TILES consecutive query blocks, so the grid
+    has that many times fewer programs, rounded up; only GQA calls without a mask in FWD_RUN_SEQLEN_K's key
+    lengths take it (MHA measured level)."""
+    fwd = {v["key"]: v for v in v3.variants("sm_90") if v["function"] == "fmha_fwd"}
+    for dtype in pp.DTYPES:
+        for pair, tiles in v3.FWD_RUN_TILES.items():
+            run = fwd[v3.fwd_key(dtype, pair, run=True)]
+            assert run["constexprs"]["TILES"] == tiles > 2 and run["constexprs"]["PINGPONG"]
+            assert run["traits"]["tiles_per_program"] == tiles
+    assert v3.FWD_RUN_SEQLEN_K == {((128, 128), True): (0, 8192)}
+    for seqlen, runs in ((1024, 2), (1100, 3), (8192, None)):
+        for heads_k in (2, 8):
+            rows, kv_rows = (seqlen * 8 * 128, 8 * 128, 128, 1), (seqlen * heads_k * 128, heads_k * 128, 128, 1)
+            strides = {"q": rows, "k": kv_rows, "v": kv_rows, "out": rows, "lse": (8 * seqlen, seqlen, 1)}
+            for window in ((-1, -1), (-1, 0), (64, 64)):
+                p = problem(seqlen_q=seqlen, seqlen_k=seqlen, heads_k=heads_k, window_left=window[0],
+                            window_right=window[1])
+                run = runs is not None and window == (-1, -1) and heads_k < 8
+                assert v3.fwd_run(p) == run
+                (launch,) = dispatch.plan_fwd(p, "sm_90", pointed_operands(strides, [v3.DESCRIPTOR_REGION]))
+                paired = window == (-1, 0) and seqlen < 8192
+                assert launch.variant == v3.fwd_key("bf16", (128, 128), paired=paired, run=run)
+                programs = runs if run else -(-seqlen // (256 if paired else 128))
+                assert launch.grid == (programs, 8, 2)
+                descriptors = dispatch.fwd_scratch(p, "sm_90").regions[-1].nbytes
+                assert descriptors == v3.fwd_global_scratch((128, 128)) * programs * 16
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (256, 256), (192, 128), (64, 64)])
@@ -353,12 +383,12 @@ def test_the_environment_sets_the_mode(monkeypatch):
 
 
 def test_scratch_is_the_padding_then_descriptors_for_every_program(v3_on):
-    p = problem(head_dim_qk=100, head_dim_v=100)
+    p = problem(head_dim_qk=100, head_dim_v=100, heads_k=8)
     scratch = dispatch.fwd_scratch(p, "sm_90")
     padding = pp.fwd_scratch(p)
     assert padding.regions and scratch.regions[:-1] == padding.regions
     descriptors = scratch.regions[-1]
-    programs = math.ceil(300 / 128) * 8 * 2  # a block of 128 rows a program (no mask: not paired)
+    programs = math.ceil(300 / 128) * 8 * 2  # a block of 128 rows a program (MHA without a mask: one block)
     assert descriptors.name == v3.DESCRIPTOR_REGION and not descriptors.zero_init
     assert descriptors.nbytes == v3.fwd_global_scratch((128, 128)) * programs
     assert descriptors.offset % v3.GLOBAL_SCRATCH_ALIGN == 0 and descriptors.offset >= padding.total_bytes

@@ -16,7 +16,7 @@ import fmha_rt
 from error_bounds import assert_close, assert_lse_close
 from fmha_rt import reference
 from fmha_rt.plan import v3
-from gpu_tensors import attention_f64, f64, generator, nan_like, rand, seed_of
+from gpu_tensors import attention_f64, f64, generator, nan_like, rand, seed_of, varlen_inputs
 from repeat_runs import assert_bitwise, reference_run, repeat
 from test_attention import DTYPES, mask_kwargs, varlen_round_trip
 
@@ -57,7 +57,7 @@ CASES = [
     ("d64_window_br", 1, 100, 257, 2, 2, 64, 64, {"window": (16, 16), "causal_alignment": "bottom_right"}),
     ("d64_128", 1, 256, 384, 2, 2, 64, 128, {"causal": True}),
     ("d56_short", 3, 17, 9, 2, 1, 56, 56, {}),
-    # the 64 tile's three consumers taking turns over many key blocks, a partial last 192-row block
+    # the 64 tile over many key blocks and the group's heads, a partial last query block in both passes
     ("d64_causal_gqa_long", 1, 1100, 1100, 8, 2, 64, 64, {"causal": True}),
     ("d128_large_scale", 1, 512, 512, 2, 2, 128, 128, {"softmax_scale": 0.3}),
     # the 256 tiles: the backward is the wide kernel (two consumers sharing 64 keys, each with half the head dims)
@@ -126,6 +126,64 @@ def test_the_192_128_backward_tile_matches_reference(case, dtype_name, determini
         assert_close(f"{name} {n}", got, want)
     if deterministic:
         assert_bitwise(f"{name} ordered", repeat(call, specs, torch.cuda.Stream(), 3), first)
+
+
+RUN_CASES = [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv: runs of 4 query blocks cut at the sequence's end (6 and 9 blocks), GQA, MQA
+    ("d128_six_blocks_gqa", 2, 700, 900, 4, 2, 128, 128),
+    ("d100_nine_blocks_mqa", 1, 1100, 333, 4, 1, 100, 100),
+]
+
+
+def set_runs(monkeypatch, on):
+    """The forward's runs of query blocks (v3.FWD_RUN_TILES; by default GQA calls without a mask below 8k keys)
+    at every length with and without GQA, or nowhere."""
+    lengths = {(pair, gqa): (0, float("inf")) for pair in v3.FWD_RUN_TILES for gqa in (False, True)} if on else {}
+    monkeypatch.setattr(v3, "FWD_RUN_SEQLEN_K", lengths)
+    fmha_rt.clear_plan_cache()
+
+
+@pytest.fixture
+def runs_on(monkeypatch):
+    set_runs(monkeypatch, True)
+
+
+def ran_in_runs(expected=True):
+    kernels = fmha_rt.last_launch_info()["kernels"]
+    assert any("_run" in name for name in kernels) == expected, kernels
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_runs_of_query_blocks_match_reference_and_one_block_programs(case, dtype_name, monkeypatch):
+    """A program per run of FWD_RUN_TILES query blocks (calls without a mask): against float64, and bit for
+    bit the output of a program per block (each tile takes the same steps in the same order)."""
+    name, B, Sq, Sk, Hq, Hk, Dqk, Dv = case
+    dtype = DTYPES[dtype_name]
+    gen = generator(seed_of(name))
+    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    set_runs(monkeypatch, False)
+    one_block = forward(q, k, v)
+    ran_in_runs(False)
+    set_runs(monkeypatch, True)
+    out, lse = forward(q, k, v)
+    ran_in_runs()
+    ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v))
+    assert_close("out", out, ro)
+    assert_lse_close("lse", lse, rl)
+    assert_bitwise("runs against one block a program", [[out, lse]], list(one_block))
+
+
+def test_runs_of_query_blocks_over_varlen_with_empty_and_single_token_sequences(runs_on):
+    lens_q, lens_k = [700, 0, 1, 513, 64], [300, 5, 1, 7, 129]
+    cu_q, cu_k, q, k, v, _ = varlen_inputs(lens_q, lens_k, 4, 2, 128, seed=41)
+    tq = sum(lens_q)
+    out, lse = nan_like((tq, 4, 128), q.dtype), nan_like((4, tq), torch.float32)
+    fmha_rt.mha_varlen_fwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, lse=lse)
+    ran_in_runs()
+    ro, rl = reference.mha_varlen_fwd_ref(f64(q), f64(k), f64(v), cu_q.cpu().numpy(), cu_k.cpu().numpy())
+    assert_close("out", out, ro)
+    assert_lse_close("lse", lse, rl)
 
 
 def test_fully_masked_rows_give_zero_output_and_minus_inf_lse():
