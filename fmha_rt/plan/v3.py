@@ -72,10 +72,10 @@ FWD_RUN_SEQLEN_K = {((128, 128), True): (0, 8192)}
 # being small at D=64. A consumer holds S and dP as 128 x 64 (64 registers each) beside dK and dV (32 each);
 # shared memory 225 KiB. On an H100 1.04-1.08x the 64-row tile at 1k-16k keys (NOTES.md, v3.22).
 BWD_D64_ROWS = 128
-# The backward's dK/dV tiles, 64 query rows a step (the 64 tile BWD_D64_ROWS): 128 keys a program (two consumer warpgroups of 64 keys,
-# kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two consumers, each with half of
-# the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in the 256 tiles, where a
-# consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile (LATENT_PAIR), Q and K
+# The backward's dK/dV tiles, 64 query rows a step (the 64 tile BWD_D64_ROWS): 128 keys a program (two
+# consumer warpgroups of 64 keys, kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two
+# consumers, each with half of the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in
+# the 256 tiles, where a consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile (LATENT_PAIR), Q and K
 # held as 128 + 64 columns, consumer 1 taking dK's and dQ's first 128 and consumer 0 the rest (0.81x the
 # tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED (deterministic) form.
 BWD_TILES = {(64, 64): Tile(BWD_D64_ROWS, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
