@@ -127,6 +127,11 @@ class AttentionProblem:
         return self.window_left < 0 and self.window_right == 0
 
     @property
+    def unmasked(self) -> bool:
+        """No window on either side: every query sees every key."""
+        return self.window_left < 0 and self.window_right < 0
+
+    @property
     def has_dropout(self) -> bool:
         return self.dropout_p > 0.0
 

@@ -75,9 +75,10 @@ BWD_D64_ROWS = 128
 # The backward's dK/dV tiles, 64 query rows a step (the 64 tile BWD_D64_ROWS): 128 keys a program (two
 # consumer warpgroups of 64 keys, kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two
 # consumers, each with half of the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in
-# the 256 tiles, where a consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile (LATENT_PAIR), Q and K
-# held as 128 + 64 columns, consumer 1 taking dK's and dQ's first 128 and consumer 0 the rest (0.81x the
-# tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED (deterministic) form.
+# the 256 tiles, where a consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile
+# (LATENT_PAIR), Q and K held as 128 + 64 columns, consumer 1 taking dK's and dQ's first 128 and consumer 0
+# the rest (0.81x the tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED
+# (deterministic) form.
 BWD_TILES = {(64, 64): Tile(BWD_D64_ROWS, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
              (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
@@ -296,8 +297,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
 def ordered_min_seqlen_k(problem, pair) -> float:
     """The key length from which a deterministic call of the tile pair takes the ORDERED form by default
     (MEASURED_ORDERED_MIN_SEQLEN_K): measured on dense calls without a mask or causal; never elsewhere."""
-    unmasked = problem.window_left < 0 and problem.window_right < 0
-    if problem.varlen or not (unmasked or problem.causal):
+    if problem.varlen or not (problem.unmasked or problem.causal):
         return float("inf")
     return MEASURED_ORDERED_MIN_SEQLEN_K.get((pair, problem.kv_group_size > 1, problem.causal), float("inf"))
 
@@ -313,17 +313,20 @@ def _descriptor_region(nbytes, problem) -> list:
     return [(DESCRIPTOR_REGION, (nbytes // 4,), False, "fp32")] if has_work(problem) else []
 
 
+def _keys_within(problem, lengths) -> bool:
+    """Whether the call's key length lies in `lengths`, a [from, below) range or None."""
+    return lengths is not None and lengths[0] <= problem.seqlen_k < lengths[1]
+
+
 def fwd_paired(problem) -> bool:
     """Whether a forward program runs two query blocks (FWD_PAIRED_CAUSAL_SEQLEN_K)."""
-    keys = FWD_PAIRED_CAUSAL_SEQLEN_K.get(fwd_pair(problem))
-    return problem.causal and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
+    return problem.causal and _keys_within(problem, FWD_PAIRED_CAUSAL_SEQLEN_K.get(fwd_pair(problem)))
 
 
 def fwd_run(problem) -> bool:
     """Whether a forward program runs a run of FWD_RUN_TILES query blocks (FWD_RUN_SEQLEN_K: calls without a mask)."""
-    keys = FWD_RUN_SEQLEN_K.get((fwd_pair(problem), problem.kv_group_size > 1))
-    unmasked = problem.window_left < 0 and problem.window_right < 0
-    return unmasked and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
+    lengths = FWD_RUN_SEQLEN_K.get((fwd_pair(problem), problem.kv_group_size > 1))
+    return problem.unmasked and _keys_within(problem, lengths)
 
 
 def _fwd_tiles(problem) -> int:
@@ -359,9 +362,9 @@ def bwd_workspace(problem) -> Workspace:
     tile's query blocks), one region for the dK/dV programs' descriptors, then the padding
     buffers."""
     strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
-    order = [dq_order_region(problem, BWD_TILES[bwd_pair(problem)].block_m)] if strategy == DQ_ORDERED else []
-    function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     pair = bwd_pair(problem)
+    order = [dq_order_region(problem, BWD_TILES[pair].block_m)] if strategy == DQ_ORDERED else []
+    function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),
                                      problem)
     return backward_workspace(problem, strategy, order + descriptors)
