@@ -361,8 +361,8 @@ def bwd_workspace(problem) -> Workspace:
     regions (Delta, Lse2, the zeroed fp32 dQ accumulator; for ORDERED the zeroed order region at this
     tile's query blocks), one region for the dK/dV programs' descriptors, then the padding
     buffers."""
-    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     pair = bwd_pair(problem)
+    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
     order = [dq_order_region(problem, BWD_TILES[pair].block_m)] if strategy == DQ_ORDERED else []
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),
