@@ -86,6 +86,13 @@ BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
 # Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
+# Atomic dK/dV objects that walk their steps as the ORDERED form does (the kernel's WALK_DOWN: query blocks
+# down from the last, the group's heads inner; `_walk` variants of the 64 and 128 tiles), and the key lengths
+# [from, below) at which causal GQA calls take them. As a blanket switch the walk measured 1.18x at causal GQA
+# 2k keys on an H100 but 0.95x at 16k (NOTES.md, v3.20): a variant of its own keeps the gain alone. Built, not
+# yet run on a GPU: BWD_WALK_CAUSAL_GQA_SEQLEN_K stays empty until measured.
+BWD_WALK_PAIRS = ((64, 64), (128, 128))
+BWD_WALK_CAUSAL_GQA_SEQLEN_K = {}
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -186,10 +193,11 @@ def fwd_key(dtype, pair, paired=False, run=False):
     return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + suffix
 
 
-def dkdv_key(dtype, pair, strategy=DQ_ATOMIC):
-    """The dK/dV variants: 'fmha_bwd_dkdv_v3_...' (ATOMIC), 'fmha_bwd_dkdv_ordered_v3_...' (ORDERED)."""
+def dkdv_key(dtype, pair, strategy=DQ_ATOMIC, walk=False):
+    """The dK/dV variants: 'fmha_bwd_dkdv_v3_...' (ATOMIC; '..._walk' walking down), 'fmha_bwd_dkdv_ordered_v3_...'
+    (ORDERED)."""
     form = "_ordered" if strategy == DQ_ORDERED else ""
-    return f"fmha_bwd_dkdv{form}_v3_{dtype}_{pair_name(*pair)}"
+    return f"fmha_bwd_dkdv{form}_v3_{dtype}_{pair_name(*pair)}" + ("_walk" if walk else "")
 
 
 def preprocess_key(dtype, dv_tile):
@@ -255,8 +263,11 @@ def variants(arch: str) -> list[dict]:
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
-                out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, tile, constexprs,
-                                               traits, module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
+                walks = (False, True) if strategy == DQ_ATOMIC and pair in BWD_WALK_PAIRS else (False,)
+                for walk in walks:
+                    out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy, walk), function, dtype, tile,
+                                                   constexprs | ({"WALK_DOWN": True} if walk else {}), traits,
+                                                   module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
@@ -356,6 +367,13 @@ def _bwd_tiles(problem) -> int:
     return 1 if problem.deterministic else BWD_TILES_PER_PROGRAM[bwd_pair(problem)]
 
 
+def bwd_walk(problem) -> bool:
+    """Whether an atomic dK/dV call takes its tile's walking-down variant (BWD_WALK_CAUSAL_GQA_SEQLEN_K)."""
+    keys = BWD_WALK_CAUSAL_GQA_SEQLEN_K.get(bwd_pair(problem))
+    causal_gqa = problem.causal and problem.kv_group_size > 1
+    return causal_gqa and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
+
+
 def bwd_workspace(problem) -> Workspace:
     """The workspace of a backward the v3 family serves: the portable atomic or ordered strategy's
     regions (Delta, Lse2, the zeroed fp32 dQ accumulator; for ORDERED the zeroed order region at this
@@ -389,7 +407,7 @@ def plan_bwd(problem, operands) -> list:
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
         keys = BWD_TILES[pair].block_n * _bwd_tiles(problem)  # a program's keys
-        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
+        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair, walk=bwd_walk(problem)), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, dq_tile(pair)))]
 

@@ -51,7 +51,8 @@ from kernels.v3.fmha_bwd_wide import wide_program
 def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
           ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
           lo, blocks, full_lo, full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
-          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr):
+          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr,
+          DESCENDING: gl.constexpr):
     """Step t: one query block of one query head of the group against this consumer's keys, the program's
     step r0 + t in the Q/dO ring and the dS buffers (r0: the steps of its key blocks before this one). dK and
     dV accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form)."""
@@ -63,7 +64,7 @@ def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem
     r = r0 + t
     stage = r % STAGES
     buf = r % 2
-    g, block = query_step(t, lo, blocks, kv_group_size, ORDERED)
+    g, block = query_step(t, lo, blocks, kv_group_size, DESCENDING)
     m0 = block * BLOCK_M
     g64 = g.to(gl.int64)
     Lse2_rows = Lse2_head0 + g64 * stride_delta_h
@@ -125,7 +126,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
               stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n_first, n_second,
               n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right, scale_log2, softmax_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-              ORDERED: gl.constexpr):
+              ORDERED: gl.constexpr, DESCENDING: gl.constexpr):
     """Consumer c (BLOCK_N / 2 keys of each of the program's key blocks): per key block, its steps, then its
     dK and dV out through K's and V's memory, which it then gives back to the loaders (`kv_free`)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -167,7 +168,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
                 dk, dv = _step(t, r0, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
                                ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
                                n0, lo, blocks, full_lo, full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
-                               BLOCK_M, HALF_N, BLOCK_DQK, ORDERED)
+                               BLOCK_M, HALF_N, BLOCK_DQK, ORDERED, DESCENDING)
             if n_steps > 0:
                 # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
                 last = r0 + n_steps - 1
@@ -248,14 +249,16 @@ def fmha_bwd_dkdv(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1, WALK_DOWN: gl.constexpr = False,
 ):
     """A program per (key block, key head, batch entry), the key block the grid's fastest dimension: a head's
-    key blocks start together. (Key blocks slowest, as the ORDERED form's tickets go, was measured 0.54-0.96x
-    at D=128 without GQA: programs adding into the same dQ rows at once; NOTES.md.) TILES (a build choice of
-    the 64 and 128 tiles): 2 gives a program key blocks p and N - 1 - p of its (key head, batch entry), N
-    blocks in all, so that under a causal mask every program has about the same steps and one prologue
-    serves two key blocks."""
+    key blocks start together. (Key blocks slowest was measured 0.54-0.96x at D=128 without GQA: each resident
+    program on a head of its own, so that nothing is shared in L2, the cause v3.19 found for the ORDERED form;
+    NOTES.md.) TILES (a build choice of the 64 and 128 tiles): 2 gives a program key blocks p and N - 1 - p of
+    its (key head, batch entry), N blocks in all, so that under a causal mask every program has about the
+    same steps and one prologue serves two key blocks. WALK_DOWN (a build choice, v3.20's candidate): the
+    steps in the ORDERED form's order (query_step), so that under a causal mask a group's programs stay on
+    the same query head and block rather than drifting apart over the group's heads."""
     gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
     n_block = gl.program_id(0)
     hk = gl.program_id(1)
@@ -267,7 +270,8 @@ def fmha_bwd_dkdv(
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES)
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES,
+        WALK_DOWN)
 
 
 @gluon.jit
@@ -308,7 +312,7 @@ def fmha_bwd_dkdv_ordered(
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True, 1)
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True, 1, True)
 
 
 @gluon.jit
@@ -322,6 +326,7 @@ def _dkdv_program(
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr, TILES: gl.constexpr,
+    WALK_DOWN: gl.constexpr,
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
     block paired with it; DqOrder the order region of the ORDERED form, None otherwise. The tiles wider than
@@ -408,13 +413,13 @@ def _dkdv_program(
                              dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                             True)),
+                             True, True)),
                 (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h,
                              dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                             True)),
+                             True, True)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
                                               q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
@@ -433,18 +438,18 @@ def _dkdv_program(
                              q_empty, ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False)),
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
                 (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False)),
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
                                               q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N, False)),
+                                              n_tiles, h0, BLOCK_M, BLOCK_N, WALK_DOWN)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N, False)),
+                                              n_tiles, h0, BLOCK_M, BLOCK_N, WALK_DOWN)),
             ], [4, 1, 1], [240, 24, 24])

@@ -38,6 +38,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     gluon.update({v3.fwd_key(d, p, paired=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_PAIRED_CAUSAL_SEQLEN_K})
     gluon.update({v3.fwd_key(d, p, run=True): "fmha_fwd" for d in pp.DTYPES for p in v3.FWD_RUN_TILES})
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
+    gluon.update({v3.dkdv_key(d, p, walk=True): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_WALK_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
     rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128, 256)})
@@ -66,6 +67,23 @@ def test_the_ordered_form_takes_its_tickets_by_chunks_of_512_keys():
             ordered = variants[v3.dkdv_key(dtype, pair, pp.DQ_ORDERED)]["constexprs"]
             assert ordered["KEY_BLOCK_CHUNK"] * tile.block_n == v3.ORDERED_CHUNK_KEYS == 512
             assert "KEY_BLOCK_CHUNK" not in variants[v3.dkdv_key(dtype, pair)]["constexprs"]
+
+
+def test_the_walking_down_atomic_variants_serve_causal_gqa_where_switched_on(v3_on, monkeypatch):
+    """The `_walk` atomic objects of the 64 and 128 tiles differ from the others by WALK_DOWN alone; causal GQA
+    calls in BWD_WALK_CAUSAL_GQA_SEQLEN_K's key lengths take them (none by default: not yet measured)."""
+    variants = {v["key"]: v for v in v3.variants("sm_90")}
+    for dtype in pp.DTYPES:
+        for pair in v3.BWD_WALK_PAIRS:
+            walk, plain = variants[v3.dkdv_key(dtype, pair, walk=True)], variants[v3.dkdv_key(dtype, pair)]
+            assert walk["constexprs"] == {**plain["constexprs"], "WALK_DOWN": True}
+            assert walk["traits"] == plain["traits"] and walk["global_scratch"] == plain["global_scratch"]
+    assert v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K == {} and not v3.bwd_walk(problem(window_right=0, seqlen_k=2048))
+    monkeypatch.setattr(v3, "BWD_WALK_CAUSAL_GQA_SEQLEN_K", {(128, 128): (0, 4096)})
+    for changes, walks in ((dict(window_right=0), True), (dict(window_right=0, heads_k=8), False), ({}, False),
+                           (dict(window_right=0, seqlen_q=4096, seqlen_k=4096), False),
+                           (dict(window_right=0, head_dim_qk=64, head_dim_v=64), False)):
+        assert v3.bwd_walk(problem(**changes)) == walks, changes
 
 
 def plan_scratch(function, traits) -> int:

@@ -88,6 +88,31 @@ def test_forward_and_backward_match_reference(dtype_name, case):
         assert_close(n, got, want)
 
 
+WALK_CASES = [c for c in CASES if c[0] in ("d128_causal_gqa", "d64_causal_gqa_long", "d64_mqa_partial_blocks")]
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", WALK_CASES, ids=[c[0] for c in WALK_CASES])
+def test_the_walking_down_backward_matches_reference(case, dtype_name, monkeypatch):
+    """The atomic dK/dV `_walk` objects (v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K; off by default until measured),
+    switched on at every length for causal GQA: against float64; a call without a mask keeps the other."""
+    monkeypatch.setattr(v3, "BWD_WALK_CAUSAL_GQA_SEQLEN_K", {pair: (0, float("inf")) for pair in v3.BWD_WALK_PAIRS})
+    fmha_rt.clear_plan_cache()
+    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
+    dtype = DTYPES[dtype_name]
+    gen = generator(seed_of(name))
+    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    out, lse = forward(q, k, v, **opts)
+    dout = rand(out.shape, dtype, gen)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, **opts)
+    walked = any(key.endswith("_walk") for key in fmha_rt.last_launch_info()["kernels"])
+    assert walked == opts.get("causal", False)
+    ref = dict(mask_kwargs(opts, Sq, Sk), softmax_scale=opts.get("softmax_scale"))
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert_close(n, got, want)
+
+
 LATENT_CASES = [
     # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: heads the (192, 128) backward tile holds, dims below it zero-filled
     ("d192_128", 2, 512, 700, 4, 4, 192, 128, {}),
