@@ -87,12 +87,12 @@ BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
 # Atomic dK/dV objects that walk their steps as the ORDERED form does (the kernel's WALK_DOWN: query blocks
-# down from the last, the group's heads inner; `_walk` variants of the 64 and 128 tiles), and the key lengths
-# [from, below) at which causal GQA calls take them. As a blanket switch the walk measured 1.18x at causal GQA
-# 2k keys on an H100 but 0.95x at 16k (NOTES.md, v3.20): a variant of its own keeps the gain alone. Built, not
-# yet run on a GPU: BWD_WALK_CAUSAL_GQA_SEQLEN_K stays empty until measured.
-BWD_WALK_PAIRS = ((64, 64), (128, 128))
-BWD_WALK_CAUSAL_GQA_SEQLEN_K = {}
+# down from the last, the group's heads inner; the 128 tile's `_walk` variants), and the key lengths [from,
+# below) at which causal GQA calls take them. As a variant of its own on an H100 (NOTES.md, "The H100 round of
+# v3.20-v3.23"), causal GQA 16/2: 1.18x the plain object at 2k keys, level at 1k and 4k, 0.96x at 8k and 0.94x
+# at 16k. The 64 tile's causal GQA calls run the portable backward below 16k keys, so it has no walk variant.
+BWD_WALK_PAIRS = ((128, 128),)
+BWD_WALK_CAUSAL_GQA_SEQLEN_K = {(128, 128): (2048, 4096)}
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -128,13 +128,14 @@ MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 8192, (128, 128): 1024, (256, 256): 1024,
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
 # reductions in whatever order programs finish). On an H100 after v3.13 and v3.16 (NOTES.md, "The H100 round
 # of v3.14-v3.16"): at D=128 1.17-1.27x the portable backward at 1k and 2k keys (1.02x at 1k causal), level at
-# 4k; causal GQA (16/2) 0.92x at 1k, 1.03x at 2k, 1.11x at 4k; the 64 tile 0.85-1.0x up to 4k, 1.03-1.09x at
-# 8k and 16k. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256
+# 4k; causal GQA (16/2) 0.92x at 1k, 1.03x at 2k, 1.11x at 4k. The 64 tile with v3.22's 128-row step (NOTES.md,
+# "The H100 round of v3.20-v3.23"): 0.96x / 0.88x (causal) at 1k, 1.04x / 1.00x at 2k, 1.09x / 1.07x at 4k,
+# level at 8k and 16k: from 2048 keys. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256
 # from 1024 keys; at 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal:
 # so D=256 from 1024 keys and the (256, 128) tile from 4096. The (192, 128) tile (v3.18) was 1.33x / 1.21x
 # (causal) the portable backward at 1024 keys: from 1024. Causal GQA calls of the other tiles (unmeasured) take it
 # from 16384 keys, where the H200 had it ahead.
-MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 8192, (256, 256): 1024, (256, 128): 4096, (192, 128): 1024}
+MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 2048, (256, 256): 1024, (256, 128): 4096, (192, 128): 1024}
 MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
 UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,

@@ -71,14 +71,17 @@ def test_the_ordered_form_takes_its_tickets_by_chunks_of_512_keys():
 
 def test_the_walking_down_atomic_variants_serve_causal_gqa_where_switched_on(v3_on, monkeypatch):
     """The `_walk` atomic objects of the 64 and 128 tiles differ from the others by WALK_DOWN alone; causal GQA
-    calls in BWD_WALK_CAUSAL_GQA_SEQLEN_K's key lengths take them (none by default: not yet measured)."""
+    calls in BWD_WALK_CAUSAL_GQA_SEQLEN_K's key lengths take them (by default the 128 tile's from 2048 keys to
+    4095, where it measured faster)."""
     variants = {v["key"]: v for v in v3.variants("sm_90")}
     for dtype in pp.DTYPES:
         for pair in v3.BWD_WALK_PAIRS:
             walk, plain = variants[v3.dkdv_key(dtype, pair, walk=True)], variants[v3.dkdv_key(dtype, pair)]
             assert walk["constexprs"] == {**plain["constexprs"], "WALK_DOWN": True}
             assert walk["traits"] == plain["traits"] and walk["global_scratch"] == plain["global_scratch"]
-    assert v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K == {} and not v3.bwd_walk(problem(window_right=0, seqlen_k=2048))
+    assert v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K == {(128, 128): (2048, 4096)}
+    for seqlen, walks in ((2047, False), (2048, True), (4095, True), (4096, False)):
+        assert v3.bwd_walk(problem(window_right=0, seqlen_q=seqlen, seqlen_k=seqlen)) == walks, seqlen
     monkeypatch.setattr(v3, "BWD_WALK_CAUSAL_GQA_SEQLEN_K", {(128, 128): (0, 4096)})
     for changes, walks in ((dict(window_right=0), True), (dict(window_right=0, heads_k=8), False), ({}, False),
                            (dict(window_right=0, seqlen_q=4096, seqlen_k=4096), False),
@@ -205,15 +208,15 @@ def test_the_measured_mode_runs_the_forward_where_it_was_faster(changes, served,
     (dict(seqlen_q=2048, seqlen_k=2048, heads_k=2, window_right=0), True),
     (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=256, head_dim_v=256, heads_k=2, window_right=0), False),
     (dict(seqlen_q=16384, seqlen_k=16384, head_dim_qk=256, head_dim_v=256, heads_k=2, window_right=0), True),
-    (dict(seqlen_q=4096, seqlen_k=8191, head_dim_qk=64, head_dim_v=64), False),
-    (dict(seqlen_q=4096, seqlen_k=8192, head_dim_qk=64, head_dim_v=64), True),
+    (dict(seqlen_q=4096, seqlen_k=2047, head_dim_qk=64, head_dim_v=64), False),
+    (dict(seqlen_q=4096, seqlen_k=2048, head_dim_qk=64, head_dim_v=64), True),
     (dict(seqlen_q=4096, seqlen_k=4096, dropout_p=0.1), False),
     (dict(seqlen_q=1024, seqlen_k=1024, head_dim_qk=192, head_dim_v=128), True),
     (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=192, head_dim_v=128), False),
     (dict(seqlen_q=1024, seqlen_k=1023, head_dim_qk=256, head_dim_v=128), False),
     (dict(seqlen_q=4096, seqlen_k=4096, head_dim_qk=256, head_dim_v=128), True),
 ], ids=["D=128 1k", "D=128 1k causal", "D=128 one key short", "deterministic 2k", "GQA 1k", "GQA causal one key short of 2k",
-        "GQA 2k causal", "D=256 GQA 4k causal", "D=256 GQA 16k causal", "D=64 one key short of 8k", "D=64 8k", "dropout",
+        "GQA 2k causal", "D=256 GQA 4k causal", "D=256 GQA 16k causal", "D=64 one key short of 2k", "D=64 2k", "dropout",
         "192/128 1k", "192/128 one key short", "256/128 below 4k", "256/128 4k"])
 def test_the_measured_mode_runs_the_backward_where_it_was_faster(changes, served, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")

@@ -130,13 +130,14 @@ def test_return_lse_matches_the_reference(dtype):
 @pytest.mark.parametrize("kw", [{}, {"causal": True}], ids=["full", "causal"])
 def test_the_v3_forward_through_xla_matches_the_reference(kw):
     """From 4096 keys at D=128 the forward runs the v3 kernel (the default on sm_90; causal, its paired
-    variant), its TMA descriptors in the call's workspace result: out and lse against the float64 reference."""
+    variant; this GQA call without a mask, its runs of query blocks), its TMA descriptors in the call's
+    workspace result: out and lse against the float64 reference."""
     b, s, hq, hk, d = 1, 4096, 2, 1, 128
     p = AttentionProblem(batch=b, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_k=hk, head_dim_qk=d, head_dim_v=d,
                          dtype="bf16", window_right=0 if kw else -1)
     fj.register_targets()
     program = xla_program.forward(p, fj.gpu_arch())
-    assert [launch.key for launch in program.launches] == ["fmha_fwd_v3_bf16_d128" + ("_paired" if kw else "")]
+    assert [launch.key for launch in program.launches] == ["fmha_fwd_v3_bf16_d128" + ("_paired" if kw else "_run4")]
     assert program.results[-1].name == "workspace"
     q, k, v, _ = inputs(77, b, s, s, hq, hk, d, d, jnp.bfloat16)
     out, lse = jax.jit(lambda q, k, v: fj.flash_attention(q, k, v, return_lse=True, **kw))(q, k, v)

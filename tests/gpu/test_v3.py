@@ -88,13 +88,17 @@ def test_forward_and_backward_match_reference(dtype_name, case):
         assert_close(n, got, want)
 
 
-WALK_CASES = [c for c in CASES if c[0] in ("d128_causal_gqa", "d64_causal_gqa_long", "d64_mqa_partial_blocks")]
+WALK_CASES = [c for c in CASES if c[0] == "d128_causal_gqa"] + [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: partial blocks, heads padded into the 128 tile, a call without a mask
+    ("d96_causal_gqa_br_partial", 1, 333, 777, 6, 2, 96, 96, {"causal": True, "causal_alignment": "bottom_right"}),
+    ("d128_mqa_partial_blocks", 1, 333, 777, 4, 1, 128, 128, {}),
+]
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", WALK_CASES, ids=[c[0] for c in WALK_CASES])
 def test_the_walking_down_backward_matches_reference(case, dtype_name, monkeypatch):
-    """The atomic dK/dV `_walk` objects (v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K; off by default until measured),
+    """The atomic dK/dV `_walk` objects (v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K; by default causal GQA at 2k keys),
     switched on at every length for causal GQA: against float64; a call without a mask keeps the other."""
     monkeypatch.setattr(v3, "BWD_WALK_CAUSAL_GQA_SEQLEN_K", {pair: (0, float("inf")) for pair in v3.BWD_WALK_PAIRS})
     fmha_rt.clear_plan_cache()
