@@ -126,15 +126,15 @@ MODE = _read_mode()
 # portable forward at 1k and 2k keys (padded 192/128 heads, the same work): from 1024 keys too.
 MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 8192, (128, 128): 1024, (256, 256): 1024, (192, 128): 1024, (256, 128): 1024}
 # Where the 'measured' mode runs the v3 backward (non-deterministic calls only: its dQ is added by bulk TMA
-# reductions in whatever order programs finish). On an H100 after v3.13 and v3.16 (NOTES.md, "The H100 round
-# of v3.14-v3.16"): at D=128 1.17-1.27x the portable backward at 1k and 2k keys (1.02x at 1k causal), level at
-# 4k; causal GQA (16/2) 0.92x at 1k, 1.03x at 2k, 1.11x at 4k. The 64 tile with v3.22's 128-row step (NOTES.md,
-# "The H100 round of v3.20-v3.23"): 0.96x / 0.88x (causal) at 1k, 1.04x / 1.00x at 2k, 1.09x / 1.07x at 4k,
-# level at 8k and 16k: from 2048 keys. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at D=256
-# from 1024 keys; at 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal:
-# so D=256 from 1024 keys and the (256, 128) tile from 4096. The (192, 128) tile (v3.18) was 1.33x / 1.21x
-# (causal) the portable backward at 1024 keys: from 1024. Causal GQA calls of the other tiles (unmeasured) take it
-# from 16384 keys, where the H200 had it ahead.
+# reductions in whatever order programs finish). On an H100 after v3.13 and v3.16 (NOTES.md, "The H100 round of
+# v3.14-v3.16"): at D=128 1.17-1.27x the portable backward at 1k and 2k keys (1.02x at 1k causal), level at 4k;
+# causal GQA (16/2) 0.92x at 1k, 1.03x at 2k, 1.11x at 4k. The 64 tile with v3.22's 128-row step (NOTES.md, "The
+# H100 round of v3.20-v3.23"): 0.96x / 0.88x (causal) at 1k, 1.04x / 1.00x at 2k, 1.09x / 1.07x at 4k, level at 8k
+# and 16k: from 2048 keys. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at
+# D=256 from 1024 keys; at 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal: so
+# D=256 from 1024 keys and the (256, 128) tile from 4096. The (192, 128) tile (v3.18) was 1.33x / 1.21x (causal) the
+# portable backward at 1024 keys: from 1024. Causal GQA calls of the other tiles (unmeasured) take it from 16384
+# keys, where the H200 had it ahead.
 MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 2048, (256, 256): 1024, (256, 128): 4096, (192, 128): 1024}
 MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
 UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
