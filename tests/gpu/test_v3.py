@@ -44,6 +44,22 @@ def backward(dout, q, k, v, out, lse, family=v3.FAMILY, **opts):
     return dq, dk, dv
 
 
+def case_inputs(case, dtype_name):
+    """A case's q, k, v, fresh random and seeded by its name, and the generator that draws its dO next."""
+    name, B, Sq, Sk, Hq, Hk, Dqk, Dv = case[:8]
+    dtype = DTYPES[dtype_name]
+    gen = generator(seed_of(name))
+    return gen, rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+
+
+def assert_backward_close(grads, dout, q, k, v, opts):
+    """dQ, dK and dV against the float64 reference of the same call."""
+    ref = dict(mask_kwargs(opts, q.shape[1], k.shape[1]), softmax_scale=opts.get("softmax_scale"))
+    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
+    for n, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert_close(n, got, want)
+
+
 CASES = [
     # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts
     ("d128", 2, 512, 512, 4, 4, 128, 128, {}),
@@ -72,20 +88,15 @@ CASES = [
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_forward_and_backward_match_reference(dtype_name, case):
-    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
-    dtype = DTYPES[dtype_name]
-    gen = generator(seed_of(name))
-    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    Sq, Sk, opts = case[2], case[3], case[-1]
+    gen, q, k, v = case_inputs(case, dtype_name)
     out, lse = forward(q, k, v, **opts)
     ref = dict(mask_kwargs(opts, Sq, Sk), softmax_scale=opts.get("softmax_scale"))
     ro, rl = reference.mha_fwd_ref(f64(q), f64(k), f64(v), **ref)
     assert_close("out", out, ro)
     assert_lse_close("lse", lse, rl)
-    dout = rand(out.shape, dtype, gen)
-    dq, dk, dv = backward(dout, q, k, v, out, lse, **opts)
-    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
-    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
-        assert_close(n, got, want)
+    dout = rand(out.shape, q.dtype, gen)
+    assert_backward_close(backward(dout, q, k, v, out, lse, **opts), dout, q, k, v, opts)
 
 
 WALK_CASES = [c for c in CASES if c[0] == "d128_causal_gqa"] + [
@@ -102,19 +113,14 @@ def test_the_walking_down_backward_matches_reference(case, dtype_name, monkeypat
     switched on at every length for causal GQA: against float64; a call without a mask keeps the other."""
     monkeypatch.setattr(v3, "BWD_WALK_CAUSAL_GQA_SEQLEN_K", {pair: (0, float("inf")) for pair in v3.BWD_WALK_PAIRS})
     fmha_rt.clear_plan_cache()
-    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
-    dtype = DTYPES[dtype_name]
-    gen = generator(seed_of(name))
-    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    opts = case[-1]
+    gen, q, k, v = case_inputs(case, dtype_name)
     out, lse = forward(q, k, v, **opts)
-    dout = rand(out.shape, dtype, gen)
-    dq, dk, dv = backward(dout, q, k, v, out, lse, **opts)
+    dout = rand(out.shape, q.dtype, gen)
+    grads = backward(dout, q, k, v, out, lse, **opts)
     walked = any(key.endswith("_walk") for key in fmha_rt.last_launch_info()["kernels"])
     assert walked == opts.get("causal", False)
-    ref = dict(mask_kwargs(opts, Sq, Sk), softmax_scale=opts.get("softmax_scale"))
-    rdq, rdk, rdv, _ = reference.mha_bwd_ref(f64(dout), f64(q), f64(k), f64(v), **ref)
-    for n, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
-        assert_close(n, got, want)
+    assert_backward_close(grads, dout, q, k, v, opts)
 
 
 LATENT_CASES = [
@@ -134,12 +140,10 @@ def test_the_192_128_backward_tile_matches_reference(case, dtype_name, determini
     assert v3.LATENT_BWD_TILE  # the default
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if deterministic else frozenset())
     fmha_rt.clear_plan_cache()
-    name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts = case
-    dtype = DTYPES[dtype_name]
-    gen = generator(seed_of(name))
-    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    name, Sq, Sk, opts = case[0], case[2], case[3], case[-1]
+    gen, q, k, v = case_inputs(case, dtype_name)
     out, lse = forward(q, k, v, **opts)
-    dout = rand(out.shape, dtype, gen)
+    dout = rand(out.shape, q.dtype, gen)
 
     def call(outputs, stream):
         dq, dk, dv = outputs
@@ -187,10 +191,7 @@ def ran_in_runs(expected=True):
 def test_runs_of_query_blocks_match_reference_and_one_block_programs(case, dtype_name, monkeypatch):
     """A program per run of FWD_RUN_TILES query blocks (calls without a mask): against float64, and bit for
     bit the output of a program per block (each tile takes the same steps in the same order)."""
-    name, B, Sq, Sk, Hq, Hk, Dqk, Dv = case
-    dtype = DTYPES[dtype_name]
-    gen = generator(seed_of(name))
-    q, k, v = rand((B, Sq, Hq, Dqk), dtype, gen), rand((B, Sk, Hk, Dqk), dtype, gen), rand((B, Sk, Hk, Dv), dtype, gen)
+    _, q, k, v = case_inputs(case, dtype_name)
     set_runs(monkeypatch, False)
     one_block = forward(q, k, v)
     ran_in_runs(False)
