@@ -256,7 +256,7 @@ def fmha_bwd_dkdv(
     program on a head of its own, so that nothing is shared in L2, the cause v3.19 found for the ORDERED form;
     NOTES.md.) TILES (a build choice of the 64 and 128 tiles): 2 gives a program key blocks p and N - 1 - p of
     its (key head, batch entry), N blocks in all, so that under a causal mask every program has about the
-    same steps and one prologue serves two key blocks. WALK_DOWN (a build choice, v3.20's candidate): the
+    same steps and one prologue serves two key blocks. WALK_DOWN (the `_walk` variants, v3.20): the
     steps in the ORDERED form's order (query_step), so that under a causal mask a group's programs stay on
     the same query head and block rather than drifting apart over the group's heads."""
     gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
