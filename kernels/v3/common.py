@@ -90,20 +90,28 @@ def _at(row, head, col, DIM: gl.constexpr):
 
 
 @gluon.jit
-def copy_in_parts(desc, row, head, ready, dst, rest):
+def copy_in_parts(desc, row, head, ready, dst, rest, EXTRA_BYTES: gl.constexpr = 0):
     """TMA copy of the tile at `row` (and query head `head`, for a [rows, 1, dims] tile of a heads_descriptor)
     into `dst`, announced to `ready`. Where the tile is held in two parts (`rest` narrower than `dst`), in
-    boxes of the rest's width: `dst`'s columns, then the rest's."""
+    boxes of the rest's width: `dst`'s columns, then the rest's. `ready` also expects EXTRA_BYTES from copies
+    the caller issues after this one (a thread arrives on a barrier once a phase, with all its bytes)."""
     DIM: gl.constexpr = len(dst.shape) - 1
     if rest.shape[DIM] < dst.shape[DIM]:
         BOX: gl.constexpr = rest.shape[DIM]
-        mbarrier.expect(ready, (dst.shape[DIM] // BOX + 1) * desc.block_type.nbytes)
+        mbarrier.expect(ready, (dst.shape[DIM] // BOX + 1) * desc.block_type.nbytes + EXTRA_BYTES)
         for i in gl.static_range(dst.shape[DIM] // BOX):
             tma.async_copy_global_to_shared(desc, _at(row, head, i * BOX, DIM), ready, dst.slice(i * BOX, BOX, dim=DIM))
         tma.async_copy_global_to_shared(desc, _at(row, head, dst.shape[DIM], DIM), ready, rest)
     else:
-        mbarrier.expect(ready, desc.block_type.nbytes)
+        mbarrier.expect(ready, desc.block_type.nbytes + EXTRA_BYTES)
         tma.async_copy_global_to_shared(desc, _at(row, head, 0, DIM), ready, dst)
+
+
+@gluon.constexpr_function
+def row_stats_layout():
+    """Shared memory of a query block's Lse2 or Delta row ([1, BLOCK_M] fp32, as TMA copies it): unswizzled,
+    so that the consumers read it as the row vector of their scores' layout."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 key_block_rank = gluon.jit(dq_order.key_block_rank.fn)
@@ -134,7 +142,8 @@ def query_step(t, lo, blocks, kv_group_size, DESCENDING: gl.constexpr):
 def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo_s, stride_qo_h, qo_dims, kv_smem,
                                kv_rest_smem, qo_smem, qo_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                kv_group_size, window_left, window_right, bottom_right, n_first, n_second, n_tiles, h0,
-                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DESCENDING: gl.constexpr):
+                               lse2_rows, delta_rows, stride_stats_h, stats_smem, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, DESCENDING: gl.constexpr):
     """One of the backward's two loader warps (fmha_bwd.py's and fmha_bwd_wide.py's): one copies K and Q, the
     other V and dO. Each makes its two descriptors, each before its first copy: its key tile's (the
     program's rows of the key head), and its query tiles', by (row, query head, dim) so that one serves
@@ -147,13 +156,25 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     the block before left through it), then the tile's query tiles through the ring of STAGES buffers, which
     runs on from block to block, in query_step's order (DESCENDING: the ORDERED form's). Tiles held in two
     parts (K and Q of the 192 tile: `kv_rest_smem` and `qo_rest_smem` narrower than the others; elsewhere the
-    same memory) come in boxes of the rest's width (copy_in_parts)."""
+    same memory) come in boxes of the rest's width (copy_in_parts). Given `stats_smem` (the dO loader of
+    fmha_bwd.py's program), the loader also copies each query block's Lse2 and Delta rows (of the group's
+    heads from `lse2_rows` and `delta_rows`) into its stage's two buffers, with the tile: read by the consumers
+    with their own loads, they were back a long while after S (the memory system is busy with dQ's additions)
+    and the exponentials waited for them. Elsewhere (None) the consumers read them."""
     kv_box: gl.constexpr = kv_rest_smem.shape
     kv_layout: gl.constexpr = kv_smem.layout
     qo_box: gl.constexpr = qo_rest_smem.shape[3]
     qo_layout: gl.constexpr = qo_smem.layout
     kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, kv_box, kv_layout)
     qo_desc = heads_descriptor(qo_rows, stride_qo_s, stride_qo_h, sq, num_heads_q, qo_dims, BLOCK_M, qo_box, qo_layout)
+    if stats_smem is not None:  # [heads of the group, rows of the sequence]: zeros past its end
+        lse2_desc = tma.make_tensor_descriptor(lse2_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
+                                               row_stats_layout())
+        delta_desc = tma.make_tensor_descriptor(delta_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
+                                                row_stats_layout())
+        STATS_BYTES: gl.constexpr = 2 * BLOCK_M * 4
+    else:
+        STATS_BYTES: gl.constexpr = 0
     r0 = n_tiles * 0
     kv_phase = n_tiles * 0
     for i in range(n_tiles):
@@ -168,7 +189,12 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
                 mbarrier.wait(q_empty.index(stage), ((r // STAGES) & 1) ^ 1)
                 g, block = query_step(t, lo, blocks, kv_group_size, DESCENDING)
                 copy_in_parts(qo_desc, block * BLOCK_M, h0 + g, q_ready.index(stage), qo_smem.index(stage),
-                              qo_rest_smem.index(stage))
+                              qo_rest_smem.index(stage), STATS_BYTES)
+                if stats_smem is not None:
+                    tma.async_copy_global_to_shared(lse2_desc, [g, block * BLOCK_M], q_ready.index(stage),
+                                                    stats_smem.index(2 * stage))
+                    tma.async_copy_global_to_shared(delta_desc, [g, block * BLOCK_M], q_ready.index(stage),
+                                                    stats_smem.index(2 * stage + 1))
             r0 += n_steps
             kv_phase ^= 1
 

@@ -16,8 +16,10 @@ group. Three partitions:
   them as transposed operands, and where dS, once both consumers' halves are in, gives dQ = dS K for
   this consumer's half of the head dim, added to the accumulator from shared memory by one bulk TMA
   reduction;
-- two loaders (1 warp each, one warpgroup): K, and V, of the program once, then Q, and dO, of each (query
-  head, query block) through a ring of STAGES buffers that both consumers release.
+- two loaders (1 warp each, one warpgroup): K, and V, of the program once, then Q, and dO with the block's
+  Lse2 and Delta rows, of each (query head, query block) through a ring of STAGES buffers that both
+  consumers release (v3.25: the consumers' own loads of the two rows came back long after S, and the
+  exponentials waited for them).
 The ORDERED form (fmha_bwd_dkdv_ordered, deterministic) differs in three places. A program takes its (key
 block, key head, batch entry) from a ticket, by chunks of KEY_BLOCK_CHUNK key blocks of a (key head, batch
 entry) (dq_order.ticket_item), so that the programs running at once share Q, dO and dQ tiles in L2; it walks
@@ -30,8 +32,9 @@ they are read, and counts the key block in once the additions are complete, one 
 round trip to memory overlaps the next step.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
 device in Triton's global scratch, with the sequence's rows and the head dims as bounds, each by the
-partition that uses it (the loaders K's, V's, Q's and dO's; each consumer its dK's, dV's and dQ's, the
-dQ writer its dQ's): the first step waits for two of them, not seven made in a row (NOTES.md, v3.13).
+partition that uses it (the loaders K's, V's, Q's, dO's, Lse2's and Delta's; each consumer its dK's, dV's and dQ's, the
+dQ writer its dQ's): the first step waits for the dO loader's four, not all of them made in a row
+(NOTES.md, v3.13).
 The ORDERED form's protocol (the dQ hand-over, the writer's counters) is modelled in
 tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here changes it there.
 """
@@ -44,13 +47,13 @@ import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
                                key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
-                               rows_descriptor, sequence_extent, ticket_item, tma_add_shared_to_global, visible)
+                               row_stats_layout, rows_descriptor, sequence_extent, ticket_item, tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
 def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
-          ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0, n0,
-          lo, blocks, full_lo, full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
+          ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sq, sk,
+          kv_group_size, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr,
           DESCENDING: gl.constexpr):
     """Step t: one query block of one query head of the group against this consumer's keys, the program's
@@ -66,14 +69,14 @@ def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem
     buf = r % 2
     g, block = query_step(t, lo, blocks, kv_group_size, DESCENDING)
     m0 = block * BLOCK_M
-    g64 = g.to(gl.int64)
-    Lse2_rows = Lse2_head0 + g64 * stride_delta_h
-    Delta_rows = Delta_head0 + g64 * stride_delta_h
-    # S and dP are [queries, keys]: the per-query statistics are row vectors (two values a thread)
     queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    lse2 = gl.load(Lse2_rows + queries, mask=queries < sq, other=float("inf"))
-    delta = gl.load(Delta_rows + queries, mask=queries < sq, other=0.0)
     mbarrier.wait(q_ready.index(stage), (r // STAGES) & 1)
+    # The block's Lse2 and Delta came with dO (load_keys_and_query_blocks): S and dP are [queries, keys], so
+    # they are row vectors, two values a thread. Zeros past the sequence's end, where Q and dO are zeros too:
+    # P is 1 there and dS 0, which adds nothing to dV and dK.
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    lse2 = stats_smem.index(2 * stage).reshape([BLOCK_M]).load(row_layout)
+    delta = stats_smem.index(2 * stage + 1).reshape([BLOCK_M]).load(row_layout)
     # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
     q_j = q_smem.index(stage).reshape([BLOCK_M, BLOCK_DQK])
     do_j = do_smem.index(stage).reshape([BLOCK_M, do_smem.shape[3]])
@@ -122,7 +125,7 @@ def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready, q_empty,
-              ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_rows, stride_dq_s,
+              ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dq_s,
               stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n_first, n_second,
               n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right, scale_log2, softmax_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
@@ -166,8 +169,8 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
             mbarrier.wait(kv_ready, kv_phase)
             for t in tl.range(n_steps, disable_licm=True):
                 dk, dv = _step(t, r0, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
-                               ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h, dq_desc, h0,
-                               n0, lo, blocks, full_lo, full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
+                               ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo,
+                               full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
                                BLOCK_M, HALF_N, BLOCK_DQK, ORDERED, DESCENDING)
             if n_steps > 0:
                 # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
@@ -382,6 +385,7 @@ def _dkdv_program(
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_acc_layout)  # one a consumer
+        stats_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_M], row_stats_layout())  # Lse2, Delta
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -409,25 +413,26 @@ def _dkdv_program(
                 n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             gl.warp_specialize([
                 (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h,
-                             dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
+                             q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
+                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True, True)),
                 (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, dq_full, dq_empty, Lse2_head0, Delta_head0, stride_delta_h,
-                             dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
+                             q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
+                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True, True)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
                                               q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N, True)),
+                                              n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N, True)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N, True)),
+                                              n_tiles, h0, Lse2_head0, Delta_head0, stride_delta_h, stats_smem,
+                                              BLOCK_M, BLOCK_N, True)),
                 (_dq_writer, (dq_smem, dq_full, dq_empty, dq_rows, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
                               counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, kv_group_size, off,
                               left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
@@ -435,21 +440,23 @@ def _dkdv_program(
         else:
             gl.warp_specialize([
                 (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
+                             q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
                 (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, None, None, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
+                             q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
                                               q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N, WALK_DOWN)),
+                                              n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N,
+                                              WALK_DOWN)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
-                                              n_tiles, h0, BLOCK_M, BLOCK_N, WALK_DOWN)),
+                                              n_tiles, h0, Lse2_head0, Delta_head0, stride_delta_h, stats_smem,
+                                              BLOCK_M, BLOCK_N, WALK_DOWN)),
             ], [4, 1, 1], [240, 24, 24])

@@ -311,9 +311,9 @@ def wide_program(
         (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_rest_smem,
                                       q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
-                                      BLOCK_M, BLOCK_N, ORDERED)),
+                                      None, None, None, None, BLOCK_M, BLOCK_N, ORDERED)),
         (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                       do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
-                                      BLOCK_M, BLOCK_N, ORDERED)),
+                                      None, None, None, None, BLOCK_M, BLOCK_N, ORDERED)),
     ], [4, 1, 1], [240, 24, 24])
