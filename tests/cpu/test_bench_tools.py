@@ -98,15 +98,21 @@ def test_sass_loops_reads_a_shipped_code_object(bench_script):
     assert kernel["instructions"] > sum(loop["instructions"] for loop in kernel["loops"])
 
 
-@pytest.mark.parametrize("tile,stack_bytes", [("d128", 0), ("d64", 32)])
+@pytest.mark.parametrize("tile,stack_bytes", [("d128", 0), ("d64", 16)])
 def test_the_shipped_v3_backward_adds_dq_by_bulk_tma_reductions(bench_script, tile, stack_bytes):
     """The v3 dK/dV kernels add each step's dQ tile into the accumulator with one bulk TMA reduction a
-    consumer warpgroup, not element-wise fp32 atomics (NOTES.md, v3.2), and keep everything in registers but
-    for the 64 tile's 32 bytes of stack: its 128-row step holds S and dP as 128 x 64 (NOTES.md, v3.22)."""
+    consumer warpgroup, not element-wise fp32 atomics (NOTES.md, v3.2); their steps read Lse2 and Delta from
+    shared memory, where TMA put them with dO, with no global load (v3.25); and they keep everything in
+    registers but for the 64 tile's 16 bytes of stack, outside its loops: its 128-row step holds S and dP as
+    128 x 64 (NOTES.md, v3.22)."""
     sass_loops = bench_script("sass_loops")
     path = HSA / "sm_90" / "v3" / f"fmha_bwd_dkdv_v3_bf16_{tile}.cubin.gz"
     (kernel,) = sass_loops.summarize(str(path))
     assert kernel["stack_bytes"] == stack_bytes and (stack_bytes or kernel["LDL"] == kernel["STL"] == 0)
+    products = [(int(loop["first"], 16), int(loop["last"], 16), loop) for loop in kernel["loops"] if loop["mix"]["HGMMA"]]
+    steps = [loop for first, last, loop in products  # the innermost loops with products: the consumers' steps
+             if not any(first <= a and b <= last and (a, b) != (first, last) for a, b, _ in products)]
+    assert len(steps) >= 2 and all(loop["mix"]["LDG"] == loop["mix"]["LDL"] == loop["mix"]["STL"] == 0 for loop in steps)
     (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
     texts = [text for _, text in listing]
     assert sum("UTMAREDG" in t and ".ADD" in t for t in texts) == 2  # one in each consumer's step loop
