@@ -11,7 +11,8 @@ sample:
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass | gzip > SOURCE.csv.gz
 
 `summarize` reads that SASS source page: the stall samples of each loop (found by its back edge, the rule
-of bench/sass_loops.py), with its instruction mix, and of each opcode, each with its main stall reasons:
+of bench/sass_loops.py), with its instruction mix, of each opcode, and of the hottest instructions (row,
+text: what a wait sits on, such as the first use of a load's register), each with its main stall reasons:
 
     python bench/stall_profile.py summarize SOURCE.csv.gz [--json OUT]
 
@@ -99,7 +100,7 @@ def read_source_page(path: str):
     return head, [r for r in rows[header_at + 1:] if len(r) == len(head)]
 
 
-def summarize(path: str, min_loop: int = sass_loops.MIN_LOOP) -> dict:
+def summarize(path: str, min_loop: int = sass_loops.MIN_LOOP, hot: int = 16) -> dict:
     head, rows = read_source_page(path)
     src, samples, executed = head.index("Source"), head.index(SAMPLES), head.index(EXECUTED)
     reasons = [i for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
@@ -127,10 +128,13 @@ def summarize(path: str, min_loop: int = sass_loops.MIN_LOOP) -> dict:
     for r in rows:
         by_opcode[sass_loops.opcode(r[src])].append(r)
     opcodes = sorted(by_opcode.items(), key=lambda kv: -sum(_number(r[samples]) for r in kv[1]))
+    hottest = sorted(range(len(rows)), key=lambda i: -_number(rows[i][samples]))[:hot]
     return {"samples": total, "instructions": len(rows), "executed": sum(_number(r[executed]) for r in rows),
             "stalls_pct": reason_shares(rows), "loops": loops,
             "opcodes": [{"opcode": op, "count": len(sel), "samples_pct": share(sel), "stalls_pct": reason_shares(sel)}
-                        for op, sel in opcodes[:16]]}
+                        for op, sel in opcodes[:16]],
+            "hot": [{"row": i, "source": rows[i][src].strip(), "samples_pct": share([rows[i]]),
+                     "stalls_pct": reason_shares([rows[i]])} for i in hottest]}
 
 
 def main(argv=None):
@@ -157,6 +161,9 @@ def main(argv=None):
               f"{loop['samples_pct']}% of samples, stalls {loop['stalls_pct']}")
     for op in report["opcodes"]:
         print(f"  {op['opcode']:10s} x{op['count']:<4d} {op['samples_pct']:5.1f}%  {op['stalls_pct']}")
+    print("hottest instructions:")
+    for ins in report["hot"]:
+        print(f"  row {ins['row']:5d} {ins['samples_pct']:5.1f}%  {ins['source'][:60]:60s} {ins['stalls_pct']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

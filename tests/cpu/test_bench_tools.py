@@ -188,6 +188,10 @@ def test_stall_profile_finds_loops_by_back_edges_and_sums_their_samples(bench_sc
     assert loop["stalls_pct"] == {"mio": round(100 * mio / (barrier + mio), 1),
                                   "barrier": round(100 * barrier / (barrier + mio), 1)}
     assert summary["opcodes"][0]["opcode"] == "MUFU" and summary["opcodes"][0]["count"] == 38
+    # the hottest rows first, each with its own share and reasons: the HGMMA (30), then the LDS (15)
+    assert [h["row"] for h in summary["hot"][:2]] == [1, 40]
+    assert summary["hot"][0]["source"].startswith("HGMMA") and summary["hot"][0]["samples_pct"] == round(3000 / total, 2)
+    assert summary["hot"][1]["stalls_pct"] == {"barrier": 100.0}
 
 
 # ---- A/B runner (bench/ab.py) -----------------------------------------------------------------------
