@@ -172,7 +172,7 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
                                                row_stats_layout())
         delta_desc = tma.make_tensor_descriptor(delta_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
                                                 row_stats_layout())
-        STATS_BYTES: gl.constexpr = 2 * BLOCK_M * 4
+        STATS_BYTES: gl.constexpr = 2 * lse2_desc.block_type.nbytes
     else:
         STATS_BYTES: gl.constexpr = 0
     r0 = n_tiles * 0

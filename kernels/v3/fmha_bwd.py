@@ -32,9 +32,9 @@ they are read, and counts the key block in once the additions are complete, one 
 round trip to memory overlaps the next step.
 dK (times the softmax scale) and dV leave through shared memory by TMA. Descriptors are made on the
 device in Triton's global scratch, with the sequence's rows and the head dims as bounds, each by the
-partition that uses it (the loaders K's, V's, Q's, dO's, Lse2's and Delta's; each consumer its dK's, dV's and dQ's, the
-dQ writer its dQ's): the first step waits for the dO loader's four, not all of them made in a row
-(NOTES.md, v3.13).
+partition that uses it (the loaders K's, V's, Q's, dO's, Lse2's and Delta's; each consumer its dK's,
+dV's and dQ's, the dQ writer its dQ's): the first step waits for the dO loader's four, not all of them
+made in a row (NOTES.md, v3.13).
 The ORDERED form's protocol (the dQ hand-over, the writer's counters) is modelled in
 tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here changes it there.
 """
@@ -52,7 +52,7 @@ from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
 def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
-          ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sq, sk,
+          ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sk,
           kv_group_size, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr,
           DESCENDING: gl.constexpr):
@@ -170,7 +170,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
             for t in tl.range(n_steps, disable_licm=True):
                 dk, dv = _step(t, r0, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
                                ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo,
-                               full_hi, sq, sk, kv_group_size, off, left, right, scale_log2,
+                               full_hi, sk, kv_group_size, off, left, right, scale_log2,
                                BLOCK_M, HALF_N, BLOCK_DQK, ORDERED, DESCENDING)
             if n_steps > 0:
                 # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
