@@ -98,10 +98,10 @@ BWD_WALK_CAUSAL_GQA_SEQLEN_K = {(128, 128): (2048, 4096)}
 # ORDERED form takes one block a ticket, and the wide program one block.
 BWD_TILES_PER_PROGRAM = {pair: 1 if pair in BWD_WIDE_PAIRS else 2 for pair in BWD_TILES}
 # 128-byte TMA descriptors a program, each made by the partition that uses it: in the forward Q's, K's and
-# V's (the loaders') and one of O for each consumer (fwd_global_scratch); in the backward K's, V's, Q's and
-# dO's (the loaders'; in the 64 and 128 tiles Lse2's and Delta's too, which come with dO) and dK's, dV's and
-# the dQ accumulator's for each of the two consumers, but for the ORDERED form's 64 and 128 tiles, where one
-# dQ writer adds dQ (bwd_global_scratch).
+# V's (the loaders') and one of O for each consumer (fwd_global_scratch); in the backward K's, V's, Q's, dO's,
+# Lse2's and Delta's (the loaders': the statistics come with dO, or in the wide tiles Lse2 with Q) and dK's,
+# dV's and the dQ accumulator's for each of the two consumers, but for the ORDERED form's 64 and 128 tiles,
+# where one dQ writer adds dQ (bwd_global_scratch).
 DESCRIPTOR_BYTES = 128
 GLOBAL_SCRATCH_ALIGN = 128
 DESCRIPTOR_REGION = "tma_descriptors"
@@ -220,7 +220,7 @@ def bwd_global_scratch(function, pair) -> int:
     """The dK/dV kernel's descriptor bytes a program (`function`: fmha_bwd_dkdv or fmha_bwd_dkdv_ordered) in
     the tile of `pair`."""
     dq_writer = function == "fmha_bwd_dkdv_ordered" and pair not in BWD_WIDE_PAIRS
-    loaders = 4 if pair in BWD_WIDE_PAIRS else 6  # K, V, Q, dO (and Lse2, Delta)
+    loaders = 6  # K, V, Q, dO, Lse2, Delta
     consumers = 2 * (2 if dq_writer else 3)  # each consumer's dK, dV and, without a writer, dQ accumulator
     return DESCRIPTOR_BYTES * (loaders + consumers + int(dq_writer))
 

@@ -156,25 +156,32 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     the block before left through it), then the tile's query tiles through the ring of STAGES buffers, which
     runs on from block to block, in query_step's order (DESCENDING: the ORDERED form's). Tiles held in two
     parts (K and Q of the 192 tile: `kv_rest_smem` and `qo_rest_smem` narrower than the others; elsewhere the
-    same memory) come in boxes of the rest's width (copy_in_parts). Given `stats_smem` (the dO loader of
-    fmha_bwd.py's program), the loader also copies each query block's Lse2 and Delta rows (of the group's
-    heads from `lse2_rows` and `delta_rows`) into its stage's two buffers, with the tile: read by the consumers
-    with their own loads, they were back a long while after S (the memory system is busy with dQ's additions)
-    and the exponentials waited for them. Elsewhere (None) the consumers read them."""
+    same memory) come in boxes of the rest's width (copy_in_parts). With its query tile a loader also copies
+    the block's Lse2 row, if given `lse2_rows`, and its Delta row, if given `delta_rows` (of the group's
+    heads), into the stage's two buffers of `stats_smem`: read by the consumers with their own loads, they
+    were back a long while after S (the memory system is busy with dQ's additions) and the exponentials
+    waited for them (v3.25). In the 64 and 128 tiles the dO loader copies both and the K/Q loader neither
+    (None for the four); in the wide tiles the Q loader copies Lse2 and the dO loader Delta (NOTES.md,
+    v3.26-v3.27: that split measured 0.98-1.05x there, but 0.94-0.98x at causal GQA in the 128 tile)."""
     kv_box: gl.constexpr = kv_rest_smem.shape
     kv_layout: gl.constexpr = kv_smem.layout
     qo_box: gl.constexpr = qo_rest_smem.shape[3]
     qo_layout: gl.constexpr = qo_smem.layout
     kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, kv_box, kv_layout)
     qo_desc = heads_descriptor(qo_rows, stride_qo_s, stride_qo_h, sq, num_heads_q, qo_dims, BLOCK_M, qo_box, qo_layout)
-    if stats_smem is not None:  # [heads of the group, rows of the sequence]: zeros past its end
+    # the statistics by [heads of the group, rows of the sequence]: zeros past its end
+    if lse2_rows is not None:
         lse2_desc = tma.make_tensor_descriptor(lse2_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
                                                row_stats_layout())
+        LSE2_BYTES: gl.constexpr = lse2_desc.block_type.nbytes
+    else:
+        LSE2_BYTES: gl.constexpr = 0
+    if delta_rows is not None:
         delta_desc = tma.make_tensor_descriptor(delta_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
                                                 row_stats_layout())
-        STATS_BYTES: gl.constexpr = 2 * lse2_desc.block_type.nbytes
+        DELTA_BYTES: gl.constexpr = delta_desc.block_type.nbytes
     else:
-        STATS_BYTES: gl.constexpr = 0
+        DELTA_BYTES: gl.constexpr = 0
     r0 = n_tiles * 0
     kv_phase = n_tiles * 0
     for i in range(n_tiles):
@@ -189,10 +196,11 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
                 mbarrier.wait(q_empty.index(stage), ((r // STAGES) & 1) ^ 1)
                 g, block = query_step(t, lo, blocks, kv_group_size, DESCENDING)
                 copy_in_parts(qo_desc, block * BLOCK_M, h0 + g, q_ready.index(stage), qo_smem.index(stage),
-                              qo_rest_smem.index(stage), STATS_BYTES)
-                if stats_smem is not None:
+                              qo_rest_smem.index(stage), LSE2_BYTES + DELTA_BYTES)
+                if lse2_rows is not None:
                     tma.async_copy_global_to_shared(lse2_desc, [g, block * BLOCK_M], q_ready.index(stage),
                                                     stats_smem.index(2 * stage))
+                if delta_rows is not None:
                     tma.async_copy_global_to_shared(delta_desc, [g, block * BLOCK_M], q_ready.index(stage),
                                                     stats_smem.index(2 * stage + 1))
             r0 += n_steps

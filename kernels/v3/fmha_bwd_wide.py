@@ -25,9 +25,10 @@ buffers by (row, query head, dim) descriptors that serve the group, K and V once
 
 fmha_bwd.py's entry points (fmha_bwd_dkdv, and fmha_bwd_dkdv_ordered for the ORDERED form) run this
 program in the tiles wider than 128: one signature, one ticket and one set of checks for both kernels. Shared memory
-at D=256: K and V 64 KiB, the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB (152 KiB in all at
-192/128). The barrier protocol is modelled in tests/cpu/test_barrier_protocols.py: a change to a wait, an
-arrival or a parity here changes it there.
+at D=256: K and V 64 KiB, the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB, the ring's Lse2 and Delta
+rows (Lse2 comes with Q, Delta with dO: kernels/v3/common.py) 1 KiB; 153 KiB in all at 192/128. The barrier
+protocol is modelled in tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here
+changes it there.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,17 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, query_step, rows_descriptor,
-                               sequence_extent, tma_add_shared_to_global, visible, whole_width)
+                               key_block_steps, load_keys_and_query_blocks, order_counters, query_step, row_stats_layout,
+                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, whole_width)
 
 DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
-
-
-@gluon.jit
-def _row_stat(Rows_head0, g, stride_delta_h, m0, sq, other, layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The step's per-query statistic (Lse2 or Delta of query head g of the group), a row vector."""
-    queries = m0 + gl.arange(0, BLOCK_M, layout=layout)
-    return gl.load(Rows_head0 + g.to(gl.int64) * stride_delta_h + queries, mask=queries < sq, other=other)
 
 
 @gluon.jit
@@ -82,8 +76,8 @@ def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
 
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
-              q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h, dq_rows,
-              stride_dq_s, stride_dq_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, counters,
+              q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, stats_smem, dq_rows, stride_dq_s, stride_dq_h,
+              num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, counters,
               counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, kv_group_size, off, left, right,
               scale_log2, softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
               BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
@@ -137,7 +131,9 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
         q_rest_j = q_rest_smem.index(stage).reshape([BLOCK_M, QK_REST])
         do_j = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
         if c == 0:  # S, P
-            lse2 = _row_stat(Lse2_head0, g, stride_delta_h, m0, sq, float("inf"), rows_layout, BLOCK_M)
+            # the block's Lse2 came with Q (load_keys_and_query_blocks), Delta with dO; zeros past the sequence's
+            # end, where Q and dO are zeros too: P is 1 there and dS 0, which adds nothing to dV and dK
+            lse2 = stats_smem.index(2 * stage).reshape([BLOCK_M]).load(rows_layout)
             s = warpgroup_mma(q_j, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)
             if SPLIT:  # the rest's columns added
@@ -153,7 +149,7 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
             fence_async_shared()
             mbarrier.arrive(p_full)
         else:  # dP, then dS once P is in
-            delta = _row_stat(Delta_head0, g, stride_delta_h, m0, sq, 0.0, rows_layout, BLOCK_M)
+            delta = stats_smem.index(2 * stage + 1).reshape([BLOCK_M]).load(rows_layout)
             dp = warpgroup_mma(do_j, v_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                                use_acc=False, is_async=True)
             dp = warpgroup_mma_wait(0, deps=(dp,))
@@ -266,6 +262,7 @@ def wide_program(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, DQ_COLUMNS], dq_acc_layout)  # one a consumer
+    stats_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_M], row_stats_layout())  # Lse2, Delta
     if QK_REST > 0:
         k_rest_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, QK_REST], k_layout)
         q_rest_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, QK_REST], q_layout)
@@ -299,21 +296,21 @@ def wide_program(
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
-                     q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h,
-                     dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
+                     q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, stats_smem, dq_rows, stride_dqacc_s,
+                     stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                      dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk,
                      kv_group_size, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
-                     q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, Lse2_head0, Delta_head0, stride_delta_h,
-                     dq_rows, stride_dqacc_s, stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
+                     q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, stats_smem, dq_rows, stride_dqacc_s,
+                     stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                      dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk,
                      kv_group_size, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
         (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_rest_smem,
                                       q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
-                                      None, None, None, None, BLOCK_M, BLOCK_N, ORDERED)),
+                                      Lse2_head0, None, stride_delta_h, stats_smem, BLOCK_M, BLOCK_N, ORDERED)),
         (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                       do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
-                                      None, None, None, None, BLOCK_M, BLOCK_N, ORDERED)),
+                                      None, Delta_head0, stride_delta_h, stats_smem, BLOCK_M, BLOCK_N, ORDERED)),
     ], [4, 1, 1], [240, 24, 24])

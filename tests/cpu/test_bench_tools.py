@@ -98,6 +98,13 @@ def test_sass_loops_reads_a_shipped_code_object(bench_script):
     assert kernel["instructions"] > sum(loop["instructions"] for loop in kernel["loops"])
 
 
+def _innermost_product_loops(kernel) -> list:
+    """The loops with tensor-core products that hold no other such loop: the consumers' steps."""
+    products = [(int(loop["first"], 16), int(loop["last"], 16), loop) for loop in kernel["loops"] if loop["mix"]["HGMMA"]]
+    return [loop for first, last, loop in products
+            if not any(first <= a and b <= last and (a, b) != (first, last) for a, b, _ in products)]
+
+
 @pytest.mark.parametrize("tile,stack_bytes", [("d128", 0), ("d64", 16)])
 def test_the_shipped_v3_backward_adds_dq_by_bulk_tma_reductions(bench_script, tile, stack_bytes):
     """The v3 dK/dV kernels add each step's dQ tile into the accumulator with one bulk TMA reduction a
@@ -109,14 +116,25 @@ def test_the_shipped_v3_backward_adds_dq_by_bulk_tma_reductions(bench_script, ti
     path = HSA / "sm_90" / "v3" / f"fmha_bwd_dkdv_v3_bf16_{tile}.cubin.gz"
     (kernel,) = sass_loops.summarize(str(path))
     assert kernel["stack_bytes"] == stack_bytes and (stack_bytes or kernel["LDL"] == kernel["STL"] == 0)
-    products = [(int(loop["first"], 16), int(loop["last"], 16), loop) for loop in kernel["loops"] if loop["mix"]["HGMMA"]]
-    steps = [loop for first, last, loop in products  # the innermost loops with products: the consumers' steps
-             if not any(first <= a and b <= last and (a, b) != (first, last) for a, b, _ in products)]
+    steps = _innermost_product_loops(kernel)
     assert len(steps) >= 2 and all(loop["mix"]["LDG"] == loop["mix"]["LDL"] == loop["mix"]["STL"] == 0 for loop in steps)
     (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
     texts = [text for _, text in listing]
     assert sum("UTMAREDG" in t and ".ADD" in t for t in texts) == 2  # one in each consumer's step loop
     assert not [t for t in texts if "ATOMG.E.ADD" in t or "RED.E.ADD" in t]
+
+
+@pytest.mark.parametrize("tile", ["d256", "d256v128", "d192v128"])
+def test_the_shipped_wide_backward_steps_read_their_row_statistics_from_shared_memory(bench_script, tile):
+    """The wide dK/dV program's consumers read each step's Lse2 (consumer 0) and Delta (consumer 1) from
+    shared memory, where TMA put them with the step's query tiles, with no global load in any step loop and
+    no stack (NOTES.md, v3.26)."""
+    sass_loops = bench_script("sass_loops")
+    (kernel,) = sass_loops.summarize(str(HSA / "sm_90" / "v3" / f"fmha_bwd_dkdv_v3_bf16_{tile}.cubin.gz"))
+    assert kernel["stack_bytes"] == 0 and kernel["LDL"] == kernel["STL"] == 0
+    steps = _innermost_product_loops(kernel)
+    assert len(steps) >= 2 and all(loop["mix"]["LDG"] == 0 for loop in steps)
+    assert sum(loop["mix"]["LDS"] for loop in steps) >= 2  # the statistics' reads
 
 
 def _forward_loops(sass_loops, tile) -> list:
