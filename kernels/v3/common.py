@@ -169,16 +169,14 @@ def load_keys_and_query_blocks(kv_rows, stride_kv_s, kv_dims, qo_rows, stride_qo
     qo_layout: gl.constexpr = qo_smem.layout
     kv_desc = rows_descriptor(kv_rows, stride_kv_s, sk, kv_dims, kv_box, kv_layout)
     qo_desc = heads_descriptor(qo_rows, stride_qo_s, stride_qo_h, sq, num_heads_q, qo_dims, BLOCK_M, qo_box, qo_layout)
-    # the statistics by [heads of the group, rows of the sequence]: zeros past its end
+    # the statistics by [heads of the group, rows of the sequence] (a head a "row"): zeros past its end
     if lse2_rows is not None:
-        lse2_desc = tma.make_tensor_descriptor(lse2_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
-                                               row_stats_layout())
+        lse2_desc = rows_descriptor(lse2_rows, stride_stats_h, kv_group_size, sq, [1, BLOCK_M], row_stats_layout())
         LSE2_BYTES: gl.constexpr = lse2_desc.block_type.nbytes
     else:
         LSE2_BYTES: gl.constexpr = 0
     if delta_rows is not None:
-        delta_desc = tma.make_tensor_descriptor(delta_rows, [kv_group_size, sq], [stride_stats_h, 1], [1, BLOCK_M],
-                                                row_stats_layout())
+        delta_desc = rows_descriptor(delta_rows, stride_stats_h, kv_group_size, sq, [1, BLOCK_M], row_stats_layout())
         DELTA_BYTES: gl.constexpr = delta_desc.block_type.nbytes
     else:
         DELTA_BYTES: gl.constexpr = 0
