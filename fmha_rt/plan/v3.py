@@ -145,10 +145,13 @@ UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # deterministic calls") it was 1.07x / 1.11x (causal) the portable deterministic backward at D=128 16k, 1.12-1.14x
 # GQA 16/2 without a mask from 4k and 1.10x at D=256 16k without a mask. With v3.19's tickets and walk (NOTES.md,
 # v3.19): D=128 without a mask 1.05x at 4k, causal GQA 1.09x at 4k and 1.03x at 16k; still behind at 1k (0.89x,
-# causal 0.76x), D=128 causal level at 4k, D=64 and 192/128 behind or level. By (tile pair, GQA, causal): from
-# these key lengths, on dense calls without a mask or causal.
-MEASURED_ORDERED_MIN_SEQLEN_K = {((128, 128), False, False): 4096, ((128, 128), False, True): 16384,
-                                 ((128, 128), True, False): 4096, ((128, 128), True, True): 4096,
+# causal 0.76x), D=128 causal level at 4k, D=64 and 192/128 behind or level. After v3.22 and v3.25 (NOTES.md, "The
+# ORDERED backward's lengths after v3.25"): D=64 1.05x at 4k without a mask (0.94x causal), 1.08-1.15x at 8k and
+# 16k; D=128 causal 1.05x at 8k; GQA 16/2 1.10x / 1.11x (causal) at 2k; 192/128 and D=256 still 0.79-1.00x. By
+# (tile pair, GQA, causal): from these key lengths, on dense calls without a mask or causal.
+MEASURED_ORDERED_MIN_SEQLEN_K = {((64, 64), False, False): 4096, ((64, 64), False, True): 8192,
+                                 ((128, 128), False, False): 4096, ((128, 128), False, True): 8192,
+                                 ((128, 128), True, False): 2048, ((128, 128), True, True): 2048,
                                  ((256, 256), False, False): 16384}
 # The ORDERED form's tickets go by chunks of this many keys of each (key head, batch entry) (dq_order.ticket_item;
 # 4 key blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks), so that the programs running at once

@@ -727,8 +727,9 @@ def test_deterministic_calls_take_the_ordered_form_where_switched_on(case, order
 
 
 # (tile pair's head dims, heads_k of 8 query heads, causal): the measured length and the one below it
-ORDERED_DEFAULTS = {"D=128 MHA": (128, 8, False, 4096, 2048), "D=128 MHA causal": (128, 8, True, 16384, 8192),
-                    "D=128 GQA": (128, 2, False, 4096, 2048), "D=128 GQA causal": (128, 2, True, 4096, 2048),
+ORDERED_DEFAULTS = {"D=64 MHA": (64, 8, False, 4096, 2048), "D=64 MHA causal": (64, 8, True, 8192, 4096),
+                    "D=128 MHA": (128, 8, False, 4096, 2048), "D=128 MHA causal": (128, 8, True, 8192, 4096),
+                    "D=128 GQA": (128, 2, False, 2048, 1024), "D=128 GQA causal": (128, 2, True, 2048, 1024),
                     "D=256": (256, 8, False, 16384, 8192)}
 
 
@@ -754,9 +755,10 @@ def test_deterministic_calls_take_the_ordered_form_from_the_measured_lengths(cas
     assert not v3.serves_bwd(p, "sm_90")
 
 
-@pytest.mark.parametrize("changes", [dict(head_dim_qk=64, head_dim_v=64), dict(head_dim_qk=256, head_dim_v=256, window_right=0),
+@pytest.mark.parametrize("changes", [dict(head_dim_qk=64, head_dim_v=64, heads_k=2),
+                                     dict(head_dim_qk=256, head_dim_v=256, window_right=0),
                                      dict(head_dim_qk=192, head_dim_v=128)],
-                         ids=["D=64", "D=256 causal", "192/128"])
+                         ids=["D=64 GQA", "D=256 causal", "192/128"])
 def test_deterministic_calls_where_the_ordered_form_never_led_keep_the_portable_family(changes, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{**dict(batch=1, heads_q=8, heads_k=8, seqlen_q=16384, seqlen_k=16384, deterministic=True), **changes})

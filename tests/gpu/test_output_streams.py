@@ -7,7 +7,9 @@ overwritten results too.
 
 Each test first makes the same call once and waits for it, so that the call under test finds its kernels
 loaded and its plan made: a process's first call loads code objects, which can take longer than the sleep,
-and the stream would then be idle again before the output is freed (each test asserts it is not)."""
+and the stream would then be idle again before the output is freed. Each test asserts it is not, right after
+allocating in the freed memory's place and before writing there: a process's first launch of a kernel can
+wait for every stream (loading its module), and the writes are only the check of what came back."""
 import numpy as np
 
 from gpu_presence import require
@@ -46,8 +48,9 @@ def test_torch_outputs_are_tied_to_the_calls_stream():
     out, lse = fmha_rt.mha_fwd(q, k, v, causal=True, stream=side)
     lse_ptr, lse_shape = lse.data_ptr(), lse.shape
     del lse  # freed while the side stream still sleeps, before the kernel has run
-    probe = torch.empty(lse_shape, dtype=torch.float32, device="cuda").fill_(7.0)  # on the current stream
+    probe = torch.empty(lse_shape, dtype=torch.float32, device="cuda")  # on the current stream
     assert not side.query(), "the side stream finished its sleep before lse was freed: the test proves nothing"
+    probe.fill_(7.0)
     assert probe.data_ptr() != lse_ptr, "lse's memory was handed out while its kernel was still queued"
     side.synchronize()
     torch.cuda.synchronize()
@@ -64,8 +67,10 @@ def test_a_dropped_lse_does_not_take_memory_from_the_current_stream():
     side = _busy_stream()
     out = fmha_rt.mha_fwd(q, k, v, stream=side, return_lse=False)
     b, s, h, _ = q.shape
-    probes = [torch.full((b, h, s), 3.0, dtype=torch.float32, device="cuda") for _ in range(4)]
+    probes = [torch.empty((b, h, s), dtype=torch.float32, device="cuda") for _ in range(4)]
     assert not side.query(), "the side stream finished its sleep before the probes were allocated"
+    for probe in probes:
+        probe.fill_(3.0)
     side.synchronize()
     torch.cuda.synchronize()
     assert all(bool((p == 3.0).all()) for p in probes), "an lse write landed in memory handed out meanwhile"
@@ -81,8 +86,9 @@ def test_cupy_outputs_are_tied_to_the_calls_stream():
     out, lse = fmha_rt.mha_fwd(q, k, v, stream=side.cuda_stream)
     lse_ptr, lse_shape = lse.data.ptr, lse.shape
     del lse
-    probe = cupy.full(lse_shape, 5.0, dtype=cupy.float32)  # CuPy's current stream
+    probe = cupy.empty(lse_shape, dtype=cupy.float32)  # CuPy's current stream
     assert not side.query(), "the side stream finished its sleep before lse was freed: the test proves nothing"
+    probe.fill(5.0)
     assert probe.data.ptr != lse_ptr, "lse's memory was handed out while its kernel was still queued"
     side.synchronize()
     cupy.cuda.Device().synchronize()
