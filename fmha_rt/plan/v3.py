@@ -83,6 +83,11 @@ BWD_TILES = {(64, 64): Tile(BWD_D64_ROWS, 128, 4, 1), (128, 128): Tile(64, 128, 
              (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
+# The atomic form's tiles, where they differ from BWD_TILES (the ORDERED form's): the (192, 128) tile of two
+# consumers of 64 keys each, as the 128 tile's but with Q and K held as 128 + 64 columns (fmha_bwd.py's
+# program where BLOCK_N is 128; v3.32, NOTES.md): no consumer's product waits for the other's P or dS, as in
+# the wide program's.
+BWD_ATOMIC_TILES = {**BWD_TILES, (192, 128): Tile(64, 128, 4, 1)}
 # Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
@@ -96,7 +101,7 @@ BWD_WALK_CAUSAL_GQA_SEQLEN_K = {(128, 128): (2048, 4096)}
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
-BWD_TILES_PER_PROGRAM = {pair: 1 if pair in BWD_WIDE_PAIRS else 2 for pair in BWD_TILES}
+BWD_TILES_PER_PROGRAM = {pair: 2 if tile.block_n == 128 else 1 for pair, tile in BWD_ATOMIC_TILES.items()}
 # 128-byte TMA descriptors a program, each made by the partition that uses it: in the forward Q's, K's and
 # V's (the loaders') and one of O for each consumer (fwd_global_scratch); in the backward K's, V's, Q's, dO's,
 # Lse2's and Delta's (the loaders': the statistics come with dO, or in the wide tiles Lse2 with Q) and dK's,
@@ -256,8 +261,9 @@ def variants(arch: str) -> list[dict]:
                 out.append(_gluon(make_variant(fwd_key(dtype, pair, paired, run), "fmha_fwd", dtype, tile,
                                                constexprs | {"TILES": tiles}, dict(traits, tiles_per_program=tiles),
                                                module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
-        for pair, tile in BWD_TILES.items():
+        for pair in BWD_PAIRS:
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
+                tile = bwd_tile(pair, strategy)
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
@@ -295,7 +301,7 @@ def serves_bwd(problem, arch, dq_strategy_request=None) -> bool:
     holds the arch or from the measured lengths (ordered_min_seqlen_k); a request for another dQ strategy
     keeps the portable family."""
     pair = bwd_pair(problem)
-    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
+    strategy = _bwd_strategy(problem)
     if (MODE == "off" or arch not in ARCHS or dq_strategy_request not in (None, strategy)
             or problem.dtype not in DTYPES or pair not in BWD_PAIRS
             or problem_features(problem) != (BIAS_NONE, False)):
@@ -360,9 +366,18 @@ def _programs(problem) -> int:
     return blocks * problem.heads_q * problem.batch
 
 
+def bwd_tile(pair, strategy) -> Tile:
+    """The dK/dV tile of `pair` in the dQ strategy (BWD_ATOMIC_TILES, BWD_TILES)."""
+    return (BWD_ATOMIC_TILES if strategy == DQ_ATOMIC else BWD_TILES)[pair]
+
+
+def _bwd_strategy(problem) -> str:
+    return DQ_ORDERED if problem.deterministic else DQ_ATOMIC
+
+
 def _bwd_programs(problem, tiles=1) -> int:
     """The dK/dV programs: one per `tiles` key blocks of a (key head, batch entry)."""
-    block_n = BWD_TILES[bwd_pair(problem)].block_n * tiles
+    block_n = bwd_tile(bwd_pair(problem), _bwd_strategy(problem)).block_n * tiles
     return -(-problem.seqlen_k // block_n) * problem.heads_k * problem.batch
 
 
@@ -385,7 +400,7 @@ def bwd_workspace(problem) -> Workspace:
     tile's query blocks), one region for the dK/dV programs' descriptors, then the padding
     buffers."""
     pair = bwd_pair(problem)
-    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC
+    strategy = _bwd_strategy(problem)
     order = [dq_order_region(problem, BWD_TILES[pair].block_m)] if strategy == DQ_ORDERED else []
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),
@@ -411,7 +426,7 @@ def plan_bwd(problem, operands) -> list:
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
-        keys = BWD_TILES[pair].block_n * _bwd_tiles(problem)  # a program's keys
+        keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)  # a program's keys
         main = [backward.dkdv(args, dkdv_key(problem.dtype, pair, walk=bwd_walk(problem)), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, dq_tile(pair)))]

@@ -107,6 +107,19 @@ def copy_in_parts(desc, row, head, ready, dst, rest, EXTRA_BYTES: gl.constexpr =
         tma.async_copy_global_to_shared(desc, _at(row, head, 0, DIM), ready, dst)
 
 
+@gluon.jit
+def store_in_parts(desc, row, src, rest):
+    """TMA store of the [rows, dims] tile `src` (a rows_descriptor's) to `row`, where it is held in two parts
+    (`rest` narrower than `src`) in boxes of the rest's width, as copy_in_parts loads it."""
+    if rest.shape[1] < src.shape[1]:
+        BOX: gl.constexpr = rest.shape[1]
+        for i in gl.static_range(src.shape[1] // BOX):
+            tma.async_copy_shared_to_global(desc, [row, i * BOX], src.slice(i * BOX, BOX, dim=1))
+        tma.async_copy_shared_to_global(desc, [row, src.shape[1]], rest)
+    else:
+        tma.async_copy_shared_to_global(desc, [row, 0], src)
+
+
 @gluon.constexpr_function
 def row_stats_layout():
     """Shared memory of a query block's Lse2 or Delta row ([1, BLOCK_M] fp32, as TMA copies it): unswizzled,

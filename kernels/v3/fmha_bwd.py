@@ -47,22 +47,30 @@ import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
                                key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
-                               row_stats_layout, rows_descriptor, sequence_extent, ticket_item, tma_add_shared_to_global, visible)
+                               row_stats_layout, rows_descriptor, sequence_extent, store_in_parts, ticket_item, tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
-def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
+def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem, q_rest_smem,
+          do_smem, ds_smem, dq_c, q_ready, q_empty,
           ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sk,
           kv_group_size, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr,
           DESCENDING: gl.constexpr):
     """Step t: one query block of one query head of the group against this consumer's keys, the program's
     step r0 + t in the Q/dO ring and the dS buffers (r0: the steps of its key blocks before this one). dK and
-    dV accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form)."""
+    dV accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form). Where Q and
+    K are held in two parts (the 192 tile: `k_rest_smem` narrower than `k_smem`), S adds the rest's product,
+    dK's rest columns accumulate in dk_rest, and dQ's share goes in pieces (_dq_piece)."""
+    K_WHOLE: gl.constexpr = k_smem.shape[1]
+    K_REST: gl.constexpr = k_rest_smem.shape[1]
+    SPLIT: gl.constexpr = K_REST < K_WHOLE
+    DQ_COLS: gl.constexpr = dq_c.shape[2]
+    PIECES: gl.constexpr = (BLOCK_DQK // 2) // DQ_COLS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_DQK // 2, 16])
+                                                        instr_shape=[16, DQ_COLS, 16])
     dtype: gl.constexpr = q_smem.dtype
     r = r0 + t
     stage = r % STAGES
@@ -78,20 +86,34 @@ def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem
     lse2 = stats_smem.index(2 * stage).reshape([BLOCK_M]).load(row_layout)
     delta = stats_smem.index(2 * stage + 1).reshape([BLOCK_M]).load(row_layout)
     # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
-    q_j = q_smem.index(stage).reshape([BLOCK_M, BLOCK_DQK])
+    q_j = q_smem.index(stage).reshape([BLOCK_M, K_WHOLE])
+    q_rest_j = q_rest_smem.index(stage).reshape([BLOCK_M, K_REST])
     do_j = do_smem.index(stage).reshape([BLOCK_M, do_smem.shape[3]])
     s = warpgroup_mma(q_j, k_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_j, v_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s,))
+    if SPLIT:  # the rest's columns added
+        s = warpgroup_mma(q_rest_j, k_rest_c.permute((1, 0)), s, is_async=True)
+    if SPLIT:
+        s = warpgroup_mma_wait(0, deps=(s,))
+    else:
+        dp = warpgroup_mma(do_j, v_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
     if (block < full_lo) | (block >= full_hi):  # a block on a window edge or the sequence's end
         keys = n0 + c * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(visible(queries[:, None], keys[None, :], off, left, right, sk), s, float("-inf"))
     p = gl.exp2(s * scale_log2 - lse2[:, None])
-    p_c.store(p.to(dtype))
-    dp = warpgroup_mma_wait(0, deps=(dp,))
-    ds = (p * (dp - delta[:, None])).to(dtype)
+    if SPLIT:  # P held in the inputs' type while dP is waited for (as P V takes it): 16 registers fewer
+        p = p.to(dtype)
+        p_c.store(p)
+        dp = warpgroup_mma(do_j, v_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = (p.to(gl.float32) * (dp - delta[:, None])).to(dtype)
+    else:
+        p_c.store(p.to(dtype))
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = (p * (dp - delta[:, None])).to(dtype)
     mbarrier.wait(ds_empty.index(buf), ((r // 2) & 1) ^ 1)  # the other consumer is done with this buffer
     ds_buf = ds_smem.index(buf)
     ds_c = ds_buf.slice(c * HALF_N, HALF_N, dim=1)
@@ -100,63 +122,100 @@ def _step(t, r0, dk, dv, c: gl.constexpr, k_c, v_c, k_cols, p_c, q_smem, do_smem
     mbarrier.arrive(ds_full.index(buf))
     dv = warpgroup_mma(p_c.permute((1, 0)), do_j, dv, is_async=True)
     dk = warpgroup_mma(ds_c.permute((1, 0)), q_j, dk, is_async=True)
+    if SPLIT:
+        dk_rest = warpgroup_mma(ds_c.permute((1, 0)), q_rest_j, dk_rest, is_async=True)
     mbarrier.wait(ds_full.index(buf), (r // 2) & 1)
-    dq = warpgroup_mma(ds_buf, k_cols, gl.zeros([BLOCK_M, BLOCK_DQK // 2], gl.float32, dq_layout),
-                       use_acc=False, is_async=True)
-    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-    mbarrier.arrive(ds_empty.index(buf))
-    mbarrier.arrive(q_empty.index(stage))
+    dq = warpgroup_mma(ds_buf, _dq_source(k_smem, k_rest_smem, c, 0, BLOCK_DQK, DQ_COLS),
+                       gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
+    if SPLIT:
+        dv, dk, dk_rest, dq = warpgroup_mma_wait(0, deps=(dv, dk, dk_rest, dq))
+        mbarrier.arrive(q_empty.index(stage))
+        for i in gl.static_range(1, PIECES):  # each piece's product runs while the one before is added
+            following = warpgroup_mma(ds_buf, _dq_source(k_smem, k_rest_smem, c, i, BLOCK_DQK, DQ_COLS),
+                                      gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
+            _add_dq_piece(dq, dq_c, dq_desc, m0, h0 + g, c * (BLOCK_DQK // 2) + (i - 1) * DQ_COLS)
+            dq = warpgroup_mma_wait(0, deps=(following,))
+        mbarrier.arrive(ds_empty.index(buf))
+    else:
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(ds_empty.index(buf))
+        mbarrier.arrive(q_empty.index(stage))
     if ORDERED:  # the writer adds the tile when its turn comes; it must have read the previous one
         mbarrier.wait(dq_empty, (r & 1) ^ 1)
         dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full)
     else:
-        # dQ goes to the accumulator through shared memory, one bulk TMA addition of the tile (the memory
-        # system adds; rows past the sequence and columns past the head dim are clipped by the descriptor):
-        # element-wise atomics, 16 a thread a step, held the warps until the LSU queue drained them (NOTES.md,
-        # v3.1 attempt). The previous step's addition must have read the buffer first.
-        tma.store_wait(0)
-        dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
-        fence_async_shared()
-        tma_add_shared_to_global(dq_desc, [m0, h0 + g, c * (BLOCK_DQK // 2)], dq_c)
-    return dk, dv
+        _add_dq_piece(dq, dq_c, dq_desc, m0, h0 + g, c * (BLOCK_DQK // 2) + (PIECES - 1) * DQ_COLS)
+    return dk, dk_rest, dv
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready, q_empty,
+def _dq_source(k_smem, k_rest_smem, c: gl.constexpr, i: gl.constexpr, BLOCK_DQK: gl.constexpr, DQ_COLS: gl.constexpr):
+    """K's columns of consumer c's dQ piece i (dQ's columns c * BLOCK_DQK / 2 + i * DQ_COLS on), in K's whole
+    part or its rest."""
+    K_WHOLE: gl.constexpr = k_smem.shape[1]
+    COL: gl.constexpr = c * (BLOCK_DQK // 2) + i * DQ_COLS
+    if COL < K_WHOLE:
+        return k_smem.slice(COL, DQ_COLS, dim=1)
+    else:
+        return k_rest_smem.slice(COL - K_WHOLE, DQ_COLS, dim=1)
+
+
+@gluon.jit
+def _add_dq_piece(dq, dq_c, dq_desc, m0, head, col):
+    """dQ's piece at (m0, head, col) to the accumulator through shared memory, one bulk TMA addition (the
+    memory system adds; rows past the sequence and columns past the head dim are clipped by the descriptor):
+    element-wise atomics, 16 a thread a step, held the warps until the LSU queue drained them (NOTES.md,
+    v3.1 attempt). The previous addition must have read the buffer first."""
+    tma.store_wait(0)
+    dq_c.reshape([dq.shape[0], dq.shape[1]]).store(dq)
+    fence_async_shared()
+    tma_add_shared_to_global(dq_desc, [m0, head, col], dq_c)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready,
+              kv_free, q_ready, q_empty,
               ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dq_s,
               stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n_first, n_second,
               n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right, scale_log2, softmax_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
               ORDERED: gl.constexpr, DESCENDING: gl.constexpr):
     """Consumer c (BLOCK_N / 2 keys of each of the program's key blocks): per key block, its steps, then its
-    dK and dV out through K's and V's memory, which it then gives back to the loaders (`kv_free`)."""
+    dK and dV out through K's and V's memory, which it then gives back to the loaders (`kv_free`). dK's
+    columns in two parts where K is held so (the 192 tile)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
+    K_WHOLE: gl.constexpr = k_smem.shape[1]
+    K_REST: gl.constexpr = k_rest_smem.shape[1]
+    SPLIT: gl.constexpr = K_REST < K_WHOLE
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_DQK, 16])
+                                                        instr_shape=[16, K_WHOLE, 16])
+    dk_rest_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, K_REST, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DV, 16])
     k_c = k_smem.slice(c * HALF_N, HALF_N)
+    k_rest_c = k_rest_smem.slice(c * HALF_N, HALF_N)
     v_c = v_smem.slice(c * HALF_N, HALF_N)
-    k_cols = k_smem.slice(c * (BLOCK_DQK // 2), BLOCK_DQK // 2, dim=1)
     p_c = p_smem.index(c)
     dq_c = dq_smem.index(c)
     # This consumer's descriptors, made while the loaders' first copies fly: its halves of dK and dV, and
     # the fp32 dQ accumulator by (row, query head, dim) in its half of the columns (the ORDERED form's
     # writer makes its own)
     dtype: gl.constexpr = q_smem.dtype
-    dk_desc = rows_descriptor(dk_rows, stride_dk_s, sk, dqk, [HALF_N, BLOCK_DQK],
-                              gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DQK], dtype))
+    dk_desc = rows_descriptor(dk_rows, stride_dk_s, sk, dqk, [HALF_N, K_REST],
+                              gl.NVMMASharedLayout.get_default_for([HALF_N, K_REST], dtype))
     dv_desc = rows_descriptor(dv_rows, stride_dv_s, sk, dv_dims, [HALF_N, BLOCK_DV],
                               gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype))
     if ORDERED:
         dq_desc = None
     else:
         dq_layout: gl.constexpr = dq_smem.layout
-        dq_desc = heads_descriptor(dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, BLOCK_M, BLOCK_DQK // 2,
+        dq_desc = heads_descriptor(dq_rows, stride_dq_s, stride_dq_h, sq, num_heads_q, dqk, BLOCK_M, dq_smem.shape[3],
                                    dq_layout)
     dk_out = k_smem.slice(c * HALF_N, HALF_N)
+    dk_rest_out = k_rest_smem.slice(c * HALF_N, HALF_N)
     dv_out = v_smem.slice(c * HALF_N, HALF_N)
     r0 = n_tiles * 0
     kv_phase = n_tiles * 0
@@ -164,11 +223,13 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
         n0, off, left, right, lo, full_lo, full_hi, blocks, n_steps = program_key_block(
             i, n_first, n_second, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
         if n0 < sk:
-            dk = gl.zeros([HALF_N, BLOCK_DQK], gl.float32, dk_layout)
+            dk = gl.zeros([HALF_N, K_WHOLE], gl.float32, dk_layout)
+            dk_rest = gl.zeros([HALF_N, K_REST], gl.float32, dk_rest_layout)  # (left alone but in the 192 tile)
             dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
             mbarrier.wait(kv_ready, kv_phase)
             for t in tl.range(n_steps, disable_licm=True):
-                dk, dv = _step(t, r0, dk, dv, c, k_c, v_c, k_cols, p_c, q_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
+                dk, dk_rest, dv = _step(t, r0, dk, dk_rest, dv, c, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem,
+                               q_rest_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
                                ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo,
                                full_hi, sk, kv_group_size, off, left, right, scale_log2,
                                BLOCK_M, HALF_N, BLOCK_DQK, ORDERED, DESCENDING)
@@ -177,9 +238,11 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
                 last = r0 + n_steps - 1
                 mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
             dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
+            if SPLIT:
+                dk_rest_out.store((dk_rest * softmax_scale).to(dtype))
             dv_out.store(dv.to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(dk_desc, [n0 + c * HALF_N, 0], dk_out)
+            store_in_parts(dk_desc, n0 + c * HALF_N, dk_out, dk_rest_out)
             tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
             tma.store_wait(0)
             mbarrier.arrive(kv_free)  # K's and V's memory is the loaders' again
@@ -336,9 +399,9 @@ def _dkdv_program(
     128 run fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
-    gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_DQK <= 128),
-                     "pairs of key blocks: the atomic form of the 64 and 128 tiles")
-    if BLOCK_DQK > 128:
+    gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_N == 128),
+                     "pairs of key blocks: the atomic form of the tiles of two consumers of keys")
+    if BLOCK_DQK > 128 and BLOCK_N == 64:
         wide_program(
             n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
             SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
@@ -347,8 +410,16 @@ def _dkdv_program(
             seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale,
             scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N,
             BLOCK_DQK, BLOCK_DV, ORDERED)
-    else:  # the 64 and 128 tiles: two consumers of BLOCK_N / 2 keys each (the module docstring)
+    else:  # the 64, 128 and 192 tiles: two consumers of BLOCK_N / 2 keys each (the module docstring)
         HALF_N: gl.constexpr = BLOCK_N // 2
+        # the 192 tile holds Q and K as their first 128 columns and the rest (shared-memory tiles are powers of
+        # two wide); K_REST = K_WHOLE elsewhere, the rest being the same memory
+        K_WHOLE: gl.constexpr = 128 if BLOCK_DQK > 128 else BLOCK_DQK
+        K_REST: gl.constexpr = BLOCK_DQK - 128 if BLOCK_DQK > 128 else BLOCK_DQK
+        SPLIT: gl.constexpr = K_REST < K_WHOLE
+        gl.static_assert(not (SPLIT and ORDERED), "the 192 tile of two consumers of keys: the atomic form")
+        # dQ's share of a consumer goes in pieces of DQ_COLS columns where its 96 would be no power of two
+        DQ_COLS: gl.constexpr = 32 if SPLIT else BLOCK_DQK // 2
         q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
         k_start, sk = sequence_extent(CuSeqlensK, SeqstartK, b, seqlen_k, is_varlen, has_seqstart)
         n_first = n_block  # the heavier of a pair under a causal mask (more query blocks see it)
@@ -365,26 +436,34 @@ def _dkdv_program(
         dqk = head_dim_qk_div8 * 8
         dv = head_dim_v_div8 * 8
         dtype: gl.constexpr = Q.dtype.element_ty
-        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, K_WHOLE], dtype)
         v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, K_WHOLE], dtype)
         do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
         k_rows, v_rows, dk_rows, dv_rows, q_rows, do_rows, dq_rows, Lse2_head0, Delta_head0 = backward_rows(
             Q, K, V, dO, dK, dV, DqAcc, Lse2, Delta, b, hk, h0, q_start, k_start, is_varlen, stride_q_b, stride_q_s,
             stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s, stride_dk_b,
             stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b, stride_dqacc_s, stride_delta_b,
             stride_delta_h)
-        dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK // 2], gl.float32)
+        dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, DQ_COLS], gl.float32)
 
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, K_WHOLE], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DQK], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, K_WHOLE], q_layout)
+        if SPLIT:
+            k_rest_smem = gl.allocate_shared_memory(
+                dtype, [BLOCK_N, K_REST], gl.NVMMASharedLayout.get_default_for([BLOCK_N, K_REST], dtype))
+            q_rest_smem = gl.allocate_shared_memory(
+                dtype, [STAGES, BLOCK_M, 1, K_REST], gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, K_REST], dtype))
+        else:
+            k_rest_smem = k_smem
+            q_rest_smem = q_smem
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], p_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, BLOCK_DQK // 2], dq_acc_layout)  # one a consumer
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, DQ_COLS], dq_acc_layout)  # one a consumer
         stats_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_M], row_stats_layout())  # Lse2, Delta
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -412,20 +491,20 @@ def _dkdv_program(
             off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
                 n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             gl.warp_specialize([
-                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
                              stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True, True)),
-                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
                              stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
                              stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True, True)),
-                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
-                                              q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
+                                              k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N, True)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
@@ -439,18 +518,18 @@ def _dkdv_program(
             ], [4, 1, 1, 1], [240, 24, 24, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
-                (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
+                (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
-                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
-                                              q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+                (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
+                                              k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N,
                                               WALK_DOWN)),

@@ -565,16 +565,16 @@ def test_the_backward_leaves_the_rest_to_the_portable_family(case, v3_on):
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
 
 
-@pytest.mark.parametrize("latent", [False, True], ids=["256_128_tile", "192_128_tile"])
-def test_the_wide_backward_plan_has_a_program_per_64_keys(latent, v3_on, monkeypatch):
-    """192/128 heads in the wide tiles: the atomic strategy's launches, the dK/dV kernel of fmha_bwd_wide.py
-    by blocks of 64 keys (the (256, 128) tile, or with LATENT_BWD_TILE the (192, 128) one), descriptors for
-    each of its programs, and the 256 tile's dQ conversion."""
+@pytest.mark.parametrize("latent, programs", [(False, 5), (True, 2)], ids=["256_128_tile", "192_128_tile"])
+def test_the_192_128_heads_backward_plan(latent, programs, v3_on, monkeypatch):
+    """192/128 heads, the atomic strategy's launches: the dK/dV kernel by blocks of 64 keys in the wide (256, 128)
+    tile (fmha_bwd_wide.py), or with LATENT_BWD_TILE by pairs of 128-key blocks in the (192, 128) tile of two
+    consumers of keys (BWD_ATOMIC_TILES); descriptors for each program, and the 256 tile's dQ conversion."""
     monkeypatch.setattr(v3, "LATENT_BWD_TILE", latent)
     pair = v3.LATENT_PAIR if latent else (256, 128)
-    p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64
+    p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64, 3 of 128
     workspace = dispatch.bwd_workspace(p, "sm_90")
-    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", pair) * 5 * 2 * 2
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", pair) * programs * 2 * 2
     rows, kv_rows, v_rows = (300 * 8 * 192, 8 * 192, 192, 1), (300 * 2 * 192, 2 * 192, 192, 1), (300 * 2 * 128, 2 * 128, 128, 1)
     out_rows = (300 * 8 * 128, 8 * 128, 128, 1)
     strides = {"q": rows, "k": kv_rows, "v": v_rows, "out": out_rows, "lse": (8 * 300, 300, 1), "dout": out_rows,
@@ -583,7 +583,7 @@ def test_the_wide_backward_plan_has_a_program_per_64_keys(latent, v3_on, monkeyp
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
     assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128), v3.dkdv_key("bf16", pair),
                                                        v3.dq_convert_key("bf16", 256)]
-    assert launches[1].grid == (5, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
+    assert launches[1].grid == (programs, 2, 2) and launches[1].args["head_dim_qk_div8"] == 24
 
 
 @pytest.mark.parametrize("dims, latent", [((192, 128), True), ((136, 64), True), ((192, 136), False), ((200, 128), False),
@@ -609,12 +609,14 @@ def test_the_192_128_backward_tile_serves_its_measured_lengths(monkeypatch):
 
 
 def test_an_atomic_backward_program_runs_two_key_blocks_but_in_the_wide_tiles():
-    """TILES = 2 (kernels/v3/fmha_bwd.py) in the atomic dK/dV kernels of the 64 and 128 tiles; the wide
-    program and every ORDERED kernel take one key block a program."""
+    """TILES = 2 (kernels/v3/fmha_bwd.py) in the atomic dK/dV kernels of the tiles of two consumers of keys
+    (64, 128 and 192/128); the wide program and every ORDERED kernel take one key block a program."""
     for v in v3.variants("sm_90"):
         if v["function"] == "fmha_bwd_dkdv":
             pair = (v["traits"]["head_dim_qk_tile"], v["traits"]["head_dim_v_tile"])
-            assert v["constexprs"]["TILES"] == (1 if pair in v3.BWD_WIDE_PAIRS else 2)
+            keys_split = pair not in v3.BWD_WIDE_PAIRS or pair == v3.LATENT_PAIR
+            assert v["constexprs"]["TILES"] == (2 if keys_split else 1) and v["constexprs"]["BLOCK_N"] == (
+                128 if keys_split else 64)
         elif v["function"] == "fmha_bwd_dkdv_ordered":
             assert "TILES" not in v["constexprs"]
 
