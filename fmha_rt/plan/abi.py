@@ -51,11 +51,13 @@ _TILE = "BLOCK_M constexpr, BLOCK_N constexpr, BLOCK_DQK constexpr, BLOCK_DV con
 
 
 def _dkdv_signature(form: str) -> dict:
-    """fmha_bwd_dkdv's signature (form ''), or fmha_bwd_dkdv_ordered's ('ordered'): the same with the order
-    region after the dQ accumulator and the batch size after the dropout arguments, and no DQ_ATOMIC."""
+    """fmha_bwd_dkdv's signature (form ''), fmha_bwd_dkdv_ordered's ('ordered': the same with the order
+    region after the dQ accumulator and the batch size after the dropout arguments, and no DQ_ATOMIC), or
+    fmha_bwd_dkdv_heads' ('heads': dK and dV fp32 accumulators)."""
     ordered_form = form == "ordered"
+    dkv = "fp32" if form == "heads" else "T"
     return _signature(f"""
-        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32,
+        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *{dkv}, dV *{dkv}, DqAcc *fp32,
         {"DqOrder *i32," if ordered_form else ""} Bias *T, dS *fp32, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
         {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
         stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
@@ -84,6 +86,9 @@ SIGNATURES = {
     # The ORDERED strategy's persistent dK/dV pass: its int32 order region (work-item ticket and one counter
     # per dQ tile) and the batch size, from which it numbers its work items.
     "fmha_bwd_dkdv_ordered": _dkdv_signature("ordered"),
+    # GQA's dK/dV by query head (the v3 family's): dK and dV are fp32 accumulators of the workspace, which
+    # every query head's programs add to, then converted.
+    "fmha_bwd_dkdv_heads": _dkdv_signature("heads"),
     "fmha_bwd_dq": _signature(f"""
         Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, Bias *T, Alibi *fp32,
         PhiloxSeedOffset *i64, {_VARLEN_PTRS}, {_strides("q", "k", "v", "o", "do", "dq")},
@@ -117,8 +122,8 @@ SIGNATURES = {
 }
 KERNEL_SOURCE = {
     "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
-    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd",
-    "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
+    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dkdv_heads": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd",
+    "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 
 # ------------------------------------------------------------------------------------------- tiles

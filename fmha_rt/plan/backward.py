@@ -43,6 +43,7 @@ class BackwardArgs:
 
     def __init__(self, problem, operands, workspace):
         self.problem = p = problem
+        self.workspace = workspace
         self.args = a = Args(problem, operands)
         n, r = a.need, operands.region
         self.varlen, self.shape, self.mask = a.varlen(), a.shape(), a.mask()
@@ -102,6 +103,40 @@ def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
     args = ordered(key, "fmha_bwd_dkdv", {**b.attention, **b.dq_acc, **b.outputs})
     grid = launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem)
     return Launch(key, (grid[0], b.problem.heads_k, grid[2]), {**args, **(extra or {})})
+
+
+def dkdv_heads(b: BackwardArgs, key, block_n, extra=None) -> Launch:
+    """GQA's dK and dV by query head (fmha_bwd_dkdv_heads): a program per (`block_n` keys, query head, batch
+    entry), adding dQ into its accumulator and dK and dV into theirs, the workspace regions dk_acc and dv_acc
+    (zeroed; dkdv_convert makes the outputs); `extra` as for dkdv."""
+    region = b.args.operands.region
+    accumulators = {"dK": region("dk_acc"), "dV": region("dv_acc")}
+    for name, acc in (("dk", "dk_acc"), ("dv", "dv_acc")):
+        st = contiguous_strides(b.workspace.region(acc).shape)
+        accumulators.update(_key_rows_strides(b.problem, name, st))
+    args = ordered(key, "fmha_bwd_dkdv_heads", {**b.attention, **b.dq_acc, **b.outputs, **accumulators})
+    return Launch(key, launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem), {**args, **(extra or {})})
+
+
+def _key_rows_strides(problem, name, strides) -> dict:
+    """The (batch, row, head) strides of an fp32 array laid out as k's rows, [B, Sk, Hk, d] or [total_k, Hk, d]."""
+    b, s, h = (0, strides[0], strides[1]) if problem.varlen else strides[:3]
+    return {f"stride_{name}_b": b, f"stride_{name}_s": s, f"stride_{name}_h": h}
+
+
+def dkdv_convert(b: BackwardArgs, key, name) -> Launch:
+    """The fp32 accumulator of dK or dV (`name`: 'dk' or 'dv', region '<name>_acc', already scaled) into its
+    output, by the dQ conversion's kernel run over the key rows and key heads."""
+    p, v = b.problem, b.varlen
+    st = contiguous_strides(b.workspace.region(f"{name}_acc").shape)
+    acc = _key_rows_strides(p, "dqacc", st)
+    out = {f"stride_dq_{axis}": b.rows[name][f"stride_{name}_{axis}"] for axis in "bsh"}
+    dims = b.shape["head_dim_qk_div8" if name == "dk" else "head_dim_v_div8"]
+    args = {"DqAcc": b.args.operands.region(f"{name}_acc"), **acc, **out, "dQ": b.outputs["dK" if name == "dk" else "dV"],
+            "CuSeqlensQ": v["CuSeqlensK"], "SeqstartQ": v["SeqstartK"], "seqlen_q": p.seqlen_k,
+            "is_varlen": v["is_varlen"], "has_seqstart": v["has_seqstart"], "head_dim_qk_div8": dims, "softmax_scale": 1.0}
+    grid = (cdiv(p.seqlen_k, ROWS_TILE.block_m), p.heads_k, launch_grid(1, p)[2])
+    return Launch(key, grid, ordered(key, "fmha_bwd_dq_convert", args))
 
 
 def dkdv_ordered(b: BackwardArgs, key, programs, extra=None) -> Launch:
