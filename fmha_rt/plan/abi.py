@@ -86,8 +86,8 @@ SIGNATURES = {
     # The ORDERED strategy's persistent dK/dV pass: its int32 order region (work-item ticket and one counter
     # per dQ tile) and the batch size, from which it numbers its work items.
     "fmha_bwd_dkdv_ordered": _dkdv_signature("ordered"),
-    # GQA's dK/dV by query head (the v3 family's): dK and dV are fp32 accumulators of the workspace, which
-    # every query head's programs add to, then converted.
+    # GQA's dK/dV by query head (the v3 family's alone, so not in KERNEL_SOURCE): dK and dV are fp32
+    # accumulators of the workspace, which every query head's programs add to, then converted.
     "fmha_bwd_dkdv_heads": _dkdv_signature("heads"),
     "fmha_bwd_dq": _signature(f"""
         Q *T, K *T, V *T, Out *T, dO *T, Lse *fp32, Delta *fp32, Lse2 *fp32, dQ *T, Bias *T, Alibi *fp32,
@@ -122,7 +122,7 @@ SIGNATURES = {
 }
 KERNEL_SOURCE = {
     "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
-    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dkdv_heads": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd",
+    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd",
     "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 

@@ -40,6 +40,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, walk=True): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_WALK_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
+    gluon.update({v3.dkdv_heads_key(d, p): "fmha_bwd_dkdv_heads" for d in pp.DTYPES for p in v3.BWD_HEADS_PAIRS})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
     rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128, 256)})
     assert set(variants) == set(gluon) | set(rows)
@@ -109,6 +110,7 @@ def test_a_backward_program_makes_its_loaders_and_three_consumer_descriptors_a_c
     writer makes the one of the accumulator."""
     sizes = {(f, pair): v3.bwd_global_scratch(f, pair) for f in ("fmha_bwd_dkdv", "fmha_bwd_dkdv_ordered")
              for pair in v3.BWD_PAIRS}
+    sizes |= {("fmha_bwd_dkdv_heads", pair): v3.bwd_global_scratch("fmha_bwd_dkdv_heads", pair) for pair in v3.BWD_HEADS_PAIRS}
     assert {key: n for key, n in sizes.items() if n != 1536} == {
         ("fmha_bwd_dkdv_ordered", (64, 64)): 1408, ("fmha_bwd_dkdv_ordered", (128, 128)): 1408}
 
@@ -120,7 +122,7 @@ def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch)
     assert sorted(e.key for e in entries) == sorted(functions)
     for e in entries:
         assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
-        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3", "fmha_bwd_dkdv_ordered_v3")):
+        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3", "fmha_bwd_dkdv_ordered_v3", "fmha_bwd_dkdv_heads_v3")):
             # the build checked the compiler's figure against the plan's; the manifest records it
             assert e.traits["global_scratch"] == plan_scratch(functions[e.key], e.traits)
             assert e.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
