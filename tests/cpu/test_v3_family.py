@@ -48,7 +48,7 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     for key, function in gluon.items():
         v = variants[key]
         # any tile: the same signature
-        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {})
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {}, module=v["module"])
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
         assert v["global_scratch"] == plan_scratch(function, v["traits"])
