@@ -106,7 +106,7 @@ def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
 
 
 def dkdv_heads(b: BackwardArgs, key, block_n, extra=None) -> Launch:
-    """GQA's dK and dV by query head (fmha_bwd_dkdv_heads): a program per (`block_n` keys, query head, batch
+    """GQA's dK and dV by query head (fmha_bwd_dkdv's ONE_HEAD): a program per (`block_n` keys, query head, batch
     entry), adding dQ into its accumulator and dK and dV into theirs, the workspace regions dk_acc and dv_acc
     (zeroed; dkdv_convert makes the outputs); `extra` as for dkdv."""
     region = b.args.operands.region
@@ -114,7 +114,7 @@ def dkdv_heads(b: BackwardArgs, key, block_n, extra=None) -> Launch:
     for name, acc in (("dk", "dk_acc"), ("dv", "dv_acc")):
         st = contiguous_strides(b.workspace.region(acc).shape)
         accumulators.update(_key_rows_strides(b.problem, name, st))
-    args = ordered(key, "fmha_bwd_dkdv_heads", {**b.attention, **b.dq_acc, **b.outputs, **accumulators})
+    args = ordered(key, "fmha_bwd_dkdv", {**b.attention, **b.dq_acc, **b.outputs, **accumulators})
     return Launch(key, launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem), {**args, **(extra or {})})
 
 

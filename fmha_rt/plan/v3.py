@@ -22,8 +22,8 @@ it); the plan cache does not key on the mode, so clear it after changing it.
 import os
 
 from . import backward
-from .abi import (BIAS_NONE, DQ_ATOMIC, DQ_ORDERED, DTYPES, Tile, dq_convert_variant, head_dim_tiles, make_variant, pair_name,
-                  preprocess_variant, problem_features)
+from .abi import (BIAS_NONE, DKDV_ACCUMULATING_SIGNATURE, DQ_ATOMIC, DQ_ORDERED, DTYPES, Tile, dq_convert_variant, head_dim_tiles,
+                  make_variant, pair_name, preprocess_variant, problem_features)
 from .args import forward_launch, has_work
 from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd_scratch as padding_scratch, padded_head_dim
 
@@ -93,7 +93,7 @@ LATENT_BWD_TILE = True
 # at 16k. The 64 tile's causal GQA calls run the portable backward below 16k keys, so it has no walk variant.
 BWD_WALK_PAIRS = ((128, 128),)
 BWD_WALK_CAUSAL_GQA_SEQLEN_K = {(128, 128): (2048, 4096)}
-# GQA calls whose atomic dK/dV runs a program per query head (fmha_bwd_dkdv_heads, FlashAttention-3's and -4's
+# GQA calls whose atomic dK/dV runs a program per query head (fmha_bwd_dkdv's ONE_HEAD, FlashAttention-3's and -4's
 # form: dK and dV added into zeroed fp32 accumulators of the workspace, then converted) rather than per key
 # head, by tile and masking (causal or not): the key lengths [from, below) that take it. Candidate v3.31,
 # taken at every GQA length of the 128 tile until measured.
@@ -212,7 +212,7 @@ def dkdv_key(dtype, pair, strategy=DQ_ATOMIC, walk=False):
 
 
 def dkdv_heads_key(dtype, pair):
-    """The atomic dK/dV variant of programs of one query head ('fmha_bwd_dkdv_heads_v3_...')."""
+    """The atomic dK/dV variant of programs of one query head ('fmha_bwd_dkdv_heads_v3_...', ONE_HEAD)."""
     return f"fmha_bwd_dkdv_heads_v3_{dtype}_{pair_name(*pair)}"
 
 
@@ -285,9 +285,10 @@ def variants(arch: str) -> list[dict]:
                                                    constexprs | ({"WALK_DOWN": True} if walk else {}), traits,
                                                    module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
                 if strategy == DQ_ATOMIC and pair in BWD_HEADS_PAIRS:
-                    out.append(_gluon(make_variant(dkdv_heads_key(dtype, pair), "fmha_bwd_dkdv_heads", dtype, tile,
-                                                   constexprs, traits, module=KERNEL_MODULES["bwd"]),
-                                      bwd_global_scratch("fmha_bwd_dkdv_heads", pair)))
+                    out.append(_gluon(make_variant(dkdv_heads_key(dtype, pair), function, dtype, tile,
+                                                   constexprs | {"ONE_HEAD": True}, traits, module=KERNEL_MODULES["bwd"],
+                                                   signature=DKDV_ACCUMULATING_SIGNATURE),
+                                      bwd_global_scratch(function, pair)))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]

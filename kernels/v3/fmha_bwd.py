@@ -132,7 +132,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
               ORDERED: gl.constexpr, DESCENDING: gl.constexpr, DKV_ADD: gl.constexpr = False):
     """Consumer c (BLOCK_N / 2 keys of each of the program's key blocks): per key block, its steps, then its
     dK and dV out through K's and V's memory, which it then gives back to the loaders (`kv_free`). DKV_ADD
-    (fmha_bwd_dkdv_heads): dK and dV are one query head's shares, added to fp32 accumulators (_add_dkdv)."""
+    (fmha_bwd_dkdv's ONE_HEAD): dK and dV are one query head's shares, added to fp32 accumulators (_add_dkdv)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_DQK, 16])
@@ -198,7 +198,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
             kv_phase ^= 1
 
 
-DKV_COLUMNS = gl.constexpr(64)  # fmha_bwd_dkdv_heads: dK's and dV's columns an fp32 addition carries
+DKV_COLUMNS = gl.constexpr(64)  # ONE_HEAD: dK's and dV's columns an fp32 addition carries
 
 
 @gluon.jit
@@ -212,7 +212,7 @@ def _column_halves(x):
 
 @gluon.jit
 def _add_dkdv(dk, dv, k_tile, v_tile, dq_buf, dk_desc, dv_desc, row):
-    """fmha_bwd_dkdv_heads' epilogue: this consumer's fp32 dK and dV ([HALF_N, 128] each, one query head's
+    """The ONE_HEAD epilogue: this consumer's fp32 dK and dV ([HALF_N, 128] each, one query head's
     shares) added to the accumulators at `row` by four bulk reductions of [HALF_N, 64] column halves, staged in
     the three 16 KiB buffers the consumer owns once its steps are done: its K rows and V rows (whose bf16 tiles
     hold exactly one fp32 half) and its dQ buffer, which takes dK's first half, then dV's last once read."""
@@ -302,6 +302,7 @@ def fmha_bwd_dkdv(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
     GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1, WALK_DOWN: gl.constexpr = False,
+    ONE_HEAD: gl.constexpr = False,
 ):
     """A program per (key block, key head, batch entry), the key block the grid's fastest dimension: a head's
     key blocks start together. (Key blocks slowest was measured 0.54-0.96x at D=128 without GQA: each resident
@@ -310,62 +311,30 @@ def fmha_bwd_dkdv(
     its (key head, batch entry), N blocks in all, so that under a causal mask every program has about the
     same steps and one prologue serves two key blocks. WALK_DOWN (the `_walk` variants, v3.20): the
     steps in the ORDERED form's order (query_step), so that under a causal mask a group's programs stay on
-    the same query head and block rather than drifting apart over the group's heads."""
+    the same query head and block rather than drifting apart over the group's heads. ONE_HEAD (the `heads`
+    variants, v3.31): GQA's dK/dV by query head, as FlashAttention-3 and -4 run it: a program per (key block,
+    query head, batch entry), the grid's second dimension the query heads, each walking its one head's query
+    blocks as an MHA program does, so that the programs running at once share Q, dO and dQ tiles in L2 as
+    MHA's do, where a program of the whole group walks 8 heads'; dK and dV are then fp32 accumulators [rows,
+    key heads, dims] (zeroed), to which each program adds its head's shares, and a conversion pass follows."""
     gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
     n_block = gl.program_id(0)
-    hk = gl.program_id(1)
     b = gl.program_id(2)
+    if ONE_HEAD:
+        h0 = gl.program_id(1)  # the program's query head
+        hk = h0 // kv_group_size
+    else:
+        hk = gl.program_id(1)
+        h0 = hk * kv_group_size  # the group's first query head
     _dkdv_program(
-        n_block, hk, hk * kv_group_size, b, None,
+        n_block, hk, h0, b, None,
         Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
         stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
         bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES,
-        WALK_DOWN)
-
-
-@gluon.jit
-def fmha_bwd_dkdv_heads(
-    Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, Bias, dS, Alibi, PhiloxSeedOffset,
-    CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
-    stride_q_b, stride_q_s, stride_q_h,
-    stride_k_b, stride_k_s, stride_k_h,
-    stride_v_b, stride_v_s, stride_v_h,
-    stride_do_b, stride_do_s, stride_do_h,
-    stride_dk_b, stride_dk_s, stride_dk_h,
-    stride_dv_b, stride_dv_s, stride_dv_h,
-    stride_dqacc_b, stride_dqacc_s, stride_dqacc_h,
-    stride_ds_b, stride_ds_h, stride_ds_s,
-    stride_delta_b, stride_delta_h,
-    stride_bias_b, stride_bias_h, stride_bias_s,
-    alibi_stride_b,
-    seqlen_q, seqlen_k, num_heads_q, kv_group_size, head_dim_qk_div8, head_dim_v_div8,
-    softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
-    write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-    BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1,
-):
-    """GQA's dK/dV by query head, as FlashAttention-3 and -4 run it: a program per (key block, query head,
-    batch entry), each walking its one head's query blocks as an MHA program does, so that the programs running
-    at once share Q, dO and dQ tiles in L2 as MHA's do, where a program of the whole group walks 8 heads'. dK
-    and dV are fp32 accumulators [rows, key heads, dims] (zeroed), to which each program adds its head's
-    shares by bulk TMA reductions; a conversion pass makes the outputs. Not deterministic (nor is dQ)."""
-    gl.static_assert(DQ_ATOMIC, "the v3 backward adds dQ by atomics")
-    n_block = gl.program_id(0)
-    hq = gl.program_id(1)
-    b = gl.program_id(2)
-    _dkdv_program(
-        n_block, hq // kv_group_size, hq, b, None,
-        Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
-        stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
-        stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
-        stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
-        kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES,
-        False, True)
+        WALK_DOWN, ONE_HEAD)
 
 
 @gluon.jit
@@ -424,8 +393,8 @@ def _dkdv_program(
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
     block paired with it; DqOrder the order region of the ORDERED form, None otherwise. h0: the first query
-    head of the group, which the program walks, or with ONE_HEAD (fmha_bwd_dkdv_heads) its only query head,
-    dK and dV then being added to fp32 accumulators. The tiles wider than 128 run fmha_bwd_wide.py's program
+    head of the group, which the program walks, or with ONE_HEAD its only query head, dK and dV then being
+    added to fp32 accumulators (fmha_bwd_dkdv). The tiles wider than 128 run fmha_bwd_wide.py's program
     instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not ONE_HEAD or (BLOCK_DQK == 128 and BLOCK_DV == 128 and not ORDERED),

@@ -40,7 +40,8 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, walk=True): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_WALK_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
-    gluon.update({v3.dkdv_heads_key(d, p): "fmha_bwd_dkdv_heads" for d in pp.DTYPES for p in v3.BWD_HEADS_PAIRS})
+    heads = {v3.dkdv_heads_key(d, p) for d in pp.DTYPES for p in v3.BWD_HEADS_PAIRS}  # dK, dV fp32 accumulators
+    gluon.update({key: "fmha_bwd_dkdv" for key in heads})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
     rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128, 256)})
     assert set(variants) == set(gluon) | set(rows)
@@ -48,7 +49,8 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     for key, function in gluon.items():
         v = variants[key]
         # any tile: the same signature
-        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {}, module=v["module"])
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {},
+                                    signature=abi.DKDV_ACCUMULATING_SIGNATURE if key in heads else None)
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
         assert v["global_scratch"] == plan_scratch(function, v["traits"])
@@ -110,7 +112,6 @@ def test_a_backward_program_makes_its_loaders_and_three_consumer_descriptors_a_c
     writer makes the one of the accumulator."""
     sizes = {(f, pair): v3.bwd_global_scratch(f, pair) for f in ("fmha_bwd_dkdv", "fmha_bwd_dkdv_ordered")
              for pair in v3.BWD_PAIRS}
-    sizes |= {("fmha_bwd_dkdv_heads", pair): v3.bwd_global_scratch("fmha_bwd_dkdv_heads", pair) for pair in v3.BWD_HEADS_PAIRS}
     assert {key: n for key, n in sizes.items() if n != 1536} == {
         ("fmha_bwd_dkdv_ordered", (64, 64)): 1408, ("fmha_bwd_dkdv_ordered", (128, 128)): 1408}
 
@@ -682,7 +683,7 @@ def test_gqa_programs_of_one_query_head_add_into_fp32_dk_dv_then_convert_them(v3
         region = workspace.region(name)
         assert region.zero_init and region.dtype == "fp32" and region.nbytes == 4 * 2 * 300 * 2 * 128
     programs = math.ceil(300 / 256) * 8 * 2  # a program per two key blocks of a query head
-    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv_heads", (128, 128)) * programs
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * programs
     launches = dispatch.plan_bwd(p, "sm_90", tensors)
     convert = v3.dq_convert_key("bf16", 128)
     assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128), v3.dkdv_heads_key("bf16", (128, 128)),

@@ -145,8 +145,9 @@ def ran_heads(expected=True):
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", HEADS_CASES, ids=[c[0] for c in HEADS_CASES])
 def test_gqa_programs_of_one_query_head_match_reference(case, dtype_name, heads_everywhere):
-    """fmha_bwd_dkdv_heads: dK and dV added over the group's heads into fp32 accumulators, then converted,
-    against float64 (the poisoned outputs show that the conversion wrote every element)."""
+    """GQA's dK/dV by query head (the `heads` objects): dK and dV added over the group's heads into fp32
+    accumulators, then converted, against float64 (the poisoned outputs show that the conversion wrote every
+    element)."""
     opts = case[-1]
     gen, q, k, v = case_inputs(case, dtype_name)
     out, lse = forward(q, k, v, **opts)
