@@ -185,7 +185,7 @@ def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, p_smem,
                 last = r0 + n_steps - 1
                 mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
             if DKV_ADD:
-                _add_dkdv(dk * softmax_scale, dv, dk_out, dv_out, dq_c, dk_desc, dv_desc, n0 + c * HALF_N)
+                _add_dkdv(dk * softmax_scale, dv, c, k_smem, v_smem, dq_c, dk_desc, dv_desc, n0 + c * HALF_N)
             else:
                 dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
                 dv_out.store(dv.to(dtype))
@@ -211,15 +211,17 @@ def _column_halves(x):
 
 
 @gluon.jit
-def _add_dkdv(dk, dv, k_tile, v_tile, dq_buf, dk_desc, dv_desc, row):
-    """The ONE_HEAD epilogue: this consumer's fp32 dK and dV ([HALF_N, 128] each, one query head's
-    shares) added to the accumulators at `row` by four bulk reductions of [HALF_N, 64] column halves, staged in
-    the three 16 KiB buffers the consumer owns once its steps are done: its K rows and V rows (whose bf16 tiles
-    hold exactly one fp32 half) and its dQ buffer, which takes dK's first half, then dV's last once read."""
+def _add_dkdv(dk, dv, c: gl.constexpr, k_smem, v_smem, dq_buf, dk_desc, dv_desc, row):
+    """The ONE_HEAD epilogue: consumer c's fp32 dK and dV ([HALF_N, 128] each, one query head's shares) added
+    to the accumulators at `row` by four bulk reductions of [HALF_N, 64] column halves, staged in three 16 KiB
+    buffers: half c of K's memory and of V's (by address: a swizzled tile keeps 64 columns of every row
+    together, so a consumer's rows are not one piece), which no product reads once both consumers' last dQ
+    products are done (the caller waited), and its dQ buffer, which takes dK's first half, then dV's last once
+    read."""
     rows: gl.constexpr = dk.shape[0]
     layout: gl.constexpr = dq_buf.layout
-    k_buf = k_tile._reinterpret(gl.float32, [rows, 1, DKV_COLUMNS], layout)
-    v_buf = v_tile._reinterpret(gl.float32, [rows, 1, DKV_COLUMNS], layout)
+    k_buf = k_smem._reinterpret(gl.float32, [2, rows, 1, DKV_COLUMNS], layout).index(c)
+    v_buf = v_smem._reinterpret(gl.float32, [2, rows, 1, DKV_COLUMNS], layout).index(c)
     dk0, dk1 = _column_halves(dk)
     dv0, dv1 = _column_halves(dv)
     tma.store_wait(0)  # the last step's dQ addition has read the dQ buffer
