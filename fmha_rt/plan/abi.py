@@ -51,11 +51,13 @@ _TILE = "BLOCK_M constexpr, BLOCK_N constexpr, BLOCK_DQK constexpr, BLOCK_DV con
 
 
 def _dkdv_signature(form: str) -> dict:
-    """fmha_bwd_dkdv's signature (form ''), or fmha_bwd_dkdv_ordered's ('ordered'): the same with the order
-    region after the dQ accumulator and the batch size after the dropout arguments, and no DQ_ATOMIC."""
+    """fmha_bwd_dkdv's signature (form ''), fmha_bwd_dkdv_ordered's ('ordered': the same with the order
+    region after the dQ accumulator and the batch size after the dropout arguments, and no DQ_ATOMIC), or
+    fmha_bwd_dkdv's where dK and dV are fp32 accumulators ('accumulating': DKDV_ACCUMULATING_SIGNATURE)."""
     ordered_form = form == "ordered"
+    dkv = "fp32" if form == "accumulating" else "T"
     return _signature(f"""
-        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *T, dV *T, DqAcc *fp32,
+        Q *T, K *T, V *T, dO *T, Lse2 *fp32, Delta *fp32, dK *{dkv}, dV *{dkv}, DqAcc *fp32,
         {"DqOrder *i32," if ordered_form else ""} Bias *T, dS *fp32, Alibi *fp32, PhiloxSeedOffset *i64, {_VARLEN_PTRS},
         {_strides("q", "k", "v", "do", "dk", "dv", "dqacc")},
         stride_ds_b i64, stride_ds_h i64, stride_ds_s i32,
@@ -115,10 +117,13 @@ SIGNATURES = {
         padded_dim_div8 i32, is_varlen i32, has_seqstart i32, BLOCK_R constexpr, NARROW_MAX constexpr,
         NARROW_COLUMNS constexpr, WIDE_ROWS constexpr, WIDE_COLUMNS constexpr, WIDEN constexpr"""),
 }
+# fmha_bwd_dkdv as the v3 family's variants of GQA's dK/dV by query head take it (their ONE_HEAD): the same
+# arguments, dK and dV being fp32 accumulators of the workspace that every query head's programs add to.
+DKDV_ACCUMULATING_SIGNATURE = _dkdv_signature("accumulating")
 KERNEL_SOURCE = {
     "fmha_fwd": "fwd", "fmha_dropout_mask": "fwd", "fmha_bwd_preprocess": "bwd", "fmha_bwd_dkdv": "bwd",
-    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd", "fmha_bwd_dq_convert": "bwd",
-    "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
+    "fmha_bwd_dkdv_ordered": "bwd", "fmha_bwd_dq": "bwd", "fmha_bwd_fused": "bwd",
+    "fmha_bwd_dq_convert": "bwd", "fmha_bwd_dbias": "bwd", "fmha_pad": "pad",
 }
 
 # ------------------------------------------------------------------------------------------- tiles
@@ -162,10 +167,11 @@ def pair_name(dqk, dv):
     return f"d{dqk}" if dqk == dv else f"d{dqk}v{dv}"
 
 
-def make_variant(key, function, dtype, tile, constexprs, traits, module=None):
+def make_variant(key, function, dtype, tile, constexprs, traits, module=None, signature=None):
     """A variant of `function` (a SIGNATURES name) in the form a family's variants() lists; `module` the
-    source's (default: the portable family's module of that function)."""
-    signature = {name: (f"*{dtype}" if kind == "*T" else kind) for name, kind in SIGNATURES[function].items()}
+    source's (default: the portable family's module of that function), `signature` another form of the
+    function's (default: SIGNATURES[function])."""
+    signature = {name: (f"*{dtype}" if kind == "*T" else kind) for name, kind in (signature or SIGNATURES[function]).items()}
     return {
         "key": key, "module": module or KERNEL_MODULES[KERNEL_SOURCE[function]], "function": function,
         "signature": signature, "constexprs": constexprs, "num_warps": tile.num_warps,

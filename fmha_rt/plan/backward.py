@@ -43,6 +43,7 @@ class BackwardArgs:
 
     def __init__(self, problem, operands, workspace):
         self.problem = p = problem
+        self.workspace = workspace
         self.args = a = Args(problem, operands)
         n, r = a.need, operands.region
         self.varlen, self.shape, self.mask = a.varlen(), a.shape(), a.mask()
@@ -63,15 +64,19 @@ class BackwardArgs:
                           "softmax_scale": p.softmax_scale, "scale_log2": p.softmax_scale * math.log2(math.e)}
         self.dq_acc = {"DqAcc": None, "stride_dqacc_b": 0, "stride_dqacc_s": 0, "stride_dqacc_h": 0}
         if workspace.dq_strategy in (DQ_ATOMIC, DQ_ORDERED):
-            st = contiguous_strides(workspace.region("dq_acc").shape)
-            b, s, h = (0, st[0], st[1]) if p.varlen else st[:3]
-            self.dq_acc = {"DqAcc": r("dq_acc"), "stride_dqacc_b": b, "stride_dqacc_s": s, "stride_dqacc_h": h}
+            self.dq_acc = {"DqAcc": r("dq_acc"), **self.region_strides("dq_acc", "dqacc")}
         self.ds = {"dS": None, "stride_ds_b": 0, "stride_ds_h": 0, "stride_ds_s": 0, "write_dbias": 0}
         if p.bias_grad:
             st = contiguous_strides(workspace.region("ds").shape)
             self.ds = {"dS": r("ds"), "stride_ds_b": st[0], "stride_ds_h": st[1], "stride_ds_s": st[2],
                        "write_dbias": 1}
         self.outputs = {**self.ds, **self.rows["dk"], **self.rows["dv"], "dK": n.dk.pointer, "dV": n.dv.pointer}
+
+    def region_strides(self, region, name) -> dict:
+        """stride_<name>_b/s/h of a workspace region laid out as rows of heads, [B, S, H, d] or [total, H, d]."""
+        st = contiguous_strides(self.workspace.region(region).shape)
+        b, s, h = (0, st[0], st[1]) if self.problem.varlen else st[:3]
+        return {f"stride_{name}_b": b, f"stride_{name}_s": s, f"stride_{name}_h": h}
 
     def rows_pass(self):
         """What the row passes (preprocess, dq_convert) share: the query rows' offsets and shape."""
@@ -102,6 +107,31 @@ def dkdv(b: BackwardArgs, key, block_n, extra=None) -> Launch:
     args = ordered(key, "fmha_bwd_dkdv", {**b.attention, **b.dq_acc, **b.outputs})
     grid = launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem)
     return Launch(key, (grid[0], b.problem.heads_k, grid[2]), {**args, **(extra or {})})
+
+
+def dkdv_heads(b: BackwardArgs, key, block_n, extra=None) -> Launch:
+    """GQA's dK and dV by query head (fmha_bwd_dkdv's ONE_HEAD): a program per (`block_n` keys, query head, batch
+    entry), adding dQ into its accumulator and dK and dV into theirs, the workspace regions dk_acc and dv_acc
+    (zeroed; dkdv_convert makes the outputs); `extra` as for dkdv."""
+    region = b.args.operands.region
+    accumulators = {"dK": region("dk_acc"), "dV": region("dv_acc"), **b.region_strides("dk_acc", "dk"),
+                    **b.region_strides("dv_acc", "dv")}
+    args = ordered(key, "fmha_bwd_dkdv", {**b.attention, **b.dq_acc, **b.outputs, **accumulators})
+    return Launch(key, launch_grid(cdiv(b.problem.seqlen_k, block_n), b.problem), {**args, **(extra or {})})
+
+
+def dkdv_convert(b: BackwardArgs, key, name) -> Launch:
+    """The fp32 accumulator of dK or dV (`name`: 'dk' or 'dv', region '<name>_acc', already scaled) into its
+    output, by the dQ conversion's kernel run over the key rows and key heads."""
+    p, v = b.problem, b.varlen
+    acc = b.region_strides(f"{name}_acc", "dqacc")
+    out = {f"stride_dq_{axis}": b.rows[name][f"stride_{name}_{axis}"] for axis in "bsh"}
+    dims = b.shape["head_dim_qk_div8" if name == "dk" else "head_dim_v_div8"]
+    args = {"DqAcc": b.args.operands.region(f"{name}_acc"), **acc, **out, "dQ": b.outputs["dK" if name == "dk" else "dV"],
+            "CuSeqlensQ": v["CuSeqlensK"], "SeqstartQ": v["SeqstartK"], "seqlen_q": p.seqlen_k,
+            "is_varlen": v["is_varlen"], "has_seqstart": v["has_seqstart"], "head_dim_qk_div8": dims, "softmax_scale": 1.0}
+    grid = (cdiv(p.seqlen_k, ROWS_TILE.block_m), p.heads_k, launch_grid(1, p)[2])
+    return Launch(key, grid, ordered(key, "fmha_bwd_dq_convert", args))
 
 
 def dkdv_ordered(b: BackwardArgs, key, programs, extra=None) -> Launch:

@@ -22,10 +22,10 @@ it); the plan cache does not key on the mode, so clear it after changing it.
 import os
 
 from . import backward
-from .abi import (BIAS_NONE, DQ_ATOMIC, DQ_ORDERED, DTYPES, Tile, dq_convert_variant, head_dim_tiles, make_variant, pair_name,
-                  preprocess_variant, problem_features)
+from .abi import (BIAS_NONE, DKDV_ACCUMULATING_SIGNATURE, DQ_ATOMIC, DQ_ORDERED, DTYPES, Tile, dq_convert_variant, head_dim_tiles,
+                  make_variant, pair_name, preprocess_variant, problem_features)
 from .args import forward_launch, has_work
-from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd_scratch as padding_scratch
+from .layout import Scratch, Workspace, backward_workspace, dq_order_region, fwd_scratch as padding_scratch, padded_head_dim
 
 FAMILY = "v3"
 ARCHS = ("sm_90",)
@@ -98,6 +98,12 @@ LATENT_BWD_TILE = True
 # at 16k. The 64 tile's causal GQA calls run the portable backward below 16k keys, so it has no walk variant.
 BWD_WALK_PAIRS = ((128, 128),)
 BWD_WALK_CAUSAL_GQA_SEQLEN_K = {(128, 128): (2048, 4096)}
+# GQA calls whose atomic dK/dV runs a program per query head (fmha_bwd_dkdv's ONE_HEAD, FlashAttention-3's and -4's
+# form: dK and dV added into zeroed fp32 accumulators of the workspace, then converted) rather than per key
+# head, by tile and masking (causal or not): the key lengths [from, below) that take it. Candidate v3.31,
+# taken at every GQA length of the 128 tile until measured.
+BWD_HEADS_PAIRS = ((128, 128),)
+BWD_HEADS_GQA_SEQLEN_K = {((128, 128), True): (1024, 1 << 31), ((128, 128), False): (1024, 1 << 31)}
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -210,6 +216,11 @@ def dkdv_key(dtype, pair, strategy=DQ_ATOMIC, walk=False):
     return f"fmha_bwd_dkdv{form}_v3_{dtype}_{pair_name(*pair)}" + ("_walk" if walk else "")
 
 
+def dkdv_heads_key(dtype, pair):
+    """The atomic dK/dV variant of programs of one query head ('fmha_bwd_dkdv_heads_v3_...', ONE_HEAD)."""
+    return f"fmha_bwd_dkdv_heads_v3_{dtype}_{pair_name(*pair)}"
+
+
 def preprocess_key(dtype, dv_tile):
     return f"fmha_bwd_preprocess_v3_{dtype}_d{dv_tile}"
 
@@ -279,6 +290,11 @@ def variants(arch: str) -> list[dict]:
                     out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy, walk), function, dtype, tile,
                                                    constexprs | ({"WALK_DOWN": True} if walk else {}), traits,
                                                    module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
+                if strategy == DQ_ATOMIC and pair in BWD_HEADS_PAIRS:
+                    out.append(_gluon(make_variant(dkdv_heads_key(dtype, pair), function, dtype, tile,
+                                                   constexprs | {"ONE_HEAD": True}, traits, module=KERNEL_MODULES["bwd"],
+                                                   signature=DKDV_ACCUMULATING_SIGNATURE),
+                                      bwd_global_scratch(function, pair)))
         # the portable pre-pass and dQ conversion, which the portable family builds for sm_90 only where
         # its own strategies use them
         out += [preprocess_variant(preprocess_key(dtype, d), dtype, d) for d in sorted({p[1] for p in BWD_PAIRS})]
@@ -376,9 +392,11 @@ def _bwd_strategy(problem) -> str:
 
 
 def _bwd_programs(problem, tiles=1) -> int:
-    """The dK/dV programs: one per `tiles` key blocks of a (key head, batch entry)."""
+    """The dK/dV programs: one per `tiles` key blocks of a (key head, batch entry), or of a (query head, batch
+    entry) where bwd_heads holds."""
     block_n = bwd_tile(bwd_pair(problem), _bwd_strategy(problem)).block_n * tiles
-    return -(-problem.seqlen_k // block_n) * problem.heads_k * problem.batch
+    heads = problem.heads_q if bwd_heads(problem) else problem.heads_k
+    return -(-problem.seqlen_k // block_n) * heads * problem.batch
 
 
 def _bwd_tiles(problem) -> int:
@@ -394,6 +412,19 @@ def bwd_walk(problem) -> bool:
     return causal_gqa and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
 
 
+def bwd_heads(problem) -> bool:
+    """Whether an atomic (non-deterministic) GQA call's dK/dV runs a program per query head
+    (BWD_HEADS_GQA_SEQLEN_K)."""
+    lengths = BWD_HEADS_GQA_SEQLEN_K.get((bwd_pair(problem), problem.causal))
+    return not problem.deterministic and problem.kv_group_size > 1 and _keys_within(problem, lengths)
+
+
+def _key_rows_shape(problem, per_row) -> tuple:
+    """fp32 workspace shaped like k's rows: [B, Sk, Hk, per_row] or [total_k, Hk, per_row]."""
+    lead = (problem.total_k,) if problem.varlen else (problem.batch, problem.seqlen_k)
+    return lead + (problem.heads_k, per_row)
+
+
 def bwd_workspace(problem) -> Workspace:
     """The workspace of a backward the v3 family serves: the portable atomic or ordered strategy's
     regions (Delta, Lse2, the zeroed fp32 dQ accumulator; for ORDERED the zeroed order region at this
@@ -405,7 +436,10 @@ def bwd_workspace(problem) -> Workspace:
     function = "fmha_bwd_dkdv_ordered" if strategy == DQ_ORDERED else "fmha_bwd_dkdv"
     descriptors = _descriptor_region(bwd_global_scratch(function, pair) * _bwd_programs(problem, _bwd_tiles(problem)),
                                      problem)
-    return backward_workspace(problem, strategy, order + descriptors)
+    # programs of one query head add dK and dV into zeroed fp32 accumulators: 2 / (group size) of dQ's
+    accumulators = [(f"{name}_acc", _key_rows_shape(problem, padded_head_dim(dim)), True, "fp32")
+                    for name, dim in (("dk", problem.head_dim_qk), ("dv", problem.head_dim_v))] if bwd_heads(problem) else []
+    return backward_workspace(problem, strategy, order + accumulators + descriptors)
 
 
 def plan_bwd(problem, operands) -> list:
@@ -425,6 +459,11 @@ def plan_bwd(problem, operands) -> list:
         wave = backward.forced_programs() or items
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
+    elif bwd_heads(problem):
+        keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)
+        convert = dq_convert_key(problem.dtype, dq_tile(pair))  # the accumulators' widths are dQ's (BWD_HEADS_PAIRS)
+        main = [backward.dkdv_heads(args, dkdv_heads_key(problem.dtype, pair), keys, scratch),
+                backward.dkdv_convert(args, convert, "dk"), backward.dkdv_convert(args, convert, "dv")]
     else:
         keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)  # a program's keys
         main = [backward.dkdv(args, dkdv_key(problem.dtype, pair, walk=bwd_walk(problem)), keys, scratch)]

@@ -61,7 +61,7 @@ def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k
     step r0 + t in the Q/dO ring and the dS buffers (r0: the steps of its key blocks before this one). dK and
     dV accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form). Where Q and
     K are held in two parts (the 192 tile: `k_rest_smem` narrower than `k_smem`), S adds the rest's product,
-    dK's rest columns accumulate in dk_rest, and dQ's share goes in pieces (_dq_piece)."""
+    dK's rest columns accumulate in dk_rest, and dQ's share goes in pieces (_add_dq_piece)."""
     K_WHOLE: gl.constexpr = k_smem.shape[1]
     K_REST: gl.constexpr = k_rest_smem.shape[1]
     SPLIT: gl.constexpr = K_REST < K_WHOLE
@@ -181,10 +181,11 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
               stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n_first, n_second,
               n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right, scale_log2, softmax_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
-              ORDERED: gl.constexpr, DESCENDING: gl.constexpr):
+              ORDERED: gl.constexpr, DESCENDING: gl.constexpr, DKV_ADD: gl.constexpr = False):
     """Consumer c (BLOCK_N / 2 keys of each of the program's key blocks): per key block, its steps, then its
     dK and dV out through K's and V's memory, which it then gives back to the loaders (`kv_free`). dK's
-    columns in two parts where K is held so (the 192 tile)."""
+    columns in two parts where K is held so (the 192 tile). DKV_ADD (fmha_bwd_dkdv's ONE_HEAD): dK and dV are one
+    query head's shares, added to fp32 accumulators (_add_dkdv)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     K_WHOLE: gl.constexpr = k_smem.shape[1]
     K_REST: gl.constexpr = k_rest_smem.shape[1]
@@ -204,10 +205,17 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
     # the fp32 dQ accumulator by (row, query head, dim) in its half of the columns (the ORDERED form's
     # writer makes its own)
     dtype: gl.constexpr = q_smem.dtype
-    dk_desc = rows_descriptor(dk_rows, stride_dk_s, sk, dqk, [HALF_N, K_REST],
-                              gl.NVMMASharedLayout.get_default_for([HALF_N, K_REST], dtype))
-    dv_desc = rows_descriptor(dv_rows, stride_dv_s, sk, dv_dims, [HALF_N, BLOCK_DV],
-                              gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype))
+    if DKV_ADD:
+        # by (row, head, dim) with the key head's rows as the only head (its stride any valid one), so that the
+        # dQ buffers' [HALF_N, 1, 64] fp32 tiles serve: _add_dkdv
+        acc_layout: gl.constexpr = dq_smem.layout
+        dk_desc = heads_descriptor(dk_rows, stride_dk_s, stride_dk_s, sk, 1, dqk, HALF_N, DKV_COLUMNS, acc_layout)
+        dv_desc = heads_descriptor(dv_rows, stride_dv_s, stride_dv_s, sk, 1, dv_dims, HALF_N, DKV_COLUMNS, acc_layout)
+    else:
+        dk_desc = rows_descriptor(dk_rows, stride_dk_s, sk, dqk, [HALF_N, K_REST],
+                                  gl.NVMMASharedLayout.get_default_for([HALF_N, K_REST], dtype))
+        dv_desc = rows_descriptor(dv_rows, stride_dv_s, sk, dv_dims, [HALF_N, BLOCK_DV],
+                                  gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype))
     if ORDERED:
         dq_desc = None
     else:
@@ -237,17 +245,60 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
                 # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
                 last = r0 + n_steps - 1
                 mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
-            dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
-            if SPLIT:
-                dk_rest_out.store((dk_rest * softmax_scale).to(dtype))
-            dv_out.store(dv.to(dtype))
-            fence_async_shared()
-            store_in_parts(dk_desc, n0 + c * HALF_N, dk_out, dk_rest_out)
-            tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
+            if DKV_ADD:
+                _add_dkdv(dk * softmax_scale, dv, c, k_smem, v_smem, dq_c, dk_desc, dv_desc, n0 + c * HALF_N)
+            else:
+                dk_out.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
+                if SPLIT:
+                    dk_rest_out.store((dk_rest * softmax_scale).to(dtype))
+                dv_out.store(dv.to(dtype))
+                fence_async_shared()
+                store_in_parts(dk_desc, n0 + c * HALF_N, dk_out, dk_rest_out)
+                tma.async_copy_shared_to_global(dv_desc, [n0 + c * HALF_N, 0], dv_out)
             tma.store_wait(0)
             mbarrier.arrive(kv_free)  # K's and V's memory is the loaders' again
             r0 += n_steps
             kv_phase ^= 1
+
+
+DKV_COLUMNS = gl.constexpr(64)  # ONE_HEAD: dK's and dV's columns an fp32 addition carries
+
+
+@gluon.jit
+def _column_halves(x):
+    """x [rows, 2 * n] as its two [rows, n] column halves (the wgmma accumulator holds both in each thread's
+    registers: no data moves)."""
+    rows: gl.constexpr = x.shape[0]
+    half: gl.constexpr = x.shape[1] // 2
+    return x.reshape([rows, 2, half]).permute((0, 2, 1)).split()
+
+
+@gluon.jit
+def _add_dkdv(dk, dv, c: gl.constexpr, k_smem, v_smem, dq_buf, dk_desc, dv_desc, row):
+    """The ONE_HEAD epilogue: consumer c's fp32 dK and dV ([HALF_N, 128] each, one query head's shares) added
+    to the accumulators at `row` by four bulk reductions of [HALF_N, 64] column halves, staged in three 16 KiB
+    buffers: half c of K's memory and of V's (by address: a swizzled tile keeps 64 columns of every row
+    together, so a consumer's rows are not one piece), which no product reads once both consumers' last dQ
+    products are done (the caller waited), and its dQ buffer, which takes dK's first half, then dV's last once
+    read."""
+    rows: gl.constexpr = dk.shape[0]
+    layout: gl.constexpr = dq_buf.layout
+    k_buf = k_smem._reinterpret(gl.float32, [2, rows, 1, DKV_COLUMNS], layout).index(c)
+    v_buf = v_smem._reinterpret(gl.float32, [2, rows, 1, DKV_COLUMNS], layout).index(c)
+    dk0, dk1 = _column_halves(dk)
+    dv0, dv1 = _column_halves(dv)
+    tma.store_wait(0)  # the last step's dQ addition has read the dQ buffer
+    dq_buf.reshape([rows, DKV_COLUMNS]).store(dk0)
+    k_buf.reshape([rows, DKV_COLUMNS]).store(dk1)
+    v_buf.reshape([rows, DKV_COLUMNS]).store(dv0)
+    fence_async_shared()
+    tma_add_shared_to_global(dk_desc, [row, 0, 0], dq_buf)
+    tma_add_shared_to_global(dk_desc, [row, 0, DKV_COLUMNS], k_buf)
+    tma_add_shared_to_global(dv_desc, [row, 0, 0], v_buf)
+    tma.store_wait(2)  # the first has read the dQ buffer
+    dq_buf.reshape([rows, DKV_COLUMNS]).store(dv1)
+    fence_async_shared()
+    tma_add_shared_to_global(dv_desc, [row, 0, DKV_COLUMNS], dq_buf)
 
 
 @gluon.jit
@@ -316,6 +367,7 @@ def fmha_bwd_dkdv(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
     GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1, WALK_DOWN: gl.constexpr = False,
+    ONE_HEAD: gl.constexpr = False,
 ):
     """A program per (key block, key head, batch entry), the key block the grid's fastest dimension: a head's
     key blocks start together. (Key blocks slowest was measured 0.54-0.96x at D=128 without GQA: each resident
@@ -324,20 +376,30 @@ def fmha_bwd_dkdv(
     its (key head, batch entry), N blocks in all, so that under a causal mask every program has about the
     same steps and one prologue serves two key blocks. WALK_DOWN (the `_walk` variants, v3.20): the
     steps in the ORDERED form's order (query_step), so that under a causal mask a group's programs stay on
-    the same query head and block rather than drifting apart over the group's heads."""
+    the same query head and block rather than drifting apart over the group's heads. ONE_HEAD (the `heads`
+    variants, v3.31): GQA's dK/dV by query head, as FlashAttention-3 and -4 run it: a program per (key block,
+    query head, batch entry), the grid's second dimension the query heads, each walking its one head's query
+    blocks as an MHA program does, so that the programs running at once share Q, dO and dQ tiles in L2 as
+    MHA's do, where a program of the whole group walks 8 heads'; dK and dV are then fp32 accumulators [rows,
+    key heads, dims] (zeroed), to which each program adds its head's shares, and a conversion pass follows."""
     gl.static_assert(DQ_ATOMIC and GROUP_LOOP, "the v3 backward adds dQ by atomics and loops over the group's heads")
     n_block = gl.program_id(0)
-    hk = gl.program_id(1)
     b = gl.program_id(2)
+    if ONE_HEAD:
+        h0 = gl.program_id(1)  # the program's query head
+        hk = h0 // kv_group_size
+    else:
+        hk = gl.program_id(1)
+        h0 = hk * kv_group_size  # the group's first query head
     _dkdv_program(
-        n_block, hk, b, None,
+        n_block, hk, h0, b, None,
         Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
         stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
         bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES,
-        WALK_DOWN)
+        WALK_DOWN, ONE_HEAD)
 
 
 @gluon.jit
@@ -372,7 +434,7 @@ def fmha_bwd_dkdv_ordered(
     item = gl.atomic_add(DqOrder, 1, sem="relaxed")
     n_block, slot = ticket_item(item, gl.cdiv(seqlen_k, BLOCK_N), slots, KEY_BLOCK_CHUNK)
     _dkdv_program(
-        n_block, slot % heads_k, slot // heads_k, DqOrder,
+        n_block, slot % heads_k, (slot % heads_k) * kv_group_size, slot // heads_k, DqOrder,
         Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK, stride_q_b, stride_q_s,
         stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_do_b, stride_do_s,
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
@@ -383,7 +445,7 @@ def fmha_bwd_dkdv_ordered(
 
 @gluon.jit
 def _dkdv_program(
-    n_block, hk, b, DqOrder,
+    n_block, hk, h0, b, DqOrder,
     Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ, SeqstartK,
     stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
     stride_do_b, stride_do_s, stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h,
@@ -392,12 +454,16 @@ def _dkdv_program(
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr, TILES: gl.constexpr,
-    WALK_DOWN: gl.constexpr,
+    WALK_DOWN: gl.constexpr, ONE_HEAD: gl.constexpr = False,
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
-    block paired with it; DqOrder the order region of the ORDERED form, None otherwise. The tiles wider than
-    128 run fmha_bwd_wide.py's program instead."""
+    block paired with it; DqOrder the order region of the ORDERED form, None otherwise. h0: the first query
+    head of the group, which the program walks, or with ONE_HEAD its only query head, dK and dV then being
+    added to fp32 accumulators (fmha_bwd_dkdv). The 256 tiles, and the (192, 128) tile of the ORDERED form
+    (BLOCK_N 64), run fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
+    gl.static_assert(not ONE_HEAD or (BLOCK_DQK == 128 and BLOCK_DV == 128 and not ORDERED),
+                     "programs of one query head: the atomic form of the 128 tile")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
     gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_N == 128),
                      "pairs of key blocks: the atomic form of the tiles of two consumers of keys")
@@ -431,7 +497,10 @@ def _dkdv_program(
             n_tiles = n_block * 0 + 1
         if n_first * BLOCK_N >= sk:  # n_second is past it too
             return
-        h0 = hk * kv_group_size  # the group's first query head
+        if ONE_HEAD:
+            group = 1  # the query heads a program walks
+        else:
+            group = kv_group_size
 
         dqk = head_dim_qk_div8 * 8
         dv = head_dim_v_div8 * 8
@@ -489,31 +558,31 @@ def _dkdv_program(
             counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)  # the group's first head's
             n0 = n_first * BLOCK_N  # one key block a program
             off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
-                n0, sq, sk, kv_group_size, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
+                n0, sq, sk, group, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             gl.warp_specialize([
                 (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
                              stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
-                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
+                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True, True)),
                 (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
                              stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
-                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left,
+                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left,
                              window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                              True, True)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
                                               k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
-                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N, True)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
-                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, Lse2_head0, Delta_head0, stride_delta_h, stats_smem,
                                               BLOCK_M, BLOCK_N, True)),
                 (_dq_writer, (dq_smem, dq_full, dq_empty, dq_rows, stride_dqacc_s, stride_dqacc_h, sq, num_heads_q, dqk,
-                              counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, kv_group_size, off,
+                              counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, group, off,
                               left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
             ], [4, 1, 1, 1], [240, 24, 24, 24])
         else:
@@ -521,21 +590,21 @@ def _dkdv_program(
                 (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
-                             dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
+                             dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN, ONE_HEAD)),
                 (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
                              q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
-                             dv, n_first, n_second, n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN)),
+                             dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN, ONE_HEAD)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
                                               k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
-                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N,
                                               WALK_DOWN)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
-                                              kv_group_size, window_left, window_right, bottom_right, n_first, n_second,
+                                              group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, Lse2_head0, Delta_head0, stride_delta_h, stats_smem,
                                               BLOCK_M, BLOCK_N, WALK_DOWN)),
             ], [4, 1, 1], [240, 24, 24])

@@ -13,7 +13,7 @@ from fmha_rt.plan import portable as pp
 from fmha_rt.plan.operands import Operands
 from fmha_rt.plan.problem import AttentionProblem
 
-ZEROED = {"dq_acc", "dq_order", "ds"}  # every region that must hold zeros when the backward starts
+ZEROED = {"dq_acc", "dq_order", "ds", "dk_acc", "dv_acc"}  # every region that must hold zeros when the backward starts
 
 
 def _problem(sk=512, hk=2, d=64, **extra):
@@ -31,7 +31,9 @@ CASES = {
     "deterministic_default_sm_90": (_problem(deterministic=True), "sm_90", pp.DQ_DETERMINISTIC, "portable"),
     "atomic_interpret": (_problem(d=32), pp.INTERPRET_ARCH, pp.DQ_ATOMIC, "portable"),
     "fused_interpret": (_problem(sk=4096, d=32, hk=8), pp.INTERPRET_ARCH, pp.DQ_FUSED, "portable"),
-    "v3_atomic": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16"), "sm_90", pp.DQ_ATOMIC, "v3"),
+    "v3_atomic": (AttentionProblem(2, 384, 4096, 8, 8, 128, 128, "bf16"), "sm_90", pp.DQ_ATOMIC, "v3"),
+    # GQA's dK/dV by query head: fp32 dK and dV accumulators too
+    "v3_atomic_gqa": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16"), "sm_90", pp.DQ_ATOMIC, "v3"),
     "v3_ordered": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16", deterministic=True), "sm_90", pp.DQ_ORDERED,
                    "v3"),
 }
@@ -56,6 +58,13 @@ def test_the_launcher_reports_what_its_workspace_holds(case, monkeypatch):
     for acc in accumulators:  # one fp32 dQ: [B, Sq, Hq, ceil8(Dqk)]
         assert acc.dtype == "fp32" and acc.nbytes == _fp32_dq_bytes(problem)
     assert ("dq_order" in regions) == (strategy == pp.DQ_ORDERED)
+    heads = family == "v3" and v3.bwd_heads(problem)
+    assert heads == (case == "v3_atomic_gqa")
+    for name, dim in (("dk_acc", problem.head_dim_qk), ("dv_acc", problem.head_dim_v)):  # [B, Sk, Hk, ceil8(D)]
+        assert (name in regions) == heads
+        if heads:
+            keys = problem.batch * problem.seqlen_k * problem.heads_k
+            assert regions[name].dtype == "fp32" and regions[name].nbytes == 4 * keys * layout.padded_head_dim(dim)
     assert {r.name for r in ws.regions if r.zero_init} == ZEROED & set(regions)
     assert launcher.needs_zero_init == bool(ZEROED & set(regions))
     end = max((r.offset + r.nbytes for r in ws.regions), default=0)

@@ -40,6 +40,8 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     gluon.update({v3.dkdv_key(d, p): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_PAIRS})
     gluon.update({v3.dkdv_key(d, p, walk=True): "fmha_bwd_dkdv" for d in pp.DTYPES for p in v3.BWD_WALK_PAIRS})
     gluon.update({v3.dkdv_key(d, p, pp.DQ_ORDERED): "fmha_bwd_dkdv_ordered" for d in pp.DTYPES for p in v3.BWD_PAIRS})
+    heads = {v3.dkdv_heads_key(d, p) for d in pp.DTYPES for p in v3.BWD_HEADS_PAIRS}  # dK, dV fp32 accumulators
+    gluon.update({key: "fmha_bwd_dkdv" for key in heads})
     rows = {v3.preprocess_key(d, t): "fmha_bwd_preprocess" for d in pp.DTYPES for t in (64, 128, 256)}
     rows.update({v3.dq_convert_key(d, t): "fmha_bwd_dq_convert" for d in pp.DTYPES for t in (64, 128, 256)})
     assert set(variants) == set(gluon) | set(rows)
@@ -47,7 +49,8 @@ def test_variants_exist_on_sm_90_alone_and_take_the_portable_signature():
     for key, function in gluon.items():
         v = variants[key]
         # any tile: the same signature
-        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {})
+        portable = abi.make_variant("k", function, v["traits"]["dtype"], v3.BWD_TILES[(128, 128)], {}, {},
+                                    signature=abi.DKDV_ACCUMULATING_SIGNATURE if key in heads else None)
         assert v["signature"] == portable["signature"] and v["function"] == function
         assert v["language"] == "gluon" and v["module"].startswith("kernels.v3.")
         assert v["global_scratch"] == plan_scratch(function, v["traits"])
@@ -120,7 +123,7 @@ def test_the_manifest_holds_the_built_v3_kernels_with_their_scratch(monkeypatch)
     assert sorted(e.key for e in entries) == sorted(functions)
     for e in entries:
         assert [s.name for s in e.params[-2:]] == list(SCRATCH_POINTERS)
-        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3", "fmha_bwd_dkdv_ordered_v3")):
+        if e.key.startswith(("fmha_fwd_v3", "fmha_bwd_dkdv_v3", "fmha_bwd_dkdv_ordered_v3", "fmha_bwd_dkdv_heads_v3")):
             # the build checked the compiler's figure against the plan's; the manifest records it
             assert e.traits["global_scratch"] == plan_scratch(functions[e.key], e.traits)
             assert e.traits["global_scratch_align"] == v3.GLOBAL_SCRATCH_ALIGN
@@ -660,6 +663,51 @@ def test_the_backward_plan_is_the_atomic_strategy_with_the_v3_kernels(v3_on):
     # a program per two key blocks of 128 of a kv head
     assert launches[1].grid == (2, 2, 2) and launches[1].args["DqAcc"] is tensors.regions["dq_acc"]
     assert launches[1].args["kv_group_size"] == 4
+
+
+def test_gqa_programs_of_one_query_head_add_into_fp32_dk_dv_then_convert_them(v3_on, monkeypatch):
+    """Where BWD_HEADS_GQA_SEQLEN_K holds (switched on here at every length of causal calls), GQA's dK/dV runs a
+    program per (two key blocks, query head, batch entry) that adds into the zeroed fp32 regions dk_acc and
+    dv_acc ([B, Sk, Hk, ceil8(D)]), which the dQ conversion's kernel then makes into dK and dV (unscaled: the
+    kernel scaled dK), over key rows and key heads; everything else as the per-key-head plan."""
+    p = problem(window_right=0)  # GQA 8/2, causal, 300 rows, D = 128
+    assert not v3.bwd_heads(p) and not v3.bwd_heads(problem(window_right=0, seqlen_q=4096, seqlen_k=4096, heads_k=8))
+    switched_on = {((128, 128), True): (0, 1 << 31)}
+    monkeypatch.setattr(v3, "BWD_HEADS_GQA_SEQLEN_K", switched_on)
+    workspace = dispatch.bwd_workspace(p, "sm_90")
+    tensors = backward_operands(workspace)
+    monkeypatch.setattr(v3, "BWD_HEADS_GQA_SEQLEN_K", {})  # the per-key-head plan of the same operands
+    plain_launches = dispatch.plan_bwd(p, "sm_90", tensors)
+    monkeypatch.setattr(v3, "BWD_HEADS_GQA_SEQLEN_K", switched_on)
+    assert v3.bwd_heads(p) and not v3.bwd_heads(problem()) and not v3.bwd_heads(problem(window_right=0, heads_k=8))
+    assert not v3.bwd_heads(problem(window_right=0, deterministic=True))
+    for name in ("dk_acc", "dv_acc"):
+        region = workspace.region(name)
+        assert region.zero_init and region.dtype == "fp32" and region.nbytes == 4 * 2 * 300 * 2 * 128
+    programs = math.ceil(300 / 256) * 8 * 2  # a program per two key blocks of a query head
+    assert workspace.region(v3.DESCRIPTOR_REGION).nbytes == v3.bwd_global_scratch("fmha_bwd_dkdv", (128, 128)) * programs
+    launches = dispatch.plan_bwd(p, "sm_90", tensors)
+    convert = v3.dq_convert_key("bf16", 128)
+    assert [launch.variant for launch in launches] == [v3.preprocess_key("bf16", 128), v3.dkdv_heads_key("bf16", (128, 128)),
+                                                       convert, convert, convert]
+    heads, dk, dv = launches[1:4]
+    assert heads.grid == (2, 8, 2)
+    acc_strides = {"b": 300 * 2 * 128, "s": 2 * 128, "h": 128}  # [B, Sk, Hk, 128] fp32, in elements
+    assert heads.args["dK"] is tensors.regions["dk_acc"] and heads.args["dV"] is tensors.regions["dv_acc"]
+    for name in ("dk", "dv"):
+        assert {axis: heads.args[f"stride_{name}_{axis}"] for axis in "bsh"} == acc_strides
+    outputs = {"dK", "dV"} | {f"stride_{n}_{axis}" for n in ("dk", "dv") for axis in "bsh"}
+    plain_args = plain_launches[1].args
+    assert {k: v for k, v in heads.args.items() if k not in outputs | {"global_scratch"}} == \
+        {k: v for k, v in plain_args.items() if k not in outputs | {"global_scratch"}}
+    for launch, name, output in ((dk, "dk_acc", tensors.dk), (dv, "dv_acc", tensors.dv)):
+        assert launch.grid == (math.ceil(300 / 64), 2, 2)  # key rows, key heads, batch
+        assert launch.args["DqAcc"] is tensors.regions[name] and launch.args["dQ"] is output.pointer
+        assert {axis: launch.args[f"stride_dqacc_{axis}"] for axis in "bsh"} == acc_strides
+        assert [launch.args[f"stride_dq_{axis}"] for axis in "bsh"] == list(output.strides[:3])
+        assert launch.args["seqlen_q"] == 300 and launch.args["softmax_scale"] == 1.0
+        assert launch.args["head_dim_qk_div8"] == 16
+    assert launches[4].args == plain_launches[2].args  # dQ's conversion as before
 
 
 def test_a_served_backward_launches_the_v3_kernels_and_zeroes_the_accumulator(monkeypatch, rt, driver, v3_on):

@@ -123,6 +123,48 @@ def test_the_walking_down_backward_matches_reference(case, dtype_name, monkeypat
     assert_backward_close(grads, dout, q, k, v, opts)
 
 
+HEADS_CASES = WALK_CASES + [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: a sliding window, more queries than keys, an 80 head padded in the tile
+    ("d128_gqa_window", 2, 333, 500, 8, 2, 128, 128, {"window": (60, 20)}),
+    ("d80_causal_gqa_tl_sq_gt_sk", 1, 400, 200, 4, 2, 80, 80, {"causal": True}),
+]
+
+
+@pytest.fixture
+def heads_everywhere(monkeypatch):
+    """GQA's dK/dV by query head (v3.BWD_HEADS_GQA_SEQLEN_K) at every length, with and without a mask."""
+    monkeypatch.setattr(v3, "BWD_HEADS_GQA_SEQLEN_K",
+                        {(pair, causal): (0, 1 << 31) for pair in v3.BWD_HEADS_PAIRS for causal in (False, True)})
+    fmha_rt.clear_plan_cache()
+
+
+def ran_heads(expected=True):
+    assert any(key.startswith("fmha_bwd_dkdv_heads") for key in fmha_rt.last_launch_info()["kernels"]) == expected
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", HEADS_CASES, ids=[c[0] for c in HEADS_CASES])
+def test_gqa_programs_of_one_query_head_match_reference(case, dtype_name, heads_everywhere):
+    """GQA's dK/dV by query head (the `heads` objects): dK and dV added over the group's heads into fp32
+    accumulators, then converted, against float64 (the poisoned outputs show that the conversion wrote every
+    element)."""
+    opts = case[-1]
+    gen, q, k, v = case_inputs(case, dtype_name)
+    out, lse = forward(q, k, v, **opts)
+    dout = rand(out.shape, q.dtype, gen)
+    grads = backward(dout, q, k, v, out, lse, **opts)
+    ran_heads(q.shape[2] != k.shape[2])
+    assert_backward_close(grads, dout, q, k, v, opts)
+
+
+def test_gqa_programs_of_one_query_head_over_varlen_with_empty_and_single_token_sequences(heads_everywhere):
+    def ran_in_v3():
+        assert fmha_rt.last_launch_info()["family"] == v3.FAMILY
+
+    varlen_round_trip([37, 0, 1, 300, 64], [50, 3, 1, 129, 0], 8, 2, 128, seed=16, after_each_call=ran_in_v3)
+    ran_heads()
+
+
 LATENT_CASES = [
     # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: heads the (192, 128) backward tile holds, dims below it zero-filled
     ("d192_128", 2, 512, 700, 4, 4, 192, 128, {}),
