@@ -66,8 +66,8 @@ PLANTS = [
           ("tests/gpu/test_attention.py::test_long_sequence_64k",), gpu=True),
     Plant("deterministic backwards in the v3 family take its atomic form, which adds dQ in any order",
           "fmha_rt/plan/v3.py",
-          "    strategy = DQ_ORDERED if problem.deterministic else DQ_ATOMIC\n    order = ",
-          "    strategy = DQ_ATOMIC\n    order = ",
+          "def _bwd_strategy(problem) -> str:\n    return DQ_ORDERED if problem.deterministic else DQ_ATOMIC\n",
+          "def _bwd_strategy(problem) -> str:\n    return DQ_ATOMIC\n",
           ("tests/gpu/test_determinism.py::-k::v3_bwd_ordered",), gpu=True),
 ]
 

@@ -91,19 +91,14 @@ BWD_ATOMIC_TILES = {**BWD_TILES, (192, 128): Tile(64, 128, 4, 1)}
 # Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
-# Atomic dK/dV objects that walk their steps as the ORDERED form does (the kernel's WALK_DOWN: query blocks
-# down from the last, the group's heads inner; the 128 tile's `_walk` variants), and the key lengths [from,
-# below) at which causal GQA calls take them. As a variant of its own on an H100 (NOTES.md, "The H100 round of
-# v3.20-v3.23"), causal GQA 16/2: 1.18x the plain object at 2k keys, level at 1k and 4k, 0.96x at 8k and 0.94x
-# at 16k. The 64 tile's causal GQA calls run the portable backward below 16k keys, so it has no walk variant.
-BWD_WALK_PAIRS = ((128, 128),)
-BWD_WALK_CAUSAL_GQA_SEQLEN_K = {(128, 128): (2048, 4096)}
 # GQA calls whose atomic dK/dV runs a program per query head (fmha_bwd_dkdv's ONE_HEAD, FlashAttention-3's and -4's
 # form: dK and dV added into zeroed fp32 accumulators of the workspace, then converted) rather than per key
-# head, by tile and masking (causal or not): the key lengths [from, below) that take it. Candidate v3.31,
-# taken at every GQA length of the 128 tile until measured.
+# head, by tile and masking (causal or not): the key lengths [from, below) that take it. On an H100 (v3.31,
+# NOTES.md; GQA 16/2) causal: 1.19x the per-key-head program at 1k, 1.06x at 2k (where that program walked its
+# steps down, v3.20, whose variants this retired), 1.35x at 4k, 1.23x at 8k, 1.09x at 16k; without a mask
+# 0.83-0.97x, the per-key-head program reading K and V once for the group's 8 heads.
 BWD_HEADS_PAIRS = ((128, 128),)
-BWD_HEADS_GQA_SEQLEN_K = {((128, 128), True): (1024, 1 << 31), ((128, 128), False): (1024, 1 << 31)}
+BWD_HEADS_GQA_SEQLEN_K = {((128, 128), True): (1024, 1 << 31)}
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
@@ -209,11 +204,10 @@ def fwd_key(dtype, pair, paired=False, run=False):
     return f"fmha_fwd_v3_{dtype}_{pair_name(*pair)}" + suffix
 
 
-def dkdv_key(dtype, pair, strategy=DQ_ATOMIC, walk=False):
-    """The dK/dV variants: 'fmha_bwd_dkdv_v3_...' (ATOMIC; '..._walk' walking down), 'fmha_bwd_dkdv_ordered_v3_...'
-    (ORDERED)."""
+def dkdv_key(dtype, pair, strategy=DQ_ATOMIC):
+    """The dK/dV variants: 'fmha_bwd_dkdv_v3_...' (ATOMIC), 'fmha_bwd_dkdv_ordered_v3_...' (ORDERED)."""
     form = "_ordered" if strategy == DQ_ORDERED else ""
-    return f"fmha_bwd_dkdv{form}_v3_{dtype}_{pair_name(*pair)}" + ("_walk" if walk else "")
+    return f"fmha_bwd_dkdv{form}_v3_{dtype}_{pair_name(*pair)}"
 
 
 def dkdv_heads_key(dtype, pair):
@@ -285,11 +279,8 @@ def variants(arch: str) -> list[dict]:
                 traits = dict(common, head_dim_qk_tile=pair[0], head_dim_v_tile=pair[1], block_m=tile.block_m,
                               block_n=tile.block_n, dq_strategy=strategy, deterministic=strategy == DQ_ORDERED,
                               single_head=False, **{"pass": "bwd_main"})
-                walks = (False, True) if strategy == DQ_ATOMIC and pair in BWD_WALK_PAIRS else (False,)
-                for walk in walks:
-                    out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy, walk), function, dtype, tile,
-                                                   constexprs | ({"WALK_DOWN": True} if walk else {}), traits,
-                                                   module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
+                out.append(_gluon(make_variant(dkdv_key(dtype, pair, strategy), function, dtype, tile, constexprs, traits,
+                                               module=KERNEL_MODULES["bwd"]), bwd_global_scratch(function, pair)))
                 if strategy == DQ_ATOMIC and pair in BWD_HEADS_PAIRS:
                     out.append(_gluon(make_variant(dkdv_heads_key(dtype, pair), function, dtype, tile,
                                                    constexprs | {"ONE_HEAD": True}, traits, module=KERNEL_MODULES["bwd"],
@@ -405,13 +396,6 @@ def _bwd_tiles(problem) -> int:
     return 1 if problem.deterministic else BWD_TILES_PER_PROGRAM[bwd_pair(problem)]
 
 
-def bwd_walk(problem) -> bool:
-    """Whether an atomic dK/dV call takes its tile's walking-down variant (BWD_WALK_CAUSAL_GQA_SEQLEN_K)."""
-    keys = BWD_WALK_CAUSAL_GQA_SEQLEN_K.get(bwd_pair(problem))
-    causal_gqa = problem.causal and problem.kv_group_size > 1
-    return causal_gqa and keys is not None and keys[0] <= problem.seqlen_k < keys[1]
-
-
 def bwd_heads(problem) -> bool:
     """Whether an atomic (non-deterministic) GQA call's dK/dV runs a program per query head
     (BWD_HEADS_GQA_SEQLEN_K)."""
@@ -466,7 +450,7 @@ def plan_bwd(problem, operands) -> list:
                 backward.dkdv_convert(args, convert, "dk"), backward.dkdv_convert(args, convert, "dv")]
     else:
         keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)  # a program's keys
-        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair, walk=bwd_walk(problem)), keys, scratch)]
+        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, dq_tile(pair)))]
 

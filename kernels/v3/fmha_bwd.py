@@ -15,7 +15,10 @@ group. Three partitions:
   runs, dS = P (dP - Delta); P and dS go to shared memory, where dV_c += P^T dO and dK_c += dS^T Q take
   them as transposed operands, and where dS, once both consumers' halves are in, gives dQ = dS K for
   this consumer's half of the head dim, added to the accumulator from shared memory by one bulk TMA
-  reduction;
+  reduction. In the 192/128 tile (the atomic form's; BLOCK_N 128) Q and K are held as their first 128
+  columns and the rest, S adds the rest's product, and a consumer's 96 columns of dQ go in three pieces of
+  32; dP is issued once P is written, P held in the inputs' type meanwhile, which keeps the step's 224
+  accumulator registers from spilling (NOTES.md, v3.32);
 - two loaders (1 warp each, one warpgroup): K, and V, of the program once, then Q, and dO with the block's
   Lse2 and Delta rows, of each (query head, query block) through a ring of STAGES buffers that both
   consumers release (v3.25: the consumers' own loads of the two rows came back long after S, and the
@@ -47,7 +50,8 @@ import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
                                key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
-                               row_stats_layout, rows_descriptor, sequence_extent, store_in_parts, ticket_item, tma_add_shared_to_global, visible)
+                               row_stats_layout, rows_descriptor, sequence_extent, store_in_parts, ticket_item,
+                               tma_add_shared_to_global, visible)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
@@ -366,18 +370,15 @@ def fmha_bwd_dkdv(
     write_dbias, drop_threshold, drop_scale, philox_seed, philox_offset, philox_from_ptr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, DQ_ATOMIC: gl.constexpr, FLAT_LOOP: gl.constexpr,
-    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1, WALK_DOWN: gl.constexpr = False,
-    ONE_HEAD: gl.constexpr = False,
+    GROUP_LOOP: gl.constexpr, DP_FIRST: gl.constexpr, TILES: gl.constexpr = 1, ONE_HEAD: gl.constexpr = False,
 ):
     """A program per (key block, key head, batch entry), the key block the grid's fastest dimension: a head's
     key blocks start together. (Key blocks slowest was measured 0.54-0.96x at D=128 without GQA: each resident
     program on a head of its own, so that nothing is shared in L2, the cause v3.19 found for the ORDERED form;
-    NOTES.md.) TILES (a build choice of the 64 and 128 tiles): 2 gives a program key blocks p and N - 1 - p of
+    NOTES.md.) TILES (a build choice of the 64, 128 and 192 tiles): 2 gives a program key blocks p and N - 1 - p of
     its (key head, batch entry), N blocks in all, so that under a causal mask every program has about the
-    same steps and one prologue serves two key blocks. WALK_DOWN (the `_walk` variants, v3.20): the
-    steps in the ORDERED form's order (query_step), so that under a causal mask a group's programs stay on
-    the same query head and block rather than drifting apart over the group's heads. ONE_HEAD (the `heads`
-    variants, v3.31): GQA's dK/dV by query head, as FlashAttention-3 and -4 run it: a program per (key block,
+    same steps and one prologue serves two key blocks (the 64, 128 and 192 tiles). ONE_HEAD (the `heads`
+    variants, v3.31), for causal GQA: GQA's dK/dV by query head, as FlashAttention-3 and -4 run it: a program per (key block,
     query head, batch entry), the grid's second dimension the query heads, each walking its one head's query
     blocks as an MHA program does, so that the programs running at once share Q, dO and dQ tiles in L2 as
     MHA's do, where a program of the whole group walks 8 heads'; dK and dV are then fp32 accumulators [rows,
@@ -399,7 +400,7 @@ def fmha_bwd_dkdv(
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
         bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, False, TILES,
-        WALK_DOWN, ONE_HEAD)
+        ONE_HEAD)
 
 
 @gluon.jit
@@ -440,7 +441,7 @@ def fmha_bwd_dkdv_ordered(
         stride_do_h, stride_dk_b, stride_dk_s, stride_dk_h, stride_dv_b, stride_dv_s, stride_dv_h, stride_dqacc_b,
         stride_dqacc_s, stride_dqacc_h, stride_delta_b, stride_delta_h, seqlen_q, seqlen_k, num_heads_q,
         kv_group_size, head_dim_qk_div8, head_dim_v_div8, softmax_scale, scale_log2, window_left, window_right,
-        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True, 1, True)
+        bottom_right, is_varlen, has_seqstart, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, BIAS_KIND, DROPOUT, True, 1)
 
 
 @gluon.jit
@@ -454,7 +455,7 @@ def _dkdv_program(
     softmax_scale, scale_log2, window_left, window_right, bottom_right, is_varlen, has_seqstart,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BIAS_KIND: gl.constexpr, DROPOUT: gl.constexpr, ORDERED: gl.constexpr, TILES: gl.constexpr,
-    WALK_DOWN: gl.constexpr, ONE_HEAD: gl.constexpr = False,
+    ONE_HEAD: gl.constexpr = False,
 ):
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
     block paired with it; DqOrder the order region of the ORDERED form, None otherwise. h0: the first query
@@ -560,21 +561,19 @@ def _dkdv_program(
             off, left, right, lo, full_lo, full_hi, blocks, n_steps = key_block_steps(
                 n0, sq, sk, group, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             gl.warp_specialize([
-                (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
-                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
-                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left,
-                             window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                             True, True)),
-                (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dqacc_s,
-                             stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows,
-                             stride_dv_s, dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left,
-                             window_right, bottom_right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                             True, True)),
+                (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows,
+                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
+                             dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, True)),
+                (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows,
+                             stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
+                             dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, True)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
-                                              k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
-                                              group, window_left, window_right, bottom_right, n_first, n_second,
+                                              k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk,
+                                              num_heads_q, group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N, True)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
@@ -587,24 +586,24 @@ def _dkdv_program(
             ], [4, 1, 1, 1], [240, 24, 24, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
+                (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN, ONE_HEAD)),
-                (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready, kv_free, q_ready,
-                             q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, ONE_HEAD)),
+                (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, WALK_DOWN, ONE_HEAD)),
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, ONE_HEAD)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
-                                              k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
-                                              group, window_left, window_right, bottom_right, n_first, n_second,
+                                              k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk,
+                                              num_heads_q, group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N,
-                                              WALK_DOWN)),
+                                              False)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, Lse2_head0, Delta_head0, stride_delta_h, stats_smem,
-                                              BLOCK_M, BLOCK_N, WALK_DOWN)),
+                                              BLOCK_M, BLOCK_N, False)),
             ], [4, 1, 1], [240, 24, 24])

@@ -124,11 +124,29 @@ def test_the_shipped_v3_backward_adds_dq_by_bulk_tma_reductions(bench_script, ti
     assert not [t for t in texts if "ATOMG.E.ADD" in t or "RED.E.ADD" in t]
 
 
-@pytest.mark.parametrize("tile", ["d256", "d256v128", "d192v128"])
+def test_the_shipped_192_128_backward_tile_of_two_consumers_of_keys_keeps_its_steps_in_registers(bench_script):
+    """The atomic (192, 128) tile (v3.32): each consumer's step reloads at most one spilled value and stores
+    none, with 40 bytes of stack at most, no global load, and dQ's three 32-column pieces a consumer added by
+    bulk TMA reductions (six in the kernel), no element-wise atomics (NOTES.md, v3.32)."""
+    sass_loops = bench_script("sass_loops")
+    path = HSA / "sm_90" / "v3" / "fmha_bwd_dkdv_v3_bf16_d192v128.cubin.gz"
+    (kernel,) = sass_loops.summarize(str(path))
+    assert kernel["stack_bytes"] <= 40
+    # the consumers' steps (the back-edge rule also finds spans that run into the partitions' shared tail)
+    steps = [loop for loop in _innermost_product_loops(kernel) if loop["mix"]["MUFU"] and loop["instructions"] < 1000]
+    assert len(steps) == 2 and all(loop["mix"]["LDG"] == loop["mix"]["STL"] == 0 and loop["mix"]["LDL"] <= 1
+                                   for loop in steps)
+    (listing,) = sass_loops.kernels(sass_loops.cuobjdump("-sass", gzip.decompress(path.read_bytes()))).values()
+    texts = [text for _, text in listing]
+    assert sum("UTMAREDG" in t and ".ADD" in t for t in texts) == 6
+    assert not [t for t in texts if "ATOMG.E.ADD" in t or "RED.E.ADD" in t]
+
+
+@pytest.mark.parametrize("tile", ["d256", "d256v128"])
 def test_the_shipped_wide_backward_steps_read_their_row_statistics_from_shared_memory(bench_script, tile):
-    """The wide dK/dV program's consumers read each step's Lse2 (consumer 0) and Delta (consumer 1) from
-    shared memory, where TMA put them with the step's query tiles, with no global load in any step loop and
-    no stack (NOTES.md, v3.26)."""
+    """The wide dK/dV program's consumers (the atomic form's 256 tiles) read each step's Lse2 (consumer 0) and
+    Delta (consumer 1) from shared memory, where TMA put them with the step's query tiles, with no global load
+    in any step loop and no stack (NOTES.md, v3.26)."""
     sass_loops = bench_script("sass_loops")
     (kernel,) = sass_loops.summarize(str(HSA / "sm_90" / "v3" / f"fmha_bwd_dkdv_v3_bf16_{tile}.cubin.gz"))
     assert kernel["stack_bytes"] == 0 and kernel["LDL"] == kernel["STL"] == 0

@@ -72,15 +72,17 @@ def attention_f64(q, k, v, *, causal=False, rows=None, dout=None):
     return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
 
 
-def varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed, dtype=torch.bfloat16):
-    """cu_seqlens_q, cu_seqlens_k (int32 on the GPU) and fresh packed q, k, v, dout for those lengths."""
+def varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed, dtype=torch.bfloat16, head_dim_v=None):
+    """cu_seqlens_q, cu_seqlens_k (int32 on the GPU) and fresh packed q, k, v, dout for those lengths (values
+    head_dim_v wide where given)."""
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
                   for lens in (lens_q, lens_k))
     gen = generator(seed)
     tq, tk = sum(lens_q), sum(lens_k)
+    dv = head_dim_v or head_dim
     q, k, v = rand((tq, heads_q, head_dim), dtype, gen), rand((tk, heads_k, head_dim), dtype, gen), \
-        rand((tk, heads_k, head_dim), dtype, gen)
-    return cu_q, cu_k, q, k, v, rand((tq, heads_q, head_dim), dtype, gen)
+        rand((tk, heads_k, dv), dtype, gen)
+    return cu_q, cu_k, q, k, v, rand((tq, heads_q, dv), dtype, gen)
 
 
 def poison_allocator(*specs):

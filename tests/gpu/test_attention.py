@@ -151,12 +151,13 @@ def test_dropout_matches_reference_with_an_independent_philox_mask():
         assert_close(n, got, want)
 
 
-def varlen_round_trip(lens_q, lens_k, heads_q, heads_k, head_dim, seed, after_each_call=lambda: None):
+def varlen_round_trip(lens_q, lens_k, heads_q, heads_k, head_dim, seed, after_each_call=lambda: None, head_dim_v=None):
     """The varlen forward and backward (causal, bottom-right) of fresh inputs against the float64 reference;
     after_each_call runs after each of the two calls."""
-    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed=seed)
+    cu_q, cu_k, q, k, v, dout = varlen_inputs(lens_q, lens_k, heads_q, heads_k, head_dim, seed=seed,
+                                              head_dim_v=head_dim_v)
     tq = sum(lens_q)
-    out, lse = nan_like((tq, heads_q, head_dim), q.dtype), nan_like((heads_q, tq), torch.float32)
+    out, lse = nan_like((tq, heads_q, v.shape[-1]), q.dtype), nan_like((heads_q, tq), torch.float32)
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
     fmha_rt.mha_varlen_fwd(q, k, v, *args, out=out, lse=lse, causal=True, causal_alignment="bottom_right")
     after_each_call()

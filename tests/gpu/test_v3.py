@@ -99,32 +99,11 @@ def test_forward_and_backward_match_reference(dtype_name, case):
     assert_backward_close(backward(dout, q, k, v, out, lse, **opts), dout, q, k, v, opts)
 
 
-WALK_CASES = [c for c in CASES if c[0] == "d128_causal_gqa"] + [
-    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: partial blocks, heads padded into the 128 tile, a call without a mask
+HEADS_CASES = [c for c in CASES if c[0] == "d128_causal_gqa"] + [
+    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: partial blocks, heads padded into the 128 tile, a call without a
+    # mask, a sliding window, more queries than keys, an 80 head padded in the tile
     ("d96_causal_gqa_br_partial", 1, 333, 777, 6, 2, 96, 96, {"causal": True, "causal_alignment": "bottom_right"}),
     ("d128_mqa_partial_blocks", 1, 333, 777, 4, 1, 128, 128, {}),
-]
-
-
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
-@pytest.mark.parametrize("case", WALK_CASES, ids=[c[0] for c in WALK_CASES])
-def test_the_walking_down_backward_matches_reference(case, dtype_name, monkeypatch):
-    """The atomic dK/dV `_walk` objects (v3.BWD_WALK_CAUSAL_GQA_SEQLEN_K; by default causal GQA at 2k keys),
-    switched on at every length for causal GQA: against float64; a call without a mask keeps the other."""
-    monkeypatch.setattr(v3, "BWD_WALK_CAUSAL_GQA_SEQLEN_K", {pair: (0, float("inf")) for pair in v3.BWD_WALK_PAIRS})
-    fmha_rt.clear_plan_cache()
-    opts = case[-1]
-    gen, q, k, v = case_inputs(case, dtype_name)
-    out, lse = forward(q, k, v, **opts)
-    dout = rand(out.shape, q.dtype, gen)
-    grads = backward(dout, q, k, v, out, lse, **opts)
-    walked = any(key.endswith("_walk") for key in fmha_rt.last_launch_info()["kernels"])
-    assert walked == opts.get("causal", False)
-    assert_backward_close(grads, dout, q, k, v, opts)
-
-
-HEADS_CASES = WALK_CASES + [
-    # name, B, Sq, Sk, Hq, Hk, Dqk, Dv, opts: a sliding window, more queries than keys, an 80 head padded in the tile
     ("d128_gqa_window", 2, 333, 500, 8, 2, 128, 128, {"window": (60, 20)}),
     ("d80_causal_gqa_tl_sq_gt_sk", 1, 400, 200, 4, 2, 80, 80, {"causal": True}),
 ]
@@ -177,8 +156,9 @@ LATENT_CASES = [
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", LATENT_CASES, ids=[c[0] for c in LATENT_CASES])
 def test_the_192_128_backward_tile_matches_reference(case, dtype_name, deterministic, monkeypatch):
-    """The wide backward program's (192, 128) tile (v3.LATENT_BWD_TILE), both strategies; the ORDERED one's
-    repeats bitwise equal to its first run."""
+    """The (192, 128) backward tile (v3.LATENT_BWD_TILE), both strategies: the atomic form's two consumers of
+    keys (v3.BWD_ATOMIC_TILES), the ORDERED form's wide program, whose repeats are bitwise equal to its first
+    run."""
     assert v3.LATENT_BWD_TILE  # the default
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if deterministic else frozenset())
     fmha_rt.clear_plan_cache()
@@ -201,6 +181,19 @@ def test_the_192_128_backward_tile_matches_reference(case, dtype_name, determini
         assert_close(f"{name} {n}", got, want)
     if deterministic:
         assert_bitwise(f"{name} ordered", repeat(call, specs, torch.cuda.Stream(), 3), first)
+
+
+def test_the_192_128_backward_tile_over_varlen_with_empty_and_single_token_sequences():
+    """The atomic (192, 128) tile's key blocks and pieces of dQ cut at each sequence's end, sequences of no and
+    of one token among them, GQA 4/2."""
+    def ran_the_tile():
+        launched = fmha_rt.last_launch_info()
+        assert launched["family"] == v3.FAMILY
+        backward = any(key.startswith("fmha_bwd") for key in launched["kernels"])
+        assert (v3.dkdv_key("bf16", v3.LATENT_PAIR) in launched["kernels"]) == backward
+
+    varlen_round_trip([37, 0, 1, 300, 64], [50, 3, 1, 260, 0], 4, 2, 192, seed=17, after_each_call=ran_the_tile,
+                      head_dim_v=128)
 
 
 RUN_CASES = [
