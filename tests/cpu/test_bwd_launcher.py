@@ -32,8 +32,9 @@ CASES = {
     "atomic_interpret": (_problem(d=32), pp.INTERPRET_ARCH, pp.DQ_ATOMIC, "portable"),
     "fused_interpret": (_problem(sk=4096, d=32, hk=8), pp.INTERPRET_ARCH, pp.DQ_FUSED, "portable"),
     "v3_atomic": (AttentionProblem(2, 384, 4096, 8, 8, 128, 128, "bf16"), "sm_90", pp.DQ_ATOMIC, "v3"),
-    # GQA's dK/dV by query head: fp32 dK and dV accumulators too
-    "v3_atomic_gqa": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16"), "sm_90", pp.DQ_ATOMIC, "v3"),
+    # causal GQA's dK/dV by query head: fp32 dK and dV accumulators too
+    "v3_atomic_gqa": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16", window_left=-1, window_right=0), "sm_90",
+                      pp.DQ_ATOMIC, "v3"),
     "v3_ordered": (AttentionProblem(2, 384, 4096, 8, 2, 128, 128, "bf16", deterministic=True), "sm_90", pp.DQ_ORDERED,
                    "v3"),
 }
