@@ -443,14 +443,14 @@ def plan_bwd(problem, operands) -> list:
         wave = backward.forced_programs() or items
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
-    elif bwd_heads(problem):
-        keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)
-        convert = dq_convert_key(problem.dtype, dq_tile(pair))  # the accumulators' widths are dQ's (BWD_HEADS_PAIRS)
-        main = [backward.dkdv_heads(args, dkdv_heads_key(problem.dtype, pair), keys, scratch),
-                backward.dkdv_convert(args, convert, "dk"), backward.dkdv_convert(args, convert, "dv")]
     else:
         keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)  # a program's keys
-        main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
+        if bwd_heads(problem):
+            convert = dq_convert_key(problem.dtype, dq_tile(pair))  # the accumulators' widths are dQ's (BWD_HEADS_PAIRS)
+            main = [backward.dkdv_heads(args, dkdv_heads_key(problem.dtype, pair), keys, scratch),
+                    backward.dkdv_convert(args, convert, "dk"), backward.dkdv_convert(args, convert, "dv")]
+        else:
+            main = [backward.dkdv(args, dkdv_key(problem.dtype, pair), keys, scratch)]
     return [backward.preprocess(args, preprocess_key(problem.dtype, pair[1])), *main,
             backward.dq_convert(args, dq_convert_key(problem.dtype, dq_tile(pair)))]
 

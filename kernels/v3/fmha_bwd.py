@@ -51,7 +51,7 @@ import triton.language as tl
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
                                key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
                                row_stats_layout, rows_descriptor, sequence_extent, store_in_parts, ticket_item,
-                               tma_add_shared_to_global, visible)
+                               tma_add_shared_to_global, visible, whole_width)
 from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
@@ -95,9 +95,8 @@ def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k
     do_j = do_smem.index(stage).reshape([BLOCK_M, do_smem.shape[3]])
     s = warpgroup_mma(q_j, k_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    if SPLIT:  # the rest's columns added
+    if SPLIT:  # the rest's columns added; dP waits for P (below)
         s = warpgroup_mma(q_rest_j, k_rest_c.permute((1, 0)), s, is_async=True)
-    if SPLIT:
         s = warpgroup_mma_wait(0, deps=(s,))
     else:
         dp = warpgroup_mma(do_j, v_c.permute((1, 0)), gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout),
@@ -481,9 +480,9 @@ def _dkdv_program(
         HALF_N: gl.constexpr = BLOCK_N // 2
         # the 192 tile holds Q and K as their first 128 columns and the rest (shared-memory tiles are powers of
         # two wide); K_REST = K_WHOLE elsewhere, the rest being the same memory
-        K_WHOLE: gl.constexpr = 128 if BLOCK_DQK > 128 else BLOCK_DQK
-        K_REST: gl.constexpr = BLOCK_DQK - 128 if BLOCK_DQK > 128 else BLOCK_DQK
-        SPLIT: gl.constexpr = K_REST < K_WHOLE
+        K_WHOLE: gl.constexpr = whole_width(BLOCK_DQK)
+        SPLIT: gl.constexpr = K_WHOLE < BLOCK_DQK
+        K_REST: gl.constexpr = BLOCK_DQK - K_WHOLE if SPLIT else K_WHOLE
         gl.static_assert(not (SPLIT and ORDERED), "the 192 tile of two consumers of keys: the atomic form")
         # dQ's share of a consumer goes in pieces of DQ_COLS columns where its 96 would be no power of two
         DQ_COLS: gl.constexpr = 32 if SPLIT else BLOCK_DQK // 2
