@@ -80,7 +80,7 @@ BWD_D64_ROWS = 128
 # the rest (0.81x the tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED
 # (deterministic) form.
 BWD_TILES = {(64, 64): Tile(BWD_D64_ROWS, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
-             (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
+             (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 128, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
 BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
 # The atomic form's tiles, where they differ from BWD_TILES (the ORDERED form's): the (192, 128) tile of two
@@ -158,7 +158,10 @@ UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 MEASURED_ORDERED_MIN_SEQLEN_K = {((64, 64), False, False): 4096, ((64, 64), False, True): 8192,
                                  ((128, 128), False, False): 4096, ((128, 128), False, True): 8192,
                                  ((128, 128), True, False): 2048, ((128, 128), True, True): 2048,
-                                 ((256, 256), False, False): 16384}
+                                 ((256, 256), False, False): 16384,
+                                 # candidate v3.33, the 192 tile's ORDERED form of two consumers of keys: from 1024
+                                 # keys until measured
+                                 ((192, 128), False, False): 1024, ((192, 128), False, True): 1024}
 # The ORDERED form's tickets go by chunks of this many keys of each (key head, batch entry) (dq_order.ticket_item;
 # 4 key blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks), so that the programs running at once
 # share their heads' Q, dO and dQ tiles in L2. Against key block slowest on an H100 (NOTES.md, v3.19): 512 keys were
@@ -232,7 +235,7 @@ def fwd_global_scratch(pair) -> int:
 def bwd_global_scratch(function, pair) -> int:
     """The dK/dV kernel's descriptor bytes a program (`function`: fmha_bwd_dkdv or fmha_bwd_dkdv_ordered) in
     the tile of `pair`."""
-    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair not in BWD_WIDE_PAIRS
+    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair[0] <= 128  # the 192 tile's consumers add dQ
     loaders = 6  # K, V, Q, dO, Lse2, Delta
     consumers = 2 * (2 if dq_writer else 3)  # each consumer's dK, dV and, without a writer, dQ accumulator
     return DESCRIPTOR_BYTES * (loaders + consumers + int(dq_writer))

@@ -62,7 +62,7 @@ def _add_dq(ds_smem, k_src, COL0: gl.constexpr, COLS: gl.constexpr, DQ_COL0: gl.
 
 
 @gluon.jit
-def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
+def complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
     """The ORDERED form, once this consumer's additions of `step` are complete (the caller waited): they are
     made visible (async proxy before generic), and once both consumers' are, consumer 0 counts the key block
     in at `counter` (a releasing increment, which carries consumer 1's additions through the barrier)."""
@@ -185,12 +185,12 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
             _add_dq(ds_smem, k_rest_smem, 0, DK_COLS, DK_COL0, dq_buf, dq_desc, m0, h0 + g, BLOCK_M)
         if ORDERED:
             if t > 0:  # the previous step's additions, both consumers', are complete: count this key block in
-                token = _complete_and_release(c, previous, dq_done, t - 1, bulk_writes_wait(QUARTERS, token))
+                token = complete_and_release(c, previous, dq_done, t - 1, bulk_writes_wait(QUARTERS, token))
             previous = counter
         mbarrier.arrive(ds_empty)
     if n_steps > 0:
         if ORDERED:
-            _complete_and_release(c, previous, dq_done, n_steps - 1, bulk_writes_wait(0, token))
+            complete_and_release(c, previous, dq_done, n_steps - 1, bulk_writes_wait(0, token))
         # The other consumer's last dQ products read every column of K: wait for them before K's memory takes dK.
         last = n_steps - 1
         mbarrier.wait(ds_empty, last & 1)
