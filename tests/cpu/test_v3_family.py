@@ -797,13 +797,25 @@ def test_deterministic_calls_take_the_ordered_form_from_the_measured_lengths(cas
 
 @pytest.mark.parametrize("changes", [dict(head_dim_qk=64, head_dim_v=64, heads_k=2),
                                      dict(head_dim_qk=256, head_dim_v=256, window_right=0),
-                                     dict(head_dim_qk=192, head_dim_v=128)],
-                         ids=["D=64 GQA", "D=256 causal", "192/128"])
+                                     dict(head_dim_qk=192, head_dim_v=128, heads_k=2)],
+                         ids=["D=64 GQA", "D=256 causal", "192/128 GQA"])
 def test_deterministic_calls_where_the_ordered_form_never_led_keep_the_portable_family(changes, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{**dict(batch=1, heads_q=8, heads_k=8, seqlen_q=16384, seqlen_k=16384, deterministic=True), **changes})
     assert not v3.serves_bwd(p, "sm_90")
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
+
+
+def test_deterministic_192_128_calls_take_the_ordered_keys_split_tile_from_1024_keys(monkeypatch):
+    """v3.33 candidate: MHA calls of the 192/128 tile, causal or not, from 1024 keys (until measured), a
+    program per 128-key block taken by ticket, its consumers adding dQ without a writer (fewer descriptors)."""
+    monkeypatch.setattr(v3, "MODE", "measured")
+    for causal, keys, served in ((False, 1024, True), (True, 16384, True), (False, 1023, False)):
+        p = problem(batch=1, heads_q=8, heads_k=8, seqlen_q=keys, seqlen_k=keys, head_dim_qk=192, head_dim_v=128,
+                    deterministic=True, **({"window_right": 0} if causal else {}))
+        assert v3.serves_bwd(p, "sm_90") == served, (causal, keys)
+    assert v3.BWD_TILES[v3.LATENT_PAIR].block_n == 128
+    assert v3.bwd_global_scratch("fmha_bwd_dkdv_ordered", v3.LATENT_PAIR) == 12 * v3.DESCRIPTOR_BYTES
 
 
 @pytest.mark.parametrize("changes", [dict(bias_shape="1HSS", bias_grad=True), dict(dropout_p=0.1)],
