@@ -479,15 +479,14 @@ def _dkdv_program(
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
     block paired with it; DqOrder the order region of the ORDERED form, None otherwise. h0: the first query
     head of the group, which the program walks, or with ONE_HEAD its only query head, dK and dV then being
-    added to fp32 accumulators (fmha_bwd_dkdv). The 256 tiles, and the (192, 128) tile of the ORDERED form
-    (BLOCK_N 64), run fmha_bwd_wide.py's program instead."""
+    added to fp32 accumulators (fmha_bwd_dkdv). The 256 tiles run fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not ONE_HEAD or (BLOCK_DQK == 128 and BLOCK_DV == 128 and not ORDERED),
                      "programs of one query head: the atomic form of the 128 tile")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
     gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_N == 128),
                      "pairs of key blocks: the atomic form of the tiles of two consumers of keys")
-    if BLOCK_DQK > 128 and BLOCK_N == 64:
+    if BLOCK_DQK == 256:
         wide_program(
             n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
             SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
