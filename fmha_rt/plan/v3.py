@@ -73,21 +73,16 @@ FWD_RUN_SEQLEN_K = {((128, 128), True): (0, 8192)}
 # shared memory 225 KiB. On an H100 1.04-1.08x the 64-row tile at 1k-16k keys (NOTES.md, v3.22).
 BWD_D64_ROWS = 128
 # The backward's dK/dV tiles, 64 query rows a step (the 64 tile BWD_D64_ROWS): 128 keys a program (two
-# consumer warpgroups of 64 keys, kernels/v3/fmha_bwd.py) in the 64 and 128 tiles; 64 keys shared by the two
+# consumer warpgroups of 64 keys, kernels/v3/fmha_bwd.py) in the 64, 128 and 192/128 tiles; 64 keys shared by the two
 # consumers, each with half of the head dims (kernels/v3/fmha_bwd_wide.py, behind fmha_bwd.py's entries), in
-# the 256 tiles, where a consumer could not hold whole dK and dV rows; and the wide program's (192, 128) tile
-# (LATENT_PAIR), Q and K held as 128 + 64 columns, consumer 1 taking dK's and dQ's first 128 and consumer 0
-# the rest (0.81x the tensor work of the (256, 128) tile on 192/128 heads). Each has its ATOMIC and its ORDERED
-# (deterministic) form.
+# the 256 tiles, where a consumer could not hold whole dK and dV rows. The (192, 128) tile (LATENT_PAIR) is the
+# 128 tile's program with Q and K held as 128 + 64 columns (v3.32; its ORDERED form v3.33, whose consumers add
+# dQ themselves: NOTES.md), 1.28-1.39x the wide program's (192, 128) tile that it replaced. Each has its ATOMIC
+# and its ORDERED (deterministic) form.
 BWD_TILES = {(64, 64): Tile(BWD_D64_ROWS, 128, 4, 1), (128, 128): Tile(64, 128, 4, 1), (256, 256): Tile(64, 64, 4, 1),
-             (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 64, 4, 1)}
+             (256, 128): Tile(64, 64, 4, 1), (192, 128): Tile(64, 128, 4, 1)}
 BWD_PAIRS = tuple(BWD_TILES)
-BWD_WIDE_PAIRS = ((256, 256), (256, 128), (192, 128))
-# The atomic form's tiles, where they differ from BWD_TILES (the ORDERED form's): the (192, 128) tile of two
-# consumers of 64 keys each, as the 128 tile's but with Q and K held as 128 + 64 columns (fmha_bwd.py's
-# program where BLOCK_N is 128; v3.32, NOTES.md): no consumer's product waits for the other's P or dS, as in
-# the wide program's.
-BWD_ATOMIC_TILES = {**BWD_TILES, (192, 128): Tile(64, 128, 4, 1)}
+BWD_WIDE_PAIRS = ((256, 256), (256, 128))
 # Whether 192/128 heads' backward takes the (192, 128) tile rather than the (256, 128) one: on an H100 it was
 # 1.11-1.24x the padded (256, 128) tile at 1k-16k keys (NOTES.md, v3.18).
 LATENT_BWD_TILE = True
@@ -102,7 +97,7 @@ BWD_HEADS_GQA_SEQLEN_K = {((128, 128), True): (1024, 1 << 31)}
 # Key blocks an atomic dK/dV program runs (the kernel's TILES): 2 pairs key block p with N - 1 - p of a (key
 # head, batch entry), so that causal programs have equal steps and one prologue serves two key blocks. The
 # ORDERED form takes one block a ticket, and the wide program one block.
-BWD_TILES_PER_PROGRAM = {pair: 2 if tile.block_n == 128 else 1 for pair, tile in BWD_ATOMIC_TILES.items()}
+BWD_TILES_PER_PROGRAM = {pair: 1 if pair in BWD_WIDE_PAIRS else 2 for pair in BWD_TILES}
 # 128-byte TMA descriptors a program, each made by the partition that uses it: in the forward Q's, K's and
 # V's (the loaders') and one of O for each consumer (fwd_global_scratch); in the backward K's, V's, Q's, dO's,
 # Lse2's and Delta's (the loaders': the statistics come with dO, or in the wide tiles Lse2 with Q) and dK's,
@@ -158,7 +153,10 @@ UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 MEASURED_ORDERED_MIN_SEQLEN_K = {((64, 64), False, False): 4096, ((64, 64), False, True): 8192,
                                  ((128, 128), False, False): 4096, ((128, 128), False, True): 8192,
                                  ((128, 128), True, False): 2048, ((128, 128), True, True): 2048,
-                                 ((256, 256), False, False): 16384}
+                                 ((256, 256), False, False): 16384,
+                                 # candidate v3.33, the 192 tile's ORDERED form of two consumers of keys: from 1024
+                                 # keys until measured
+                                 ((192, 128), False, False): 1024, ((192, 128), False, True): 1024}
 # The ORDERED form's tickets go by chunks of this many keys of each (key head, batch entry) (dq_order.ticket_item;
 # 4 key blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks), so that the programs running at once
 # share their heads' Q, dO and dQ tiles in L2. Against key block slowest on an H100 (NOTES.md, v3.19): 512 keys were
@@ -232,7 +230,7 @@ def fwd_global_scratch(pair) -> int:
 def bwd_global_scratch(function, pair) -> int:
     """The dK/dV kernel's descriptor bytes a program (`function`: fmha_bwd_dkdv or fmha_bwd_dkdv_ordered) in
     the tile of `pair`."""
-    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair not in BWD_WIDE_PAIRS
+    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair[0] <= 128  # (the 192 tile's consumers add dQ)
     loaders = 6  # K, V, Q, dO, Lse2, Delta
     consumers = 2 * (2 if dq_writer else 3)  # each consumer's dK, dV and, without a writer, dQ accumulator
     return DESCRIPTOR_BYTES * (loaders + consumers + int(dq_writer))
@@ -266,9 +264,8 @@ def variants(arch: str) -> list[dict]:
                 out.append(_gluon(make_variant(fwd_key(dtype, pair, paired, run), "fmha_fwd", dtype, tile,
                                                constexprs | {"TILES": tiles}, dict(traits, tiles_per_program=tiles),
                                                module=KERNEL_MODULES["fwd"]), fwd_global_scratch(pair)))
-        for pair in BWD_PAIRS:
+        for pair, tile in BWD_TILES.items():
             for strategy, function in ((DQ_ATOMIC, "fmha_bwd_dkdv"), (DQ_ORDERED, "fmha_bwd_dkdv_ordered")):
-                tile = bwd_tile(pair, strategy)
                 constexprs = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_DQK": pair[0],
                               "BLOCK_DV": pair[1], "BIAS_KIND": BIAS_NONE, "DROPOUT": False, "FLAT_LOOP": False,
                               "GROUP_LOOP": True, "DP_FIRST": False}
@@ -373,11 +370,6 @@ def _programs(problem) -> int:
     return blocks * problem.heads_q * problem.batch
 
 
-def bwd_tile(pair, strategy) -> Tile:
-    """The dK/dV tile of `pair` in the dQ strategy (BWD_ATOMIC_TILES, BWD_TILES)."""
-    return (BWD_ATOMIC_TILES if strategy == DQ_ATOMIC else BWD_TILES)[pair]
-
-
 def _bwd_strategy(problem) -> str:
     return DQ_ORDERED if problem.deterministic else DQ_ATOMIC
 
@@ -385,7 +377,7 @@ def _bwd_strategy(problem) -> str:
 def _bwd_programs(problem, tiles=1) -> int:
     """The dK/dV programs: one per `tiles` key blocks of a (key head, batch entry), or of a (query head, batch
     entry) where bwd_heads holds."""
-    block_n = bwd_tile(bwd_pair(problem), _bwd_strategy(problem)).block_n * tiles
+    block_n = BWD_TILES[bwd_pair(problem)].block_n * tiles
     heads = problem.heads_q if bwd_heads(problem) else problem.heads_k
     return -(-problem.seqlen_k // block_n) * heads * problem.batch
 
@@ -444,7 +436,7 @@ def plan_bwd(problem, operands) -> list:
         key = dkdv_key(problem.dtype, pair, DQ_ORDERED)
         main = [backward.dkdv_ordered(args, key, min(wave, items - first), scratch) for first in range(0, items, wave)]
     else:
-        keys = bwd_tile(pair, DQ_ATOMIC).block_n * _bwd_tiles(problem)  # a program's keys
+        keys = BWD_TILES[pair].block_n * _bwd_tiles(problem)  # a program's keys
         if bwd_heads(problem):
             convert = dq_convert_key(problem.dtype, dq_tile(pair))  # the accumulators' widths are dQ's (BWD_HEADS_PAIRS)
             main = [backward.dkdv_heads(args, dkdv_heads_key(problem.dtype, pair), keys, scratch),

@@ -49,12 +49,16 @@ def tma_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def bulk_writes_wait(PENDING: gl.constexpr, token):
-    """Waits until at most PENDING of this thread's bulk groups (0, 2 or 4) are unfinished, their writes to
+    """Waits until at most PENDING of this thread's bulk groups (0, 2, 3 or 4) are unfinished, their writes to
     global memory included: tma.store_wait waits only until their shared-memory sources are read. Returns
     `token` (an int32 scalar), so that calls can be chained. Threads that issued no bulk group pass at once."""
-    gl.static_assert((PENDING == 0) | (PENDING == 2) | (PENDING == 4), "bulk_writes_wait takes 0, 2 or 4 groups")
+    gl.static_assert((PENDING == 0) | (PENDING == 2) | (PENDING == 3) | (PENDING == 4),
+                     "bulk_writes_wait takes 0, 2, 3 or 4 groups")
     if PENDING == 0:
         out = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, $1;", "=r,r", [token], gl.int32,
+                                        False, 1)
+    elif PENDING == 3:
+        out = gl.inline_asm_elementwise("cp.async.bulk.wait_group 3; mov.b32 $0, $1;", "=r,r", [token], gl.int32,
                                         False, 1)
     elif PENDING == 2:
         out = gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; mov.b32 $0, $1;", "=r,r", [token], gl.int32,

@@ -52,12 +52,12 @@ from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_as
                                key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
                                row_stats_layout, rows_descriptor, sequence_extent, store_in_parts, ticket_item,
                                tma_add_shared_to_global, visible, whole_width)
-from kernels.v3.fmha_bwd_wide import wide_program
+from kernels.v3.fmha_bwd_wide import complete_and_release, wide_program
 
 @gluon.jit
-def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem, q_rest_smem,
-          do_smem, ds_smem, dq_c, q_ready, q_empty,
-          ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sk,
+def _step(t, r0, dk, dk_rest, dv, token, previous, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem,
+          q_rest_smem, do_smem, ds_smem, dq_c, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, counters,
+          counters_per_head, dq_done, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sk,
           kv_group_size, off, left, right, scale_log2,
           BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_DQK: gl.constexpr, ORDERED: gl.constexpr,
           DESCENDING: gl.constexpr):
@@ -65,7 +65,10 @@ def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k
     step r0 + t in the Q/dO ring and the dS buffers (r0: the steps of its key blocks before this one). dK and
     dV accumulate, dQ gets its share (added here, or handed to the dQ writer in the ORDERED form). Where Q and
     K are held in two parts (the 192 tile: `k_rest_smem` narrower than `k_smem`), S adds the rest's product,
-    dK's rest columns accumulate in dk_rest, and dQ's share goes in pieces (_add_dq_piece)."""
+    dK's rest columns accumulate in dk_rest, and dQ's share goes in pieces (_add_dq_piece); its ORDERED form has
+    no dQ writer (no shared memory left for one): the consumers wait for the tile's counter and add their
+    pieces themselves, and count the key block in one step later, once the additions are complete (`token`
+    orders the waits, `previous` is the last step's counter), as the wide program does."""
     K_WHOLE: gl.constexpr = k_smem.shape[1]
     K_REST: gl.constexpr = k_rest_smem.shape[1]
     SPLIT: gl.constexpr = K_REST < K_WHOLE
@@ -133,6 +136,11 @@ def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k
     if SPLIT:
         dv, dk, dk_rest, dq = warpgroup_mma_wait(0, deps=(dv, dk, dk_rest, dq))
         mbarrier.arrive(q_empty.index(stage))
+        if ORDERED:  # the tile's smaller key blocks are in (kernels/portable/dq_order.py)
+            counter = counters + g * counters_per_head + block
+            while gl.atomic_add(counter, 0, sem="acquire") != key_block_rank(n0, m0, off, left, 2 * HALF_N):
+                pass
+            token = fence_async_global(token)
         for i in gl.static_range(1, PIECES):  # each piece's product runs while the one before is added
             following = warpgroup_mma(ds_buf, _dq_source(k_smem, k_rest_smem, c, i, BLOCK_DQK, DQ_COLS),
                                       gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
@@ -143,14 +151,18 @@ def _step(t, r0, dk, dk_rest, dv, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(ds_empty.index(buf))
         mbarrier.arrive(q_empty.index(stage))
-    if ORDERED:  # the writer adds the tile when its turn comes; it must have read the previous one
+    if ORDERED and not SPLIT:  # the writer adds the tile when its turn comes; it must have read the previous one
         mbarrier.wait(dq_empty, (r & 1) ^ 1)
         dq_c.reshape([BLOCK_M, BLOCK_DQK // 2]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full)
     else:
         _add_dq_piece(dq, dq_c, dq_desc, m0, h0 + g, c * (BLOCK_DQK // 2) + (PIECES - 1) * DQ_COLS)
-    return dk, dk_rest, dv
+    if ORDERED and SPLIT:
+        if t > 0:  # the previous step's additions, both consumers', are complete: count that key block in
+            token = complete_and_release(c, previous, dq_done, t - 1, bulk_writes_wait(PIECES, token))
+        previous = counter
+    return dk, dk_rest, dv, token, previous
 
 
 @gluon.jit
@@ -180,7 +192,7 @@ def _add_dq_piece(dq, dq_c, dq_desc, m0, head, col):
 @gluon.jit
 def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem, kv_ready,
               kv_free, q_ready, q_empty,
-              ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows, stride_dq_s,
+              ds_full, ds_empty, dq_full, dq_empty, counters, counters_per_head, dq_done, stats_smem, dq_rows, stride_dq_s,
               stride_dq_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, n_first, n_second,
               n_tiles, sq, sk, kv_group_size, window_left, window_right, bottom_right, scale_log2, softmax_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
@@ -219,7 +231,7 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
                                   gl.NVMMASharedLayout.get_default_for([HALF_N, K_REST], dtype))
         dv_desc = rows_descriptor(dv_rows, stride_dv_s, sk, dv_dims, [HALF_N, BLOCK_DV],
                                   gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_DV], dtype))
-    if ORDERED:
+    if ORDERED and not SPLIT:  # the dQ writer makes its own
         dq_desc = None
     else:
         dq_layout: gl.constexpr = dq_smem.layout
@@ -237,13 +249,20 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
             dk = gl.zeros([HALF_N, K_WHOLE], gl.float32, dk_layout)
             dk_rest = gl.zeros([HALF_N, K_REST], gl.float32, dk_rest_layout)  # (left alone but in the 192 tile)
             dv = gl.zeros([HALF_N, BLOCK_DV], gl.float32, dv_layout)
+            token = n0  # the ORDERED 192 tile's: orders its waits and fences,
+            if ORDERED and SPLIT:
+                previous = counters  # and the counter of its last step
+            else:
+                previous = n0  # (left alone)
             mbarrier.wait(kv_ready, kv_phase)
             for t in tl.range(n_steps, disable_licm=True):
-                dk, dk_rest, dv = _step(t, r0, dk, dk_rest, dv, c, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem,
-                               q_rest_smem, do_smem, ds_smem, dq_c, q_ready, q_empty,
-                               ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo,
-                               full_hi, sk, kv_group_size, off, left, right, scale_log2,
-                               BLOCK_M, HALF_N, BLOCK_DQK, ORDERED, DESCENDING)
+                dk, dk_rest, dv, token, previous = _step(
+                    t, r0, dk, dk_rest, dv, token, previous, c, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem,
+                    q_rest_smem, do_smem, ds_smem, dq_c, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, counters,
+                    counters_per_head, dq_done, stats_smem, dq_desc, h0, n0, lo, blocks, full_lo, full_hi, sk,
+                    kv_group_size, off, left, right, scale_log2, BLOCK_M, HALF_N, BLOCK_DQK, ORDERED, DESCENDING)
+            if ORDERED and SPLIT and n_steps > 0:  # the last step's key block counted in
+                complete_and_release(c, previous, dq_done, n_steps - 1, bulk_writes_wait(0, token))
             if n_steps > 0:
                 # The other consumer's last dQ product reads every row of K: wait for it before K's tile takes dK.
                 last = r0 + n_steps - 1
@@ -459,15 +478,14 @@ def _dkdv_program(
     """Key block n_block of key head hk of batch entry b (the module docstring), and with TILES = 2 the
     block paired with it; DqOrder the order region of the ORDERED form, None otherwise. h0: the first query
     head of the group, which the program walks, or with ONE_HEAD its only query head, dK and dV then being
-    added to fp32 accumulators (fmha_bwd_dkdv). The 256 tiles, and the (192, 128) tile of the ORDERED form
-    (BLOCK_N 64), run fmha_bwd_wide.py's program instead."""
+    added to fp32 accumulators (fmha_bwd_dkdv). The 256 tiles run fmha_bwd_wide.py's program instead."""
     gl.static_assert(BIAS_KIND == 0, "the v3 backward has no score terms")
     gl.static_assert(not ONE_HEAD or (BLOCK_DQK == 128 and BLOCK_DV == 128 and not ORDERED),
                      "programs of one query head: the atomic form of the 128 tile")
     gl.static_assert(not DROPOUT, "the v3 backward has no dropout")
     gl.static_assert(TILES == 1 or (TILES == 2 and not ORDERED and BLOCK_N == 128),
                      "pairs of key blocks: the atomic form of the tiles of two consumers of keys")
-    if BLOCK_DQK > 128 and BLOCK_N == 64:
+    if BLOCK_DQK == 256:
         wide_program(
             n_block, hk, b, DqOrder, Q, K, V, dO, Lse2, Delta, dK, dV, DqAcc, CuSeqlensQ, CuSeqlensK, SeqstartQ,
             SeqstartK, stride_q_b, stride_q_s, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
@@ -483,7 +501,6 @@ def _dkdv_program(
         K_WHOLE: gl.constexpr = whole_width(BLOCK_DQK)
         SPLIT: gl.constexpr = K_WHOLE < BLOCK_DQK
         K_REST: gl.constexpr = BLOCK_DQK - K_WHOLE if SPLIT else K_WHOLE
-        gl.static_assert(not (SPLIT and ORDERED), "the 192 tile of two consumers of keys: the atomic form")
         # dQ's share of a consumer goes in pieces of DQ_COLS columns where its 96 would be no power of two
         DQ_COLS: gl.constexpr = 32 if SPLIT else BLOCK_DQK // 2
         q_start, sq = sequence_extent(CuSeqlensQ, SeqstartQ, b, seqlen_q, is_varlen, has_seqstart)
@@ -550,7 +567,7 @@ def _dkdv_program(
             mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ products are done
 
         # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
-        if ORDERED:
+        if ORDERED and not SPLIT:  # a dQ writer adds the consumers' tiles
             dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(dq_full, count=2)  # both consumers' halves are in
@@ -561,12 +578,14 @@ def _dkdv_program(
                 n0, sq, sk, group, window_left, window_right, bottom_right, BLOCK_M, BLOCK_N)
             gl.warp_specialize([
                 (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
-                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, None, None, None,
+                             stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
                              dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, True)),
                 (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
-                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, stats_smem, dq_rows,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, dq_full, dq_empty, None, None, None,
+                             stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s,
                              dqk, dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
                              scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, True)),
@@ -583,26 +602,34 @@ def _dkdv_program(
                               counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, n_steps, group, off,
                               left, BLOCK_M, BLOCK_N, BLOCK_DQK)),
             ], [4, 1, 1, 1], [240, 24, 24, 24])
-        else:
+        else:  # the consumers add dQ themselves: the atomic form, and the ORDERED form of the 192 tile
+            if ORDERED:  # (a name bound to None cannot be a partition's argument: `x if ORDERED else None` below)
+                dq_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+                mbarrier.init(dq_done, count=2)  # both consumers' additions of a step are complete
+                counters = order_counters(DqOrder, b * num_heads_q + h0, seqlen_q, BLOCK_M)
             gl.warp_specialize([
                 (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
-                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, None, None,
+                             counters if ORDERED else None, gl.cdiv(seqlen_q, BLOCK_M), dq_done if ORDERED else None,
+                             stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, ONE_HEAD)),
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED, ORDERED, ONE_HEAD)),
                 (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, ds_smem, p_smem, dq_smem,
-                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, None, None, stats_smem, dq_rows,
+                             kv_ready, kv_free, q_ready, q_empty, ds_full, ds_empty, None, None,
+                             counters if ORDERED else None, gl.cdiv(seqlen_q, BLOCK_M), dq_done if ORDERED else None,
+                             stats_smem, dq_rows,
                              stride_dqacc_s, stride_dqacc_h, num_heads_q, h0, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                              dv, n_first, n_second, n_tiles, sq, sk, group, window_left, window_right, bottom_right,
-                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, False, ONE_HEAD)),
+                             scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED, ORDERED, ONE_HEAD)),
                 (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem,
                                               k_rest_smem, q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk,
                                               num_heads_q, group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, None, None, None, None, BLOCK_M, BLOCK_N,
-                                              False)),
+                                              ORDERED)),
                 (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,
                                               do_smem, do_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                               group, window_left, window_right, bottom_right, n_first, n_second,
                                               n_tiles, h0, Lse2_head0, Delta_head0, stride_delta_h, stats_smem,
-                                              BLOCK_M, BLOCK_N, False)),
+                                              BLOCK_M, BLOCK_N, ORDERED)),
             ], [4, 1, 1], [240, 24, 24])

@@ -1,4 +1,4 @@
-"""Hopper attention backward for wide heads (family v3, the 256 and 192 tiles), dK and dV with dQ added into an fp32
+"""Hopper attention backward for wide heads (family v3, the 256 tiles), dK and dV with dQ added into an fp32
 accumulator, written in Gluon: the atomic strategy of kernels/v3/fmha_bwd.py for head dims up to 256.
 
 Why a kernel of its own: fmha_bwd.py gives each consumer warpgroup 64 keys with their whole dK and dV
@@ -13,10 +13,8 @@ a step (one query block of 64 rows of one query head of the group) goes
   dQ[:, half] = dS K[:, half] in four [64, 32] quarters, each added to the accumulator by one bulk TMA
   reduction through a [64, 32] fp32 buffer of the consumer's own.
 
-In the (192, 128) tile Q and K are held as their first 128 columns and their last 64 (shared-memory tiles
-are powers of two wide, and halves of 96 columns would be too): consumer 1 takes dK's and dQ's first 128
-columns, consumer 0, which also makes S over all 192, the last 64 (_consumer). It does 0.81x the tensor work
-of the (256, 128) tile on the same heads.
+The 192/128 heads run fmha_bwd.py's own tile of two consumers of keys (v3.32-v3.33: 1.28-1.39x this program's
+(192, 128) tile, which held Q and K as 128 + 64 columns).
 
 P and dS have one buffer each: consumer 0 writes the next P once both consumers' products have read the
 last (an mbarrier of count 2), consumer 1 the next dS likewise. Q and dO come through a ring of STAGES
@@ -24,9 +22,9 @@ buffers by (row, query head, dim) descriptors that serve the group, K and V once
 (kernels/v3/common.py). dK (times the softmax scale) and dV leave through the shared memory of K and V by TMA.
 
 fmha_bwd.py's entry points (fmha_bwd_dkdv, and fmha_bwd_dkdv_ordered for the ORDERED form) run this
-program in the tiles wider than 128: one signature, one ticket and one set of checks for both kernels. Shared memory
+program in the 256 tiles: one signature, one ticket and one set of checks for both kernels. Shared memory
 at D=256: K and V 64 KiB, the Q and dO ring 128 KiB, P and dS 16 KiB, dQ buffers 16 KiB, the ring's Lse2 and Delta
-rows (Lse2 comes with Q, Delta with dO: kernels/v3/common.py) 1 KiB; 153 KiB in all at 192/128. The barrier
+rows (Lse2 comes with Q, Delta with dO: kernels/v3/common.py) 1 KiB. The barrier
 protocol is modelled in tests/cpu/test_barrier_protocols.py: a change to a wait, an arrival or a parity here
 changes it there.
 """
@@ -39,7 +37,7 @@ import triton.language as tl
 
 from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
                                key_block_steps, load_keys_and_query_blocks, order_counters, query_step, row_stats_layout,
-                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible, whole_width)
+                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible)
 
 DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
 
@@ -62,7 +60,7 @@ def _add_dq(ds_smem, k_src, COL0: gl.constexpr, COLS: gl.constexpr, DQ_COL0: gl.
 
 
 @gluon.jit
-def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
+def complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
     """The ORDERED form, once this consumer's additions of `step` are complete (the caller waited): they are
     made visible (async proxy before generic), and once both consumers' are, consumer 0 counts the key block
     in at `counter` (a releasing increment, which carries consumer 1's additions through the barrier)."""
@@ -75,26 +73,15 @@ def _complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
+def _consumer(c: gl.constexpr, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
               q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, stats_smem, dq_rows, stride_dq_s, stride_dq_h,
               num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk, dv_dims, counters,
               counters_per_head, h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk, kv_group_size, off, left, right,
               scale_log2, softmax_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_DQK: gl.constexpr,
               BLOCK_DV: gl.constexpr, ORDERED: gl.constexpr):
-    """Consumer c: its share of dK's and dV's columns and of dQ's additions (the module docstring). Where Q
-    and K are held in two parts (the 192 tile: `k_rest_smem` narrower than `k_smem`), consumer 1 takes the
-    columns of the whole part (128) and consumer 0, which also makes S over every column, those of the rest
-    (64): 28 and 24 products of 64 x 64 x 16 a step (NOTES.md, v3.18), where halves of 96 columns would fit
-    no power-of-two tile."""
-    QK_WHOLE: gl.constexpr = k_smem.shape[1]
-    QK_REST: gl.constexpr = k_rest_smem.shape[1]
-    SPLIT: gl.constexpr = QK_REST < QK_WHOLE
-    if SPLIT:
-        DK_COLS: gl.constexpr = QK_WHOLE if c == 1 else QK_REST
-        DK_COL0: gl.constexpr = 0 if c == 1 else QK_WHOLE
-    else:
-        DK_COLS: gl.constexpr = BLOCK_DQK // 2
-        DK_COL0: gl.constexpr = c * DK_COLS
+    """Consumer c: its share of dK's and dV's columns and of dQ's additions (the module docstring)."""
+    DK_COLS: gl.constexpr = BLOCK_DQK // 2
+    DK_COL0: gl.constexpr = c * DK_COLS
     HALF_DV: gl.constexpr = BLOCK_DV // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -127,8 +114,7 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
         m0 = block * BLOCK_M
         mbarrier.wait(q_ready.index(stage), (t // STAGES) & 1)
         # the [BLOCK_M, 1, D] tiles of the 3-D (rows, heads, dims) copies, as the [BLOCK_M, D] the products take
-        q_j = q_smem.index(stage).reshape([BLOCK_M, QK_WHOLE])
-        q_rest_j = q_rest_smem.index(stage).reshape([BLOCK_M, QK_REST])
+        q_j = q_smem.index(stage).reshape([BLOCK_M, BLOCK_DQK])
         do_j = do_smem.index(stage).reshape([BLOCK_M, BLOCK_DV])
         if c == 0:  # S, P
             # the block's Lse2 came with Q (load_keys_and_query_blocks), Delta with dO; zeros past the sequence's
@@ -136,8 +122,6 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
             lse2 = stats_smem.index(2 * stage).reshape([BLOCK_M]).load(rows_layout)
             s = warpgroup_mma(q_j, k_smem.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)
-            if SPLIT:  # the rest's columns added
-                s = warpgroup_mma(q_rest_j, k_rest_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
             if (block < full_lo) | (block >= full_hi):  # a block on a window edge or the sequence's end
                 queries = m0 + gl.arange(0, BLOCK_M, layout=rows_layout)
@@ -162,13 +146,7 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
         if c == 0:  # (consumer 1 made dS, after P was in)
             mbarrier.wait(ds_full, t & 1)
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_j.slice(c * HALF_DV, HALF_DV, dim=1), dv, is_async=True)
-        if not SPLIT:
-            q_cols = q_j.slice(DK_COL0, DK_COLS, dim=1)
-        elif c == 1:
-            q_cols = q_j
-        else:
-            q_cols = q_rest_j
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_cols, dk, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_j.slice(DK_COL0, DK_COLS, dim=1), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(p_empty)
         mbarrier.arrive(q_empty.index(stage))  # Q and dO are read: the loader may bring the step after next
@@ -177,31 +155,21 @@ def _consumer(c: gl.constexpr, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem,
             while gl.atomic_add(counter, 0, sem="acquire") != key_block_rank(n0, m0, off, left, BLOCK_N):
                 pass
             token = fence_async_global(token)
-        if not SPLIT:
-            _add_dq(ds_smem, k_smem, DK_COL0, DK_COLS, DK_COL0, dq_buf, dq_desc, m0, h0 + g, BLOCK_M)
-        elif c == 1:
-            _add_dq(ds_smem, k_smem, 0, DK_COLS, DK_COL0, dq_buf, dq_desc, m0, h0 + g, BLOCK_M)
-        else:
-            _add_dq(ds_smem, k_rest_smem, 0, DK_COLS, DK_COL0, dq_buf, dq_desc, m0, h0 + g, BLOCK_M)
+        _add_dq(ds_smem, k_smem, DK_COL0, DK_COLS, DK_COL0, dq_buf, dq_desc, m0, h0 + g, BLOCK_M)
         if ORDERED:
             if t > 0:  # the previous step's additions, both consumers', are complete: count this key block in
-                token = _complete_and_release(c, previous, dq_done, t - 1, bulk_writes_wait(QUARTERS, token))
+                token = complete_and_release(c, previous, dq_done, t - 1, bulk_writes_wait(QUARTERS, token))
             previous = counter
         mbarrier.arrive(ds_empty)
     if n_steps > 0:
         if ORDERED:
-            _complete_and_release(c, previous, dq_done, n_steps - 1, bulk_writes_wait(0, token))
+            complete_and_release(c, previous, dq_done, n_steps - 1, bulk_writes_wait(0, token))
         # The other consumer's last dQ products read every column of K: wait for them before K's memory takes dK.
         last = n_steps - 1
         mbarrier.wait(ds_empty, last & 1)
     tma.store_wait(0)
     # dK and dV leave through K's and V's shared memory, each consumer's columns in a tile of their own
-    if not SPLIT:
-        dk_stage = k_smem._reinterpret(dtype, [2, BLOCK_N, DK_COLS], dk_desc.layout).index(c)
-    elif c == 1:
-        dk_stage = k_smem._reinterpret(dtype, [BLOCK_N, DK_COLS], dk_desc.layout)
-    else:
-        dk_stage = k_rest_smem._reinterpret(dtype, [BLOCK_N, DK_COLS], dk_desc.layout)
+    dk_stage = k_smem._reinterpret(dtype, [2, BLOCK_N, DK_COLS], dk_desc.layout).index(c)
     dv_stage = v_smem._reinterpret(dtype, [2, BLOCK_N, HALF_DV], dv_desc.layout).index(c)
     dk_stage.store((dk * softmax_scale).to(dtype))  # keys no query sees get zeros
     dv_stage.store(dv.to(dtype))
@@ -242,10 +210,7 @@ def wide_program(
     # operand, so a quarter must begin on an atom
     k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * DQ_COLUMNS, element_bitwidth=16)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DV], dtype)
-    # Q's and K's tiles QK_WHOLE wide, and at 192 their last 64 columns apart (QK_REST: copy_in_parts)
-    QK_WHOLE: gl.constexpr = whole_width(BLOCK_DQK)
-    QK_REST: gl.constexpr = BLOCK_DQK - QK_WHOLE
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, QK_WHOLE], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DQK], dtype)
     do_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, BLOCK_DV], dtype)
     k_rows, v_rows, dk_rows, dv_rows, q_rows, do_rows, dq_rows, Lse2_head0, Delta_head0 = backward_rows(
         Q, K, V, dO, dK, dV, DqAcc, Lse2, Delta, b, hk, h0, q_start, k_start, is_varlen, stride_q_b, stride_q_s,
@@ -255,20 +220,14 @@ def wide_program(
     dq_acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 1, DQ_COLUMNS], gl.float32)
 
     sp_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, QK_WHOLE], k_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DQK], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_DV], v_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, QK_WHOLE], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DQK], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, BLOCK_DV], do_layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], sp_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, 1, DQ_COLUMNS], dq_acc_layout)  # one a consumer
     stats_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, BLOCK_M], row_stats_layout())  # Lse2, Delta
-    if QK_REST > 0:
-        k_rest_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, QK_REST], k_layout)
-        q_rest_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 1, QK_REST], q_layout)
-    else:  # held whole: the "rest" is the tile itself
-        k_rest_smem = k_smem
-        q_rest_smem = q_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # one key block a program: never waited on
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -295,18 +254,18 @@ def wide_program(
 
     # (the argument tuples are written out: a tuple built by concatenation turns constexprs into tensors)
     gl.warp_specialize([
-        (_consumer, (0, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
                      q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, stats_smem, dq_rows, stride_dqacc_s,
                      stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                      dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk,
                      kv_group_size, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
-        (_consumer, (1, k_smem, k_rest_smem, v_smem, q_smem, q_rest_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, kv_ready,
                      q_ready, q_empty, p_full, p_empty, ds_full, ds_empty, dq_done, stats_smem, dq_rows, stride_dqacc_s,
                      stride_dqacc_h, num_heads_q, dk_rows, stride_dk_s, dv_rows, stride_dv_s, dqk,
                      dv, counters, gl.cdiv(seqlen_q, BLOCK_M), h0, n0, lo, blocks, full_lo, full_hi, n_steps, sq, sk,
                      kv_group_size, off, left, right, scale_log2, softmax_scale, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, ORDERED)),
-        (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_rest_smem,
-                                      q_smem, q_rest_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
+        (load_keys_and_query_blocks, (k_rows, stride_k_s, dqk, q_rows, stride_q_s, stride_q_h, dqk, k_smem, k_smem,
+                                      q_smem, q_smem, kv_ready, kv_free, q_ready, q_empty, sq, sk, num_heads_q,
                                       kv_group_size, window_left, window_right, bottom_right, n_block, n_block, 1, h0,
                                       Lse2_head0, None, stride_delta_h, stats_smem, BLOCK_M, BLOCK_N, ORDERED)),
         (load_keys_and_query_blocks, (v_rows, stride_v_s, dv, do_rows, stride_do_s, stride_do_h, dv, v_smem, v_smem,

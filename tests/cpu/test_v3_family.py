@@ -328,9 +328,9 @@ def test_the_forward_takes_the_192_128_tile_where_it_holds_the_heads_and_the_res
 
 def test_the_192_128_tile_is_the_v3_familys_alone():
     """The portable kernels need power-of-two tiles: no portable variant takes 192. The v3 family has it for
-    the forward and for the wide backward program (dK/dV, both strategies); the pre-pass and the dQ
-    conversion run their 128 and 256 tiles."""
-    assert v3.LATENT_PAIR not in abi.HEAD_DIM_PAIRS and v3.LATENT_PAIR in v3.BWD_WIDE_PAIRS
+    the forward and for the backward's tile of two consumers of keys (dK/dV, both strategies); the pre-pass and
+    the dQ conversion run their 128 and 256 tiles."""
+    assert v3.LATENT_PAIR not in abi.HEAD_DIM_PAIRS and v3.LATENT_PAIR not in v3.BWD_WIDE_PAIRS
     assert all(v["traits"].get("head_dim_qk_tile") != 192 for v in pp.variants("sm_90"))
     latent = {v["function"] for v in v3.variants("sm_90") if v["traits"].get("head_dim_qk_tile") == 192}
     assert latent == {"fmha_fwd", "fmha_bwd_dkdv", "fmha_bwd_dkdv_ordered"}
@@ -551,7 +551,7 @@ def test_the_backward_leaves_the_rest_to_the_portable_family(case, v3_on):
 def test_the_192_128_heads_backward_plan(latent, programs, v3_on, monkeypatch):
     """192/128 heads, the atomic strategy's launches: the dK/dV kernel by blocks of 64 keys in the wide (256, 128)
     tile (fmha_bwd_wide.py), or with LATENT_BWD_TILE by pairs of 128-key blocks in the (192, 128) tile of two
-    consumers of keys (BWD_ATOMIC_TILES); descriptors for each program, and the 256 tile's dQ conversion."""
+    consumers of keys (fmha_bwd.py's program); descriptors for each program, and the 256 tile's dQ conversion."""
     monkeypatch.setattr(v3, "LATENT_BWD_TILE", latent)
     pair = v3.LATENT_PAIR if latent else (256, 128)
     p = problem(head_dim_qk=192, head_dim_v=128, window_right=0)  # GQA 8/2, 300 keys: 5 blocks of 64, 3 of 128
@@ -596,7 +596,7 @@ def test_an_atomic_backward_program_runs_two_key_blocks_but_in_the_wide_tiles():
     for v in v3.variants("sm_90"):
         if v["function"] == "fmha_bwd_dkdv":
             pair = (v["traits"]["head_dim_qk_tile"], v["traits"]["head_dim_v_tile"])
-            keys_split = pair not in v3.BWD_WIDE_PAIRS or pair == v3.LATENT_PAIR
+            keys_split = pair not in v3.BWD_WIDE_PAIRS
             assert v["constexprs"]["TILES"] == (2 if keys_split else 1) and v["constexprs"]["BLOCK_N"] == (
                 128 if keys_split else 64)
         elif v["function"] == "fmha_bwd_dkdv_ordered":
@@ -797,13 +797,25 @@ def test_deterministic_calls_take_the_ordered_form_from_the_measured_lengths(cas
 
 @pytest.mark.parametrize("changes", [dict(head_dim_qk=64, head_dim_v=64, heads_k=2),
                                      dict(head_dim_qk=256, head_dim_v=256, window_right=0),
-                                     dict(head_dim_qk=192, head_dim_v=128)],
-                         ids=["D=64 GQA", "D=256 causal", "192/128"])
+                                     dict(head_dim_qk=192, head_dim_v=128, heads_k=2)],
+                         ids=["D=64 GQA", "D=256 causal", "192/128 GQA"])
 def test_deterministic_calls_where_the_ordered_form_never_led_keep_the_portable_family(changes, monkeypatch):
     monkeypatch.setattr(v3, "MODE", "measured")
     p = problem(**{**dict(batch=1, heads_q=8, heads_k=8, seqlen_q=16384, seqlen_k=16384, deterministic=True), **changes})
     assert not v3.serves_bwd(p, "sm_90")
     assert dispatch.bwd_workspace(p, "sm_90") == pp.bwd_workspace(p, "sm_90")
+
+
+def test_deterministic_192_128_calls_take_the_ordered_keys_split_tile_from_1024_keys(monkeypatch):
+    """v3.33 candidate: MHA calls of the 192/128 tile, causal or not, from 1024 keys (until measured), a
+    program per 128-key block taken by ticket, its consumers adding dQ without a writer (fewer descriptors)."""
+    monkeypatch.setattr(v3, "MODE", "measured")
+    for causal, keys, served in ((False, 1024, True), (True, 16384, True), (False, 1023, False)):
+        p = problem(batch=1, heads_q=8, heads_k=8, seqlen_q=keys, seqlen_k=keys, head_dim_qk=192, head_dim_v=128,
+                    deterministic=True, **({"window_right": 0} if causal else {}))
+        assert v3.serves_bwd(p, "sm_90") == served, (causal, keys)
+    assert v3.BWD_TILES[v3.LATENT_PAIR].block_n == 128
+    assert v3.bwd_global_scratch("fmha_bwd_dkdv_ordered", v3.LATENT_PAIR) == 12 * v3.DESCRIPTOR_BYTES
 
 
 @pytest.mark.parametrize("changes", [dict(bias_shape="1HSS", bias_grad=True), dict(dropout_p=0.1)],

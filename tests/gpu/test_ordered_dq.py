@@ -26,16 +26,18 @@ RUNS = 10
 PROGRAMS = (7, 132, None)
 
 CASES = {
-    # name: (B, Sq, Sk, Hq, Hk, D, window, bottom_right)
-    "mha_d128_causal": (2, 1024, 1024, 4, 4, 128, (-1, 0), False),
-    "gqa_d64_no_mask": (2, 777, 777, 8, 2, 64, (-1, -1), False),
-    "mqa_d128_causal_bottom_right_sq_lt_sk": (1, 600, 1500, 4, 1, 128, (-1, 0), True),
-    "gqa_d64_sliding_window": (1, 1500, 1500, 8, 2, 64, (128, 64), False),
-    "d256_causal": (1, 512, 512, 2, 2, 256, (-1, 0), False),
+    # name: (B, Sq, Sk, Hq, Hk, Dqk, Dv, window, bottom_right)
+    "mha_d128_causal": (2, 1024, 1024, 4, 4, 128, 128, (-1, 0), False),
+    "gqa_d64_no_mask": (2, 777, 777, 8, 2, 64, 64, (-1, -1), False),
+    "mqa_d128_causal_bottom_right_sq_lt_sk": (1, 600, 1500, 4, 1, 128, 128, (-1, 0), True),
+    "gqa_d64_sliding_window": (1, 1500, 1500, 8, 2, 64, 64, (128, 64), False),
+    "d256_causal": (1, 512, 512, 2, 2, 256, 256, (-1, 0), False),
+    "gqa_d192_128_causal_partial_blocks": (1, 900, 900, 4, 2, 192, 128, (-1, 0), False),
 }
 
 
-# the v3 form serves every case (head dim 256 by the wide kernel's ordered form)
+# the v3 form serves every case (head dim 256 by the wide kernel's ordered form, 192/128 by its own tile's
+# consumers adding dQ themselves)
 V3_CASES = sorted(CASES)
 
 
@@ -80,14 +82,14 @@ def ran_ordered(family):
 @pytest.mark.parametrize("name, family", [(name, "portable") for name in sorted(CASES)] + [(name, "v3") for name in V3_CASES],
                          indirect=["family"])
 def test_same_bits_over_runs_and_program_counts(name, family, programs):
-    b, sq, sk, hq, hk, d, window, bottom_right = CASES[name]
+    b, sq, sk, hq, hk, d, dv, window, bottom_right = CASES[name]
     gen = generator(seed_of(name))
-    q = rand((b, sq, hq, d), torch.bfloat16, gen)
-    k, v = (rand((b, sk, hk, d), torch.bfloat16, gen) for _ in range(2))
-    dout = rand(q.shape, torch.bfloat16, gen)
+    q, k, v = rand((b, sq, hq, d), torch.bfloat16, gen), rand((b, sk, hk, d), torch.bfloat16, gen), \
+        rand((b, sk, hk, dv), torch.bfloat16, gen)
+    dout = rand((b, sq, hq, dv), torch.bfloat16, gen)
     opts = {"window": window, "causal_alignment": "bottom_right" if bottom_right else "top_left"}
     out, lse = fmha_rt.mha_fwd(q, k, v, **opts)
-    problem = AttentionProblem(b, sq, sk, hq, hk, d, d, "bf16", window_left=window[0], window_right=window[1],
+    problem = AttentionProblem(b, sq, sk, hq, hk, d, dv, "bf16", window_left=window[0], window_right=window[1],
                                bottom_right=bottom_right, deterministic=True)
     arch = backend.device(torch.cuda.current_device()).arch
 

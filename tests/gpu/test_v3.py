@@ -156,9 +156,8 @@ LATENT_CASES = [
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", LATENT_CASES, ids=[c[0] for c in LATENT_CASES])
 def test_the_192_128_backward_tile_matches_reference(case, dtype_name, deterministic, monkeypatch):
-    """The (192, 128) backward tile (v3.LATENT_BWD_TILE), both strategies: the atomic form's two consumers of
-    keys (v3.BWD_ATOMIC_TILES), the ORDERED form's wide program, whose repeats are bitwise equal to its first
-    run."""
+    """The (192, 128) backward tile (v3.LATENT_BWD_TILE) of two consumers of keys, both strategies (the ORDERED
+    form's consumers adding dQ themselves, v3.33), whose ORDERED repeats are bitwise equal to its first run."""
     assert v3.LATENT_BWD_TILE  # the default
     monkeypatch.setattr(v3, "ORDERED_FOR_DETERMINISTIC", frozenset(v3.ARCHS) if deterministic else frozenset())
     fmha_rt.clear_plan_cache()
