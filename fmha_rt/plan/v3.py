@@ -135,10 +135,11 @@ MEASURED_FWD_MIN_SEQLEN_K = {(64, 64): 8192, (128, 128): 1024, (256, 256): 1024,
 # and 16k: from 2048 keys. The wide program (v3.6) of the 256 tiles on an H100: 1.10-1.45x the portable backward at
 # D=256 from 1024 keys; at 192/128 1.20-1.31x from 4096 keys, at 1024 keys 1.10x without a mask but 0.97x causal: so
 # D=256 from 1024 keys and the (256, 128) tile from 4096. The (192, 128) tile (v3.18) was 1.33x / 1.21x (causal) the
-# portable backward at 1024 keys: from 1024. Causal GQA calls of the other tiles (unmeasured) take it from 16384
-# keys, where the H200 had it ahead.
+# portable backward at 1024 keys: from 1024. Causal GQA of the 128 tile by programs of one query head (v3.31) was
+# 1.05x (bf16) / 1.10x (fp16) the portable backward at 1024 keys (bench/results/h100_v28/ab/ab_gqa_1k_v331.json):
+# from 1024. Causal GQA calls of the other tiles (unmeasured) take it from 16384 keys, where the H200 had it ahead.
 MEASURED_BWD_MIN_SEQLEN_K = {(128, 128): 1024, (64, 64): 2048, (256, 256): 1024, (256, 128): 4096, (192, 128): 1024}
-MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 2048}
+MEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = {(128, 128): 1024}
 UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # Where deterministic calls take the v3 backward's ORDERED form (one program per (key block, key head,
 # batch entry), dQ tiles added in key-block order, the counters' wait and the additions in a writer warp
@@ -148,14 +149,14 @@ UNMEASURED_BWD_CAUSAL_GQA_MIN_SEQLEN_K = 16384
 # v3.19): D=128 without a mask 1.05x at 4k, causal GQA 1.09x at 4k and 1.03x at 16k; still behind at 1k (0.89x,
 # causal 0.76x), D=128 causal level at 4k, D=64 and 192/128 behind or level. After v3.22 and v3.25 (NOTES.md, "The
 # ORDERED backward's lengths after v3.25"): D=64 1.05x at 4k without a mask (0.94x causal), 1.08-1.15x at 8k and
-# 16k; D=128 causal 1.05x at 8k; GQA 16/2 1.10x / 1.11x (causal) at 2k; 192/128 and D=256 still 0.79-1.00x. By
-# (tile pair, GQA, causal): from these key lengths, on dense calls without a mask or causal.
+# 16k; D=128 causal 1.05x at 8k; GQA 16/2 1.10x / 1.11x (causal) at 2k; 192/128 and D=256 still 0.79-1.00x. The
+# 192/128 tile's ORDERED form of two consumers of keys (v3.33): 1.37-1.67x without a mask and 1.13-1.73x causal
+# at 1k-16k (bench/results/h100_v28/ab/ab_latent_det_v333.json). By (tile pair, GQA, causal): from these key
+# lengths, on dense calls without a mask or causal.
 MEASURED_ORDERED_MIN_SEQLEN_K = {((64, 64), False, False): 4096, ((64, 64), False, True): 8192,
                                  ((128, 128), False, False): 4096, ((128, 128), False, True): 8192,
                                  ((128, 128), True, False): 2048, ((128, 128), True, True): 2048,
                                  ((256, 256), False, False): 16384,
-                                 # candidate v3.33, the 192 tile's ORDERED form of two consumers of keys: from 1024
-                                 # keys until measured
                                  ((192, 128), False, False): 1024, ((192, 128), False, True): 1024}
 # The ORDERED form's tickets go by chunks of this many keys of each (key head, batch entry) (dq_order.ticket_item;
 # 4 key blocks of the 64 and 128 tiles, 8 of the wide program's 64-key blocks), so that the programs running at once

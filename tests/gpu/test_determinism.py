@@ -41,6 +41,7 @@ class Case:
     ordered: bool = True
     # deterministic calls the v3 family serves take its ORDERED form (v3.ORDERED_FOR_DETERMINISTIC)
     v3_ordered: bool = False
+    dv: int = 0  # V's head dim where it is not d
 
 
 CASES = [
@@ -57,14 +58,21 @@ CASES = [
     Case("portable_bwd_one_launch", "bwd", 2, 256, 4, 4, 64, "portable", "fmha_bwd_single_bf16_d64"),
     Case("portable_bwd_fused_4096_keys", "bwd", 1, 4096, 2, 1, 128, "portable", "fmha_bwd_fused_bf16_d128",
          ordered=False),
-    Case("v3_bwd_d128", "bwd", 1, 1024, 4, 2, 128, "v3", "fmha_bwd_dkdv_v3_bf16_d128", deterministic=False,
+    Case("v3_bwd_d128", "bwd", 1, 1024, 4, 4, 128, "v3", "fmha_bwd_dkdv_v3_bf16_d128", deterministic=False,
          v3_everywhere=True),
+    # causal GQA: programs of one query head adding dK and dV into fp32 accumulators
+    Case("v3_bwd_heads_d128_gqa", "bwd", 1, 1024, 4, 2, 128, "v3", "fmha_bwd_dkdv_heads_v3_bf16_d128",
+         deterministic=False, v3_everywhere=True),
+    Case("v3_bwd_latent_192_128", "bwd", 1, 1024, 4, 4, 192, "v3", "fmha_bwd_dkdv_v3_bf16_d192v128",
+         deterministic=False, v3_everywhere=True, dv=128),
     Case("v3_bwd_wide_d256_gqa", "bwd", 1, 1024, 4, 2, 256, "v3", "fmha_bwd_dkdv_v3_bf16_d256", deterministic=False,
          v3_everywhere=True),
     Case("v3_bwd_ordered_d128_gqa", "bwd", 2, 1024, 8, 2, 128, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d128",
          v3_ordered=True),
     Case("v3_bwd_ordered_d64_4096_keys", "bwd", 1, 4096, 4, 4, 64, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d64",
          v3_ordered=True),
+    Case("v3_bwd_ordered_latent_192_128", "bwd", 2, 1024, 4, 4, 192, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d192v128",
+         v3_ordered=True, dv=128),
     Case("v3_bwd_ordered_wide_d256_gqa", "bwd", 1, 1024, 4, 2, 256, "v3", "fmha_bwd_dkdv_ordered_v3_bf16_d256",
          v3_ordered=True),
 ]
@@ -93,7 +101,8 @@ def prepare(case):
     gen = generator(seed_of(case.name))
     dtype = torch.bfloat16
     q = rand((case.b, case.s, case.hq, case.d), dtype, gen)
-    k, v = (rand((case.b, case.s, case.hk, case.d), dtype, gen) for _ in range(2))
+    k = rand((case.b, case.s, case.hk, case.d), dtype, gen)
+    v = rand((case.b, case.s, case.hk, case.dv or case.d), dtype, gen)
 
     def ran_as_intended():
         info = fmha_rt.last_launch_info()  # this thread's last call
@@ -105,10 +114,10 @@ def prepare(case):
             fmha_rt.mha_fwd(q, k, v, out=outputs[0], lse=outputs[1], causal=True, stream=stream)
             ran_as_intended()
 
-        specs = [(q.shape, dtype), ((case.b, case.hq, case.s), torch.float32)]
+        specs = [((*q.shape[:3], v.shape[3]), dtype), ((case.b, case.hq, case.s), torch.float32)]
         return call, specs, attention_f64(q, k, v, causal=True)
 
-    dout = rand(q.shape, dtype, gen)
+    dout = rand((*q.shape[:3], v.shape[3]), dtype, gen)
     out, lse = fmha_rt.mha_fwd(q, k, v, causal=True)
 
     def call(outputs, stream):
