@@ -231,7 +231,8 @@ def fwd_global_scratch(pair) -> int:
 def bwd_global_scratch(function, pair) -> int:
     """The dK/dV kernel's descriptor bytes a program (`function`: fmha_bwd_dkdv or fmha_bwd_dkdv_ordered) in
     the tile of `pair`."""
-    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair[0] <= 128  # (the 192 tile's consumers add dQ)
+    # the ORDERED form of the 64 and 128 tiles has a dQ writer; in the 192 tile and the wide program the consumers add dQ
+    dq_writer = function == "fmha_bwd_dkdv_ordered" and pair[0] <= 128
     loaders = 6  # K, V, Q, dO, Lse2, Delta
     consumers = 2 * (2 if dq_writer else 3)  # each consumer's dK, dV and, without a writer, dQ accumulator
     return DESCRIPTOR_BYTES * (loaders + consumers + int(dq_writer))

@@ -76,6 +76,20 @@ def fence_async_global(token):
     return gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [token], gl.int32, False, 1)
 
 
+@gluon.jit
+def complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
+    """The ORDERED form where two consumers add dQ themselves (the wide program, fmha_bwd.py's 192 tile), once
+    this consumer's additions of `step` are complete (the caller waited): they are
+    made visible (async proxy before generic), and once both consumers' are, consumer 0 counts the key block
+    in at `counter` (a releasing increment, which carries consumer 1's additions through the barrier)."""
+    token = fence_async_global(token)
+    mbarrier.arrive(dq_done)
+    if c == 0:
+        mbarrier.wait(dq_done, step & 1)
+        gl.atomic_add(counter, 1, sem="release")
+    return token
+
+
 @gluon.constexpr_function
 def whole_width(block_d):
     """The columns of a Q or K tile held in one shared-memory tile: the largest power of two within the

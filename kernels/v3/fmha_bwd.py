@@ -48,11 +48,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, program_key_block, query_step,
-                               row_stats_layout, rows_descriptor, sequence_extent, store_in_parts, ticket_item,
-                               tma_add_shared_to_global, visible, whole_width)
-from kernels.v3.fmha_bwd_wide import complete_and_release, wide_program
+from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, complete_and_release, fence_async_global,
+                               heads_descriptor, key_block_rank, key_block_steps, load_keys_and_query_blocks, order_counters,
+                               program_key_block, query_step, row_stats_layout, rows_descriptor, sequence_extent,
+                               store_in_parts, ticket_item, tma_add_shared_to_global, visible, whole_width)
+from kernels.v3.fmha_bwd_wide import wide_program
 
 @gluon.jit
 def _step(t, r0, dk, dk_rest, dv, token, previous, c: gl.constexpr, k_c, k_rest_c, v_c, k_smem, k_rest_smem, p_c, q_smem,

@@ -35,9 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 import triton.language as tl
 
-from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, fence_async_global, heads_descriptor, key_block_rank,
-                               key_block_steps, load_keys_and_query_blocks, order_counters, query_step, row_stats_layout,
-                               rows_descriptor, sequence_extent, tma_add_shared_to_global, visible)
+from kernels.v3.common import (STAGES, backward_rows, bulk_writes_wait, complete_and_release, fence_async_global,
+                               heads_descriptor, key_block_rank, key_block_steps, load_keys_and_query_blocks, order_counters,
+                               query_step, row_stats_layout, rows_descriptor, sequence_extent, tma_add_shared_to_global,
+                               visible)
 
 DQ_COLUMNS = gl.constexpr(32)  # a dQ quarter: [BLOCK_M, 32] fp32, one bulk reduction
 
@@ -57,19 +58,6 @@ def _add_dq(ds_smem, k_src, COL0: gl.constexpr, COLS: gl.constexpr, DQ_COL0: gl.
         dq_buf.reshape([BLOCK_M, DQ_COLUMNS]).store(dq)
         fence_async_shared()
         tma_add_shared_to_global(dq_desc, [m0, head, DQ_COL0 + i * DQ_COLUMNS], dq_buf)
-
-
-@gluon.jit
-def complete_and_release(c: gl.constexpr, counter, dq_done, step, token):
-    """The ORDERED form, once this consumer's additions of `step` are complete (the caller waited): they are
-    made visible (async proxy before generic), and once both consumers' are, consumer 0 counts the key block
-    in at `counter` (a releasing increment, which carries consumer 1's additions through the barrier)."""
-    token = fence_async_global(token)
-    mbarrier.arrive(dq_done)
-    if c == 0:
-        mbarrier.wait(dq_done, step & 1)
-        gl.atomic_add(counter, 1, sem="release")
-    return token
 
 
 @gluon.jit
